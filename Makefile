@@ -47,5 +47,8 @@ fmt: $(STAMP)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
+protos: $(STAMP)
+	$(PY) protos/generate.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

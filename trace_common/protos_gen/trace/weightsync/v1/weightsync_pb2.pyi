@@ -1,0 +1,136 @@
+from trace_common.protos_gen.trace.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VersionHeader(_message.Message):
+    __slots__ = ("version", "metadata_json", "tensors", "total_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    metadata_json: str
+    tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
+    total_bytes: int
+    def __init__(self, version: _Optional[int] = ..., metadata_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("tensor_index", "offset", "data")
+    TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor_index: int
+    offset: int
+    data: bytes
+    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: VersionHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class PushVersionResponse(_message.Message):
+    __slots__ = ("published", "dropped_versions")
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    published: _common_pb2.PolicyVersionInfo
+    dropped_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, published: _Optional[_Union[_common_pb2.PolicyVersionInfo, _Mapping]] = ..., dropped_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PullVersionRequest(_message.Message):
+    __slots__ = ("version", "replica_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    replica_id: str
+    def __init__(self, version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class PullChunk(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: VersionHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("replica_id", "address")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("latest_version", "heartbeat_timeout_seconds")
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    latest_version: int
+    heartbeat_timeout_seconds: float
+    def __init__(self, latest_version: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("replica_id", "version_held")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_HELD_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    version_held: int
+    def __init__(self, replica_id: _Optional[str] = ..., version_held: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("latest_version",)
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    latest_version: int
+    def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("replica_id", "address", "version_held", "alive", "seconds_since_heartbeat", "version_lag")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_HELD_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_LAG_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    version_held: int
+    alive: bool
+    seconds_since_heartbeat: float
+    version_lag: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., version_held: _Optional[int] = ..., alive: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ..., version_lag: _Optional[int] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas", "latest_version")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    latest_version: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListVersionsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.PolicyVersionInfo]
+    def __init__(self, versions: _Optional[_Iterable[_Union[_common_pb2.PolicyVersionInfo, _Mapping]]] = ...) -> None: ...
