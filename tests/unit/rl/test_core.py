@@ -1,0 +1,148 @@
+"""The trainer loop and the dispatcher, with fakes recording the order of events."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import EventLog, FakeLearner, FakePublisher, FakeRecordStore, FakeReplica
+
+from trace_common.rl.core import TrainerConfig, TrainerCore
+from trace_common.rl.dispatch import DispatchConfig, Dispatcher, StaticDirectory
+from trace_common.rl.types import SamplingConfig
+from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
+
+TOK = CharTokenizer()
+
+
+def scorer(sample, problem) -> float:
+    return exact_match_reward(sample.completion_tokens, problem.answer, TOK)
+
+
+def make_core(replicas, log, store, *, mode="trace", prompts=4, group=2, units=1, max_staleness=3):
+    stream = PromptStream(make_task("reverse", 1), TOK, seed=0)
+    # reverse of 1 digit is the digit itself: build each prompt's right answer tokens
+    answers = {i: [*TOK.encode(stream.problem(i).answer)] for i in range(64)}
+    for r in replicas:
+        r.answers = answers
+    cfg = TrainerConfig(
+        run_id="r1",
+        prompts_per_step=prompts,
+        group_size=group,
+        mode=mode,
+        max_staleness=max_staleness,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
+    disp = Dispatcher(
+        StaticDirectory(replicas),
+        DispatchConfig(prompts_per_unit=units, retry_failed_after_s=0.0),
+        on_event=log,
+    )
+    publisher = FakePublisher(log, replicas)
+    learner = FakeLearner(log)
+    core = TrainerCore(
+        cfg,
+        prompts=stream,
+        dispatcher=disp,
+        scorer=scorer,
+        records=FakeRecordStore(store, log),
+        learner=learner,
+        publisher=publisher,
+        on_event=log,
+    )
+    return core, learner, publisher
+
+
+def test_step_runs_components_in_order() -> None:
+    log, store = EventLog(), {}
+    core, learner, publisher = make_core([FakeReplica("a", store=store)], log, store, units=4)
+    core.publish()
+    m = core.step()
+    kinds = [k for k in log.kinds() if k not in ("dispatch", "done")]
+    assert kinds == [
+        "learner.export", "publish", "push",  # version 0
+        "prompts", "rollout", "score", "fetch", "records", "learner.train", "train",
+        "learner.export", "publish", "push",  # version 1
+    ]  # fmt: skip
+    assert m["step"] == 1 and m["policy_version"] == 1
+    assert m["reward_mean"] == pytest.approx(0.5)  # even group indices are right
+    assert m["samples"] == 8 and m["samples_trained"] == 8 and m["samples_dropped_stale"] == 0
+    assert publisher.pushed[-1] == (1, {"format": "fake", "step": 1, "mode": "trace"})
+    seen = learner.seen[0]
+    assert [ts.advantage for ts in seen[:2]] == pytest.approx([1.0, -1.0], abs=1e-4)
+    # the learner got exactly the blobs the replica wrote for those samples
+    assert all(ts.records == store[("r1", 0, ts.rollout.sample_id)] for ts in seen)
+
+
+def test_no_records_fetched_outside_trace_mode() -> None:
+    log, store = EventLog(), {}
+    core, learner, _ = make_core([FakeReplica("a", store=store)], log, store, mode="rtn")
+    core.publish()
+    core.step()
+    assert "fetch" not in log.kinds() and store == {}
+    assert all(ts.records is None for ts in learner.seen[0])
+
+
+def test_failed_replica_work_is_redispatched_without_loss_or_duplicates() -> None:
+    log, store = EventLog(), {}
+    bad = FakeReplica("bad", store=store, fail_on_calls=[1, 2, 3])
+    good = FakeReplica("good", store=store)
+    core, learner, _ = make_core([bad, good], log, store, prompts=6, group=2, units=1)
+    core.publish()
+    m = core.step()
+    seen = learner.seen[0]
+    assert sorted((ts.rollout.prompt_id, ts.rollout.group_index) for ts in seen) == [
+        (p, j) for p in range(6) for j in range(2)
+    ]
+    assert m["redispatched_units"] >= 1 and m["failed_replicas"] == ["bad"]
+    # re-dispatched units carry a new attempt number in their sample ids
+    assert any("-a0-" not in ts.rollout.sample_id for ts in seen)
+    assert len({ts.rollout.sample_id for ts in seen}) == 12
+    assert m["samples"] == 12
+
+
+def test_behind_replica_is_retried_not_failed() -> None:
+    log, store = EventLog(), {}
+    r = FakeReplica("a", store=store, behind_on_calls=[1])
+    core, _, _ = make_core([r], log, store, prompts=2, units=2)
+    core.publish()
+    m = core.step()
+    assert m["failed_replicas"] == [] and m["samples"] == 4
+    assert any(e.startswith("behind") for e in log.events)
+
+
+def test_stale_groups_are_dropped_and_counted() -> None:
+    log, store = EventLog(), {}
+    r = FakeReplica("a", store=store)
+    core, learner, publisher = make_core([r], log, store, max_staleness=1)
+    publisher.replicas = []  # the replica never updates: it stays on version 0
+    core.publish()
+    m1 = core.step()  # version 0 samples train version 0
+    m2 = core.step()  # version 0 samples, trainer at 1: staleness 1, kept
+    assert (m1["staleness_max"], m2["staleness_max"]) == (0, 1)
+    core.dispatcher.run = _wrap_min_version(core.dispatcher.run)
+    m3 = core.step()  # trainer at 2: gap 2 > 1 -> every group dropped
+    assert m3["samples_dropped_stale"] == 8 and m3["samples_trained"] == 0
+    assert len(learner.seen) == 2  # nothing trained at step 3
+
+
+def _wrap_min_version(run):
+    """The fake replica ignores min_policy_version; pretend the trainer asked for 0."""
+
+    def wrapped(*args, **kwargs):
+        kwargs["min_policy_version"] = 0
+        return run(*args, **kwargs)
+
+    return wrapped
+
+
+def test_step_before_publish_is_an_error() -> None:
+    log, store = EventLog(), {}
+    core, _, _ = make_core([FakeReplica("a", store=store)], log, store)
+    with pytest.raises(RuntimeError, match="no policy version published"):
+        core.step()
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="unknown training mode 'fp8'"):
+        TrainerConfig(mode="fp8")
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        TrainerConfig(group_size=1)

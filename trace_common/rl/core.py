@@ -1,0 +1,241 @@
+"""The trainer's step loop, independent of transport: prompts -> rollout -> score -> records
+-> train -> quantize + push.
+
+Every component is an interface so the loop can run in-process (tests, fakes that record the
+order of events) or against the real services (the trainer service wires gRPC clients in).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from trace_common.rl.dispatch import Dispatcher
+from trace_common.rl.objective import (
+    DEFAULT_CLIP_EPS,
+    DEFAULT_MAX_STALENESS,
+    DEFAULT_TIS_CAP,
+    filter_stale,
+    grpo_advantages,
+)
+from trace_common.rl.types import TRAIN_MODES, RolloutSample, SamplingConfig, TrainSample
+from trace_common.tasks.prompts import Prompt, PromptStream
+from trace_common.tasks.tasks import Problem
+
+log = logging.getLogger(__name__)
+
+
+class RecordStore(Protocol):
+    """Where the rollout's per-sample record blobs are read back (quant-cache)."""
+
+    def fetch(
+        self, run_id: str, policy_version: int, sample_ids: Sequence[str]
+    ) -> dict[str, bytes]:
+        """Blob of every requested sample; raises if any is missing or corrupt."""
+        ...
+
+
+class WeightPublisher(Protocol):
+    """Where a new policy version goes (weight-sync)."""
+
+    def publish(
+        self, version: int, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]
+    ) -> None: ...
+
+
+class Learner(Protocol):
+    """Master weights + optimizer: one RL update, and the quantized export of the policy."""
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]: ...
+
+    def export_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+
+
+Scorer = Callable[[RolloutSample, Problem], float]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """One RL run's loop parameters."""
+
+    run_id: str = "run"
+    steps: int = 10
+    prompts_per_step: int = 8
+    group_size: int = 4  # completions per prompt (GRPO group)
+    mode: str = "trace"  # bf16 | fp4 | rtn | trace
+    max_staleness: int = DEFAULT_MAX_STALENESS  # samples older than this many versions are dropped
+    tis_cap: float = DEFAULT_TIS_CAP
+    clip_eps: float = DEFAULT_CLIP_EPS
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRAIN_MODES:
+            raise ValueError(f"unknown training mode {self.mode!r}; expected one of {TRAIN_MODES}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for GRPO, got {self.group_size}")
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+
+    @property
+    def writes_records(self) -> bool:
+        """Only TRACE consumes guidance and routing records."""
+        return self.mode == "trace"
+
+
+class TrainerCore:
+    """Owns the step counter and policy version; runs one RL step per :meth:`step` call."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        prompts: PromptStream,
+        dispatcher: Dispatcher,
+        scorer: Scorer,
+        records: RecordStore,
+        learner: Learner,
+        publisher: WeightPublisher,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.prompts = prompts
+        self.dispatcher = dispatcher
+        self.scorer = scorer
+        self.records = records
+        self.learner = learner
+        self.publisher = publisher
+        self.step_index = 0  # steps completed
+        self.version = -1  # latest published policy version
+        self._on_event = on_event or (lambda _e: None)
+
+    def publish(self) -> float:
+        """Quantize the master weights and push them as the next version; returns seconds."""
+        t0 = time.perf_counter()
+        tensors, metadata = self.learner.export_weights()
+        version = self.version + 1
+        metadata = {**metadata, "step": self.step_index, "mode": self.config.mode}
+        self.publisher.publish(version, tensors, metadata)
+        self.version = version
+        self._on_event(f"push version={version}")
+        return time.perf_counter() - t0
+
+    def step(self) -> dict[str, Any]:
+        """One RL step; returns its metrics (also what metrics.jsonl gets)."""
+        cfg = self.config
+        if self.version < 0:
+            raise RuntimeError("no policy version published yet: call publish() first")
+        t_start = time.perf_counter()
+        batch = self.prompts.next_batch(cfg.prompts_per_step)
+        by_id = {p.prompt_id: p for p in batch}
+        self._on_event(f"prompts step={self.step_index} n={len(batch)}")
+
+        samples, dstats = self.dispatcher.run(
+            batch,
+            run_id=cfg.run_id,
+            step=self.step_index,
+            group_size=cfg.group_size,
+            sampling=cfg.sampling,
+            min_policy_version=max(0, self.version - cfg.max_staleness),
+            write_records=cfg.writes_records,
+        )
+        self._on_event(f"rollout samples={len(samples)}")
+        t_rollout = time.perf_counter()
+
+        kept_groups, dropped, staleness = self._filter_groups(samples)
+        train_samples = self._score(kept_groups, by_id)
+        self._on_event(f"score groups={len(kept_groups)}")
+
+        if cfg.writes_records and train_samples:
+            self._attach_records(train_samples)
+            self._on_event("records")
+        t_records = time.perf_counter()
+
+        train_metrics = self.learner.train_step(train_samples) if train_samples else {}
+        self._on_event("train")
+        t_train = time.perf_counter()
+
+        self.step_index += 1
+        push_s = self.publish()
+        t_end = time.perf_counter()
+
+        all_rewards = [ts.reward for ts in train_samples]
+        n_tokens = sum(len(s.prompt_tokens) + len(s.completion_tokens) for s in samples)
+        n_completion = sum(len(s.completion_tokens) for s in samples)
+        tps = dstats.tokens_per_second()
+        metrics: dict[str, Any] = {
+            "step": self.step_index,
+            "policy_version": self.version,
+            "reward_mean": sum(all_rewards) / len(all_rewards) if all_rewards else float("nan"),
+            "samples": len(samples),
+            "samples_trained": len(train_samples),
+            "samples_dropped_stale": dropped,
+            "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "staleness_max": max(staleness) if staleness else 0,
+            "completion_tokens": n_completion,
+            "completion_len_mean": n_completion / max(len(samples), 1),
+            "rollout_tokens_per_s": n_completion / max(t_rollout - t_start, 1e-9),
+            "rollout_tokens_per_s_per_replica": tps,
+            "redispatched_units": dstats.redispatched_units,
+            "failed_replicas": list(dstats.failed_replicas),
+            "record_bytes_per_token": sum(s.record_bytes for s in samples) / max(n_tokens, 1),
+            "push_seconds": push_s,
+            "time_rollout_s": t_rollout - t_start,
+            "time_records_s": t_records - t_rollout,
+            "time_train_s": t_train - t_records,
+            "time_push_s": t_end - t_train,
+            "step_time_s": t_end - t_start,
+        }
+        metrics.update(train_metrics)
+        return metrics
+
+    def _filter_groups(
+        self, samples: Sequence[RolloutSample]
+    ) -> tuple[list[list[RolloutSample]], int, list[int]]:
+        """Group by prompt; drop whole groups whose version is too old (groups are generated by
+        one replica call, so they share a version)."""
+        groups: dict[int, list[RolloutSample]] = {}
+        for s in samples:
+            groups.setdefault(s.prompt_id, []).append(s)
+        ordered = [sorted(g, key=lambda s: s.group_index) for _, g in sorted(groups.items())]
+        versions = [min(s.policy_version for s in g) for g in ordered]
+        res = filter_stale(versions, self.version, self.config.max_staleness)
+        kept = [ordered[i] for i in res.keep]
+        dropped = sum(len(ordered[i]) for i in range(len(ordered)) if i not in set(res.keep))
+        staleness = [st for st, i in zip(res.staleness, res.keep, strict=True) for _ in ordered[i]]
+        return kept, dropped, staleness
+
+    def _score(
+        self, groups: Sequence[Sequence[RolloutSample]], by_id: Mapping[int, Prompt]
+    ) -> list[TrainSample]:
+        if not groups:
+            return []
+        rewards = torch.tensor(
+            [[self.scorer(s, by_id[s.prompt_id].problem) for s in g] for g in groups]
+        )  # [G, n]
+        adv = grpo_advantages(rewards)  # [G, n]
+        return [
+            TrainSample(rollout=s, reward=float(rewards[gi, j]), advantage=float(adv[gi, j]))
+            for gi, g in enumerate(groups)
+            for j, s in enumerate(g)
+        ]
+
+    def _attach_records(self, samples: Sequence[TrainSample]) -> None:
+        by_version: dict[int, list[TrainSample]] = {}
+        for ts in samples:
+            by_version.setdefault(ts.rollout.policy_version, []).append(ts)
+        for version, group in sorted(by_version.items()):
+            blobs = self.records.fetch(
+                self.config.run_id, version, [ts.rollout.sample_id for ts in group]
+            )
+            for ts in group:
+                if ts.rollout.sample_id not in blobs:
+                    raise RuntimeError(
+                        f"quant-cache returned no record for sample {ts.rollout.sample_id} "
+                        f"(version {version})"
+                    )
+                ts.records = blobs[ts.rollout.sample_id]

@@ -1,0 +1,249 @@
+"""Dispatch prompt groups across the live rollout replicas.
+
+Prompts are cut into work units; each idle live replica takes the next unit, so a faster
+replica takes more (load balancing by pull). A unit is accepted only when a replica returns
+*all* of its completions, validated; if the replica fails (connection lost, crash, bad
+answer) the whole unit goes back to the queue with ``attempt + 1`` (its sample ids change with
+the attempt), so no sample is lost and none is counted twice. A replica that is behind the
+minimum policy version gets the unit back in the queue and is retried shortly.
+
+The transport is behind :class:`Replica`: an in-process engine in tests and the demo's
+unit tests, a gRPC client in the trainer service.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Protocol
+
+from trace_common.rl.types import DispatchStats, RolloutSample, SamplingConfig, WorkUnit
+from trace_common.tasks.prompts import Prompt
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2  # how often the dispatcher re-reads the replica directory while waiting
+
+
+class ReplicaUnavailable(Exception):
+    """The replica failed this call (gone, crashed, answered nonsense); re-dispatch its unit."""
+
+
+class ReplicaBehind(Exception):
+    """The replica holds a policy older than the minimum version; try it again shortly."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCall:
+    """Everything a replica needs for one work unit."""
+
+    run_id: str
+    step: int
+    unit: WorkUnit
+    group_size: int
+    sampling: SamplingConfig
+    min_policy_version: int
+    write_records: bool
+
+
+class Replica(Protocol):
+    """A rollout replica as the dispatcher sees it."""
+
+    @property
+    def replica_id(self) -> str: ...
+
+    def generate(self, call: GenerateCall) -> list[RolloutSample]: ...
+
+
+class ReplicaDirectory(Protocol):
+    """Which replicas are alive now (weight-sync's registry, or a fixed list)."""
+
+    def replicas(self) -> Sequence[Replica]: ...
+
+
+class StaticDirectory:
+    """A fixed list of replicas (in-process runs and tests)."""
+
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        self._replicas = list(replicas)
+
+    def replicas(self) -> Sequence[Replica]:
+        return list(self._replicas)
+
+
+@dataclass(kw_only=True, slots=True)
+class DispatchConfig:
+    """How prompts are spread over replicas."""
+
+    prompts_per_unit: int = 4  # prompts per generate call; smaller = finer load balancing
+    wait_for_replicas_s: float = 60.0  # give up when no replica is usable for this long
+    retry_failed_after_s: float = 2.0  # a failed replica is not used again for this long
+    max_attempts: int = 5  # a unit failing this many times aborts the step
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_unit < 1:
+            raise ValueError(f"prompts_per_unit must be >= 1, got {self.prompts_per_unit}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+def validate_unit_result(call: GenerateCall, samples: Sequence[RolloutSample]) -> None:
+    """Raise :class:`ReplicaUnavailable` unless ``samples`` is exactly the unit's groups."""
+    unit = call.unit
+    expected = {(pid, j) for pid in unit.prompt_ids for j in range(call.group_size)}
+    got = [(s.prompt_id, s.group_index) for s in samples]
+    if len(got) != len(set(got)) or set(got) != expected:
+        raise ReplicaUnavailable(
+            f"unit {unit.unit_id} attempt {unit.attempt}: expected {len(expected)} completions "
+            f"(prompts {unit.prompt_ids} x {call.group_size}), got {sorted(got)}"
+        )
+    prefix = unit.sample_id_prefix(call.step)
+    for s in samples:
+        if not s.sample_id.startswith(prefix + "-"):
+            raise ReplicaUnavailable(f"sample id {s.sample_id!r} does not carry prefix {prefix!r}")
+        if s.policy_version < call.min_policy_version:
+            raise ReplicaUnavailable(
+                f"sample {s.sample_id} has version {s.policy_version} < minimum "
+                f"{call.min_policy_version}"
+            )
+        if len(s.logprobs) != len(s.completion_tokens):
+            raise ReplicaUnavailable(
+                f"sample {s.sample_id}: {len(s.logprobs)} logprobs for "
+                f"{len(s.completion_tokens)} tokens"
+            )
+
+
+class Dispatcher:
+    """Runs one step's prompts on the live replicas; returns every completion exactly once."""
+
+    def __init__(
+        self,
+        directory: ReplicaDirectory,
+        config: DispatchConfig | None = None,
+        *,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.config = config or DispatchConfig()
+        self._on_event = on_event or (lambda _e: None)
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="dispatch")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def make_units(self, prompts: Sequence[Prompt]) -> list[WorkUnit]:
+        n = self.config.prompts_per_unit
+        return [
+            WorkUnit(
+                unit_id=i // n,
+                prompt_ids=[p.prompt_id for p in prompts[i : i + n]],
+                prompt_tokens=[p.token_ids for p in prompts[i : i + n]],
+            )
+            for i in range(0, len(prompts), n)
+        ]
+
+    def run(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        run_id: str,
+        step: int,
+        group_size: int,
+        sampling: SamplingConfig,
+        min_policy_version: int,
+        write_records: bool,
+    ) -> tuple[list[RolloutSample], DispatchStats]:
+        cfg = self.config
+        pending = collections.deque(self.make_units(prompts))
+        done: dict[int, list[RolloutSample]] = {}
+        inflight: dict[Future[list[RolloutSample]], tuple[str, GenerateCall, float]] = {}
+        failed_at: dict[str, float] = {}
+        stats = DispatchStats()
+        n_units = len(pending)
+        idle_since = time.monotonic()
+
+        def call_for(unit: WorkUnit) -> GenerateCall:
+            return GenerateCall(
+                run_id=run_id,
+                step=step,
+                unit=unit,
+                group_size=group_size,
+                sampling=sampling,
+                min_policy_version=min_policy_version,
+                write_records=write_records,
+            )
+
+        while len(done) < n_units:
+            now = time.monotonic()
+            busy = {rid for rid, _, _ in inflight.values()}
+            usable = [
+                r
+                for r in self.directory.replicas()
+                if r.replica_id not in busy
+                and now - failed_at.get(r.replica_id, -1e18) >= cfg.retry_failed_after_s
+            ]
+            for replica in usable:
+                if not pending:
+                    break
+                unit = pending.popleft()
+                call = call_for(unit)
+                self._on_event(
+                    f"dispatch unit={unit.unit_id} attempt={unit.attempt} to={replica.replica_id}"
+                )
+                fut = self._pool.submit(replica.generate, call)
+                inflight[fut] = (replica.replica_id, call, time.monotonic())
+            if not inflight:
+                if now - idle_since > cfg.wait_for_replicas_s:
+                    raise RuntimeError(
+                        f"no usable rollout replica for {cfg.wait_for_replicas_s:.0f}s with "
+                        f"{len(pending)} work unit(s) left (failed: {sorted(failed_at)})"
+                    )
+                time.sleep(POLL_SECONDS)
+                continue
+            idle_since = time.monotonic()
+            finished, _ = wait(list(inflight), timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                rid, call, t0 = inflight.pop(fut)
+                unit = call.unit
+                try:
+                    samples = fut.result()
+                    validate_unit_result(call, samples)
+                except ReplicaBehind as exc:
+                    log.info("replica %s behind: %s", rid, exc)
+                    self._on_event(f"behind unit={unit.unit_id} replica={rid}")
+                    failed_at[rid] = time.monotonic() - cfg.retry_failed_after_s + POLL_SECONDS
+                    pending.appendleft(unit)
+                    continue
+                except Exception as exc:  # any failure of the replica: re-dispatch the unit
+                    log.warning("replica %s failed unit %d: %s", rid, unit.unit_id, exc)
+                    self._on_event(
+                        f"failed unit={unit.unit_id} attempt={unit.attempt} replica={rid}"
+                    )
+                    failed_at[rid] = time.monotonic()
+                    if rid not in stats.failed_replicas:
+                        stats.failed_replicas.append(rid)
+                    unit.attempt += 1
+                    stats.redispatched_units += 1
+                    if unit.attempt >= cfg.max_attempts:
+                        raise RuntimeError(
+                            f"work unit {unit.unit_id} failed {unit.attempt} times; last: {exc}"
+                        ) from exc
+                    pending.appendleft(unit)
+                    continue
+                for s in samples:
+                    s.replica_id = s.replica_id or rid
+                done[unit.unit_id] = samples
+                self._on_event(f"done unit={unit.unit_id} replica={rid}")
+                stats.tokens_per_replica[rid] = stats.tokens_per_replica.get(rid, 0) + sum(
+                    len(s.completion_tokens) for s in samples
+                )
+                stats.seconds_per_replica[rid] = stats.seconds_per_replica.get(rid, 0.0) + (
+                    time.monotonic() - t0
+                )
+        out = [s for uid in sorted(done) for s in done[uid]]
+        out.sort(key=lambda s: (s.prompt_id, s.group_index))
+        return out, stats

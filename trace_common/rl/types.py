@@ -1,0 +1,90 @@
+"""Data that flows through one RL step, independent of transport (in-process or gRPC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+TRAIN_MODES = ("bf16", "fp4", "rtn", "trace")
+TrainMode = Literal["bf16", "fp4", "rtn", "trace"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SamplingConfig:
+    """Sampling parameters sent with every generate call."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 disables nucleus sampling
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 8
+    seed: int = 0  # base seed; the trainer derives one per step and work unit
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkUnit:
+    """A chunk of prompts sent to one replica in one generate call.
+
+    ``attempt`` grows each time the unit is re-dispatched after a failure, and is part of every
+    sample id, so records of an abandoned attempt can never be mistaken for the accepted ones.
+    """
+
+    unit_id: int
+    prompt_ids: list[int]  # stream positions of the prompts
+    prompt_tokens: list[tuple[int, ...]]  # token ids of each prompt (BOS first)
+    attempt: int = 0
+
+    def sample_id_prefix(self, step: int) -> str:
+        return f"s{step}-u{self.unit_id}-a{self.attempt}"
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutSample:
+    """One completion as returned by a rollout replica."""
+
+    sample_id: str
+    prompt_id: int  # stream position of its prompt
+    group_index: int  # index within the prompt's group
+    prompt_tokens: tuple[int, ...]
+    completion_tokens: list[int]
+    logprobs: list[float]  # rollout log-prob of each completion token
+    policy_version: int
+    finish_reason: FinishReason
+    record_bytes: int = 0
+    replica_id: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSample:
+    """A scored sample ready for the train step."""
+
+    rollout: RolloutSample
+    reward: float
+    advantage: float
+    records: bytes | None = None  # this sample's SampleRecords blob (trace mode)
+
+
+@dataclass(kw_only=True, slots=True)
+class DispatchStats:
+    """What one dispatch round cost, per replica."""
+
+    tokens_per_replica: dict[str, int] = field(default_factory=dict)
+    seconds_per_replica: dict[str, float] = field(default_factory=dict)
+    redispatched_units: int = 0
+    failed_replicas: list[str] = field(default_factory=list)
+
+    def tokens_per_second(self) -> dict[str, float]:
+        return {
+            r: self.tokens_per_replica[r] / max(self.seconds_per_replica.get(r, 0.0), 1e-9)
+            for r in self.tokens_per_replica
+        }
