@@ -14,6 +14,7 @@ unit tests, a gRPC client in the trainer service.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +49,15 @@ class GenerateCall:
     sampling: SamplingConfig
     min_policy_version: int
     write_records: bool
+    sample_id_prefix: str = ""  # "" -> derived from step, unit and attempt
+
+    def prefix(self) -> str:
+        return self.sample_id_prefix or self.unit.sample_id_prefix(self.step)
+
+
+def unit_seed(base_seed: int, step: int, unit_id: int, attempt: int) -> int:
+    """Sampling seed of one generate call: differs per step, unit and attempt (uint64)."""
+    return (base_seed * 1_000_003 + step * 10_007 + unit_id * 101 + attempt) % (1 << 63)
 
 
 class Replica(Protocol):
@@ -101,7 +111,7 @@ def validate_unit_result(call: GenerateCall, samples: Sequence[RolloutSample]) -
             f"unit {unit.unit_id} attempt {unit.attempt}: expected {len(expected)} completions "
             f"(prompts {unit.prompt_ids} x {call.group_size}), got {sorted(got)}"
         )
-    prefix = unit.sample_id_prefix(call.step)
+    prefix = call.prefix()
     for s in samples:
         if not s.sample_id.startswith(prefix + "-"):
             raise ReplicaUnavailable(f"sample id {s.sample_id!r} does not carry prefix {prefix!r}")
@@ -172,7 +182,9 @@ class Dispatcher:
                 step=step,
                 unit=unit,
                 group_size=group_size,
-                sampling=sampling,
+                sampling=dataclasses.replace(
+                    sampling, seed=unit_seed(sampling.seed, step, unit.unit_id, unit.attempt)
+                ),
                 min_policy_version=min_policy_version,
                 write_records=write_records,
             )
