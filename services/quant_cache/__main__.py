@@ -1,0 +1,71 @@
+"""`python -m services.quant_cache`: the quant-cache service (records in Redis)."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from services.quant_cache.config import LOCAL_MAXMEMORY_BYTES, QuantCacheSettings
+from services.quant_cache.servicer import QuantCacheServicer
+from services.quant_cache.store import RecordStore
+from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc
+from trace_common.redis_local import LocalRedis, LocalRedisConfig
+from trace_common.service import ServiceRuntime, load_settings
+
+log = logging.getLogger("services.quant_cache")
+
+
+def main() -> None:
+    settings = load_settings(QuantCacheSettings)
+    rt = ServiceRuntime("quant_cache", settings)
+    local = None
+    url = settings.redis_url
+    if url is None:
+        maxmemory = settings.redis_maxmemory_bytes or LOCAL_MAXMEMORY_BYTES
+        local = LocalRedis(
+            LocalRedisConfig(
+                maxmemory_bytes=maxmemory, maxmemory_policy=settings.redis_maxmemory_policy
+            )
+        ).start()
+        rt.after_stop.append(local.stop)
+        url = local.url
+        log.info(
+            "started a local redis-server", extra={"redis_url": url, "maxmemory_bytes": maxmemory}
+        )
+    store = RecordStore(
+        redis.Redis.from_url(url, socket_timeout=30), settings.key_prefix, settings.ttl_seconds
+    )
+    if local is None and settings.redis_maxmemory_bytes is not None:
+        store.configure_memory(settings.redis_maxmemory_bytes, settings.redis_maxmemory_policy)
+    servicer = QuantCacheServicer(
+        store,
+        rt.metrics,
+        max_record_bytes=settings.max_record_bytes,
+        max_batch=settings.max_batch,
+        chunk_bytes=settings.chunk_bytes,
+    )
+    rt.grpc.add(
+        quantcache_pb2_grpc.add_QuantCacheServicer_to_server,
+        servicer,
+        "trace.quantcache.v1.QuantCache",
+    )
+    rt.run(ready=store.ping, status=lambda: {"redis_url": _redact(url), **_stats(store)})
+
+
+def _stats(store: RecordStore) -> dict[str, object]:
+    info = store.info()
+    keys = ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys", "expired_keys", "keys")
+    return {"ttl_seconds": store.ttl_seconds, "redis": {k: info.get(k) for k in keys}}
+
+
+def _redact(url: str) -> str:
+    """Hide a password in redis://user:pass@host."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""`python -m services.weight_sync`: the weight-sync service (versioned policy weights)."""
+
+from __future__ import annotations
+
+from services.weight_sync.config import WeightSyncSettings
+from services.weight_sync.registry import ReplicaRegistry
+from services.weight_sync.servicer import WeightSyncServicer
+from services.weight_sync.versions import VersionStore
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc
+from trace_common.service import ServiceRuntime, load_settings
+
+
+def main() -> None:
+    settings = load_settings(WeightSyncSettings)
+    rt = ServiceRuntime("weight_sync", settings)
+    versions = VersionStore(keep=settings.keep_versions)
+    registry = ReplicaRegistry(settings.heartbeat_timeout_seconds)
+    servicer = WeightSyncServicer(
+        versions,
+        registry,
+        rt.metrics,
+        max_version_bytes=settings.max_version_bytes,
+        chunk_bytes=settings.chunk_bytes,
+    )
+    rt.grpc.add(
+        weightsync_pb2_grpc.add_WeightSyncServicer_to_server,
+        servicer,
+        "trace.weightsync.v1.WeightSync",
+    )
+    rt.before_drain.append(servicer.shutdown)
+
+    def status() -> dict[str, object]:
+        return {
+            "latest_version": versions.latest_version(),
+            "versions": [
+                {"version": v.version, "bytes": v.header.total_bytes} for v in versions.all()
+            ],
+            "replicas": [
+                {
+                    "replica_id": r.replica_id,
+                    "address": r.address,
+                    "version_held": r.version_held,
+                    "alive": alive,
+                }
+                for r, alive, _ in registry.snapshot()
+            ],
+        }
+
+    rt.run(status=status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""weight-sync gRPC servicer: push (assemble, verify, publish), pull, replica registry, subscribe."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import grpc
+from prometheus_client.core import GaugeMetricFamily
+
+from services.weight_sync.registry import ReplicaRegistry
+from services.weight_sync.versions import PendingVersion, StoredVersion, VersionStore
+from trace_common.protos_gen.trace.common.v1 import common_pb2
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+from trace_common.service import Metrics, check_id, invalid
+
+log = logging.getLogger(__name__)
+
+SUBSCRIBE_POLL_S = 0.5  # how often a waiting subscriber checks for cancellation/shutdown
+
+
+class _ReplicaCollector:
+    """Per-replica version lag and the number of live replicas, computed at scrape time."""
+
+    def __init__(self, metrics: Metrics, registry: ReplicaRegistry, versions: VersionStore) -> None:
+        self._name = metrics.name
+        self._registry = registry
+        self._versions = versions
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        latest = self._versions.latest_version()
+        snapshot = self._registry.snapshot()
+        alive = GaugeMetricFamily(
+            self._name("replicas_alive"), "replicas whose last heartbeat is within the timeout"
+        )
+        alive.add_metric([], sum(1 for _, ok, _ in snapshot if ok))
+        lag = GaugeMetricFamily(
+            self._name("replica_version_lag"),
+            "latest version minus the version a replica holds",
+            labels=["replica_id"],
+        )
+        for replica, _, _ in snapshot:
+            lag.add_metric([replica.replica_id], max(0, latest - replica.version_held))
+        latest_g = GaugeMetricFamily(
+            self._name("latest_version"), "latest complete version (-1 = none)"
+        )
+        latest_g.add_metric([], latest)
+        yield from (alive, lag, latest_g)
+
+
+class WeightSyncServicer(pb_grpc.WeightSyncServicer):
+    """Implements trace.weightsync.v1.WeightSync."""
+
+    def __init__(
+        self,
+        versions: VersionStore,
+        registry: ReplicaRegistry,
+        metrics: Metrics,
+        *,
+        max_version_bytes: int,
+        chunk_bytes: int,
+    ) -> None:
+        self.versions = versions
+        self.registry = registry
+        self.max_version_bytes = max_version_bytes
+        self.chunk_bytes = chunk_bytes
+        self._stopping = threading.Event()
+        m = metrics
+        self.published = m.counter("versions_published", "versions published")
+        self.push_failed = m.counter("pushes_failed", "pushes rejected or abandoned before publish")
+        self.push_bytes = m.counter("push_bytes", "bytes received in published pushes")
+        self.pull_bytes = m.counter("pull_bytes", "bytes sent to pullers", ("replica_id",))
+        self.push_seconds = m.histogram("push_seconds", "time from push start to publish")
+        self.pull_seconds = m.histogram("pull_seconds", "time to stream one version")
+        m.registry.register(_ReplicaCollector(metrics, registry, versions))
+
+    def shutdown(self) -> None:
+        """End subscriber streams (called before the server drains)."""
+        self._stopping.set()
+        self.versions.close()
+
+    # -- push / pull ------------------------------------------------------------------------
+    def PushVersion(
+        self, request_iterator: Iterable[pb.PushChunk], context: grpc.ServicerContext
+    ) -> pb.PushVersionResponse:
+        start = time.perf_counter()
+        messages = iter(request_iterator)
+        first = next(messages, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            self.push_failed.inc()
+            raise invalid("the first PushVersion message must be a header (manifest)")
+        header = first.header
+        pending = PendingVersion(header, self.max_version_bytes)  # validates the manifest
+        self.versions.begin_push(header.version)
+        try:
+            for msg in messages:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise invalid("a second header in one PushVersion stream")
+                pending.add(msg.chunk)
+            stored = pending.finish()
+            dropped = self.versions.publish(stored)
+        except BaseException:
+            self.versions.abort_push(header.version)
+            self.push_failed.inc()
+            raise
+        self.published.inc()
+        self.push_bytes.inc(header.total_bytes)
+        self.push_seconds.observe(time.perf_counter() - start)
+        log.info(
+            "published version",
+            extra={
+                "version": header.version,
+                "bytes": header.total_bytes,
+                "tensors": len(header.tensors),
+                "dropped": dropped,
+            },
+        )
+        return pb.PushVersionResponse(published=stored.info(), dropped_versions=dropped)
+
+    def PullVersion(
+        self, request: pb.PullVersionRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PullChunk]:
+        if request.replica_id:
+            check_id("replica_id", request.replica_id)
+        version = request.version if request.HasField("version") else None
+        if version is not None and version < 0:
+            raise invalid(f"version={version} must be >= 0 (leave it unset for the latest)")
+        stored = self.versions.get(version)  # NOT_FOUND if unknown or none yet
+        start = time.perf_counter()
+        yield pb.PullChunk(header=stored.header)
+        step = self.chunk_bytes
+        for index, buf in enumerate(stored.buffers):
+            view = memoryview(buf)
+            for offset in range(0, len(view), step):
+                yield pb.PullChunk(
+                    chunk=pb.TensorChunk(
+                        tensor_index=index, offset=offset, data=bytes(view[offset : offset + step])
+                    )
+                )
+        self.pull_bytes.labels(request.replica_id or "-").inc(stored.header.total_bytes)
+        self.pull_seconds.observe(time.perf_counter() - start)
+
+    # -- replicas ---------------------------------------------------------------------------
+    def Register(
+        self, request: pb.RegisterRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterResponse:
+        self.registry.register(request.replica_id, request.address)
+        log.info(
+            "replica registered",
+            extra={"replica_id": request.replica_id, "address": request.address},
+        )
+        return pb.RegisterResponse(
+            latest_version=self.versions.latest_version(),
+            heartbeat_timeout_seconds=self.registry.heartbeat_timeout_s,
+        )
+
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        self.registry.heartbeat(request.replica_id, request.version_held)
+        return pb.HeartbeatResponse(latest_version=self.versions.latest_version())
+
+    def Subscribe(
+        self, request: pb.SubscribeRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.PolicyVersionInfo]:
+        self.registry.require(request.replica_id)  # FAILED_PRECONDITION if not registered
+        sent = -1
+        while not self._stopping.is_set() and context.is_active():
+            stored: StoredVersion | None = self.versions.wait_newer(sent, SUBSCRIBE_POLL_S)
+            if stored is not None:
+                sent = stored.version
+                yield stored.info()
+
+    def ListReplicas(
+        self, request: pb.ListReplicasRequest, context: grpc.ServicerContext
+    ) -> pb.ListReplicasResponse:
+        latest = self.versions.latest_version()
+        replicas = [
+            pb.ReplicaInfo(
+                replica_id=r.replica_id,
+                address=r.address,
+                version_held=r.version_held,
+                alive=alive,
+                seconds_since_heartbeat=age,
+                version_lag=max(0, latest - r.version_held),
+            )
+            for r, alive, age in self.registry.snapshot()
+        ]
+        return pb.ListReplicasResponse(replicas=replicas, latest_version=latest)
+
+    def ListVersions(
+        self, request: pb.ListVersionsRequest, context: grpc.ServicerContext
+    ) -> pb.ListVersionsResponse:
+        return pb.ListVersionsResponse(versions=[v.info() for v in self.versions.all()])

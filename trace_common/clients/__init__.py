@@ -1,0 +1,8 @@
+"""Clients of the TRACE services (what the trainer, rollout and tools call)."""
+
+from __future__ import annotations
+
+from trace_common.clients.quant_cache import CorruptRecordError, QuantCacheClient
+from trace_common.clients.weight_sync import WeightSyncClient
+
+__all__ = ["CorruptRecordError", "QuantCacheClient", "WeightSyncClient"]

@@ -1,0 +1,172 @@
+"""WeightSyncClient: push and pull policy versions, replica registration and notifications.
+
+Trainer:
+    ws = WeightSyncClient("localhost:50052", token)
+    ws.push_version(7, {"w": packed_uint8, "w_scale": scale_e4m3, ...}, {"format": "nvfp4"})
+Replica:
+    ws.register("rollout-0", "10.0.0.5:50053")
+    for notice in ws.subscribe("rollout-0"):          # latest at once, then each new one
+        version, tensors, meta = ws.pull_version(notice.version, replica_id="rollout-0")
+        ws.heartbeat("rollout-0", version)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
+import torch
+
+from trace_common.clients.tensors import TensorAssembler, tensor_to_wire
+from trace_common.protos_gen.trace.common.v1 import common_pb2
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+from trace_common.service.grpc_client import GrpcClient
+
+DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per PushVersion message
+TRANSFER_TIMEOUT_S = 600.0  # push/pull deadline: a whole model may be tens of GB
+
+
+class WeightSyncClient(GrpcClient):
+    SERVICE = "trace.weightsync.v1.WeightSync"
+    # A push is not retried automatically (a retried stream could race its own publish).
+    IDEMPOTENT = (
+        "PullVersion",
+        "Register",
+        "Heartbeat",
+        "Subscribe",
+        "ListReplicas",
+        "ListVersions",
+    )
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        transfer_timeout: float = TRANSFER_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(address, token, **kwargs)
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.transfer_timeout = transfer_timeout
+        self._stub = pb_grpc.WeightSyncStub(self.channel)
+
+    # -- trainer side -----------------------------------------------------------------------
+    def push_version(
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any] | None = None,
+    ) -> common_pb2.PolicyVersionInfo:
+        """Push every tensor (any dtype, raw bytes + CRC-32); returns once published."""
+        if not tensors:
+            raise ValueError("tensors is empty")
+        wire = [tensor_to_wire(name, t) for name, t in tensors.items()]
+        header = pb.VersionHeader(
+            version=version,
+            metadata_json=json.dumps(dict(metadata or {}), sort_keys=True),
+            tensors=[spec for spec, _ in wire],
+            total_bytes=sum(spec.nbytes for spec, _ in wire),
+        )
+        step = self.chunk_bytes
+
+        def messages() -> Iterator[pb.PushChunk]:
+            yield pb.PushChunk(header=header)
+            for index, (_, view) in enumerate(wire):
+                for offset in range(0, len(view), step):
+                    data = bytes(view[offset : offset + step])
+                    yield pb.PushChunk(
+                        chunk=pb.TensorChunk(tensor_index=index, offset=offset, data=data)
+                    )
+
+        response = self._stub.PushVersion(
+            messages(), metadata=self.metadata, timeout=self.transfer_timeout
+        )
+        return response.published
+
+    # -- replica side -----------------------------------------------------------------------
+    def pull_version(
+        self, version: int | None = None, *, replica_id: str = ""
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        """(version, tensors, metadata) of `version`, or of the latest complete one if None.
+
+        Every tensor is checked against its CRC-32 (ValueError on a mismatch)."""
+        request = pb.PullVersionRequest(replica_id=replica_id)
+        if version is not None:
+            request.version = version
+        stream = self._stub.PullVersion(
+            request, metadata=self.metadata, timeout=self.transfer_timeout
+        )
+        header: pb.VersionHeader | None = None
+        parts: list[TensorAssembler] = []
+        for msg in stream:
+            if msg.WhichOneof("kind") == "header":
+                header = msg.header
+                parts = [TensorAssembler(spec) for spec in header.tensors]
+            else:
+                if header is None:
+                    raise ValueError("PullVersion stream sent data before its header")
+                parts[msg.chunk.tensor_index].add(msg.chunk.offset, msg.chunk.data)
+        if header is None:
+            raise ValueError("PullVersion stream ended without a header")
+        tensors = {p.spec.name: p.tensor() for p in parts}
+        return header.version, tensors, json.loads(header.metadata_json or "{}")
+
+    def register(self, replica_id: str, address: str) -> pb.RegisterResponse:
+        return self._stub.Register(
+            pb.RegisterRequest(replica_id=replica_id, address=address),
+            metadata=self.metadata,
+            timeout=self.timeout,
+        )
+
+    def heartbeat(self, replica_id: str, version_held: int) -> int:
+        """Report the version held; returns the latest published version (-1 = none)."""
+        request = pb.HeartbeatRequest(replica_id=replica_id, version_held=version_held)
+        return self._stub.Heartbeat(
+            request, metadata=self.metadata, timeout=self.timeout
+        ).latest_version
+
+    def subscribe(self, replica_id: str) -> grpc.Future | Iterator[common_pb2.PolicyVersionInfo]:
+        """Iterator of version notices (the latest at once, then each new one); call
+        `.cancel()` on it to stop. No deadline: it lives as long as the replica."""
+        return self._stub.Subscribe(
+            pb.SubscribeRequest(replica_id=replica_id), metadata=self.metadata
+        )
+
+    def replicas(self) -> list[pb.ReplicaInfo]:
+        return list(
+            self._stub.ListReplicas(
+                pb.ListReplicasRequest(), metadata=self.metadata, timeout=self.timeout
+            ).replicas
+        )
+
+    def versions(self) -> list[common_pb2.PolicyVersionInfo]:
+        return list(
+            self._stub.ListVersions(
+                pb.ListVersionsRequest(), metadata=self.metadata, timeout=self.timeout
+            ).versions
+        )
+
+    def start_heartbeats(
+        self, replica_id: str, version_held: Callable[[], int], interval_s: float
+    ) -> threading.Event:
+        """Heartbeat every `interval_s` on a daemon thread until the returned event is set."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                # The service may be restarting: the next beat retries.
+                with contextlib.suppress(grpc.RpcError):
+                    self.heartbeat(replica_id, version_held())
+                stop.wait(interval_s)
+
+        threading.Thread(target=loop, name=f"heartbeat-{replica_id}", daemon=True).start()
+        return stop

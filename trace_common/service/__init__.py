@@ -1,0 +1,37 @@
+"""The service runtime shared by every TRACE service: typed config, JSON logs, Prometheus
+metrics, gRPC server/client helpers (auth, TLS, limits, retries, health, reflection) and the
+HTTP health/metrics/status app. See `runtime.ServiceRuntime` for the few lines a service needs."""
+
+from __future__ import annotations
+
+from trace_common.service.config import ServiceSettings, load_settings
+from trace_common.service.errors import (
+    ServiceError,
+    check_id,
+    check_non_negative,
+    exhausted,
+    failed_precondition,
+    invalid,
+    not_found,
+)
+from trace_common.service.grpc_client import ClientTLS, GrpcClient, RetryPolicy, resolve_token
+from trace_common.service.metrics import Metrics
+from trace_common.service.runtime import ServiceRuntime
+
+__all__ = [
+    "ClientTLS",
+    "GrpcClient",
+    "Metrics",
+    "RetryPolicy",
+    "ServiceError",
+    "ServiceRuntime",
+    "ServiceSettings",
+    "check_id",
+    "check_non_negative",
+    "exhausted",
+    "failed_precondition",
+    "invalid",
+    "load_settings",
+    "not_found",
+    "resolve_token",
+]

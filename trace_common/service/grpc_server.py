@@ -1,0 +1,226 @@
+"""gRPC server construction shared by every service: auth on every RPC, error mapping,
+per-method metrics, message-size limits, health (grpc.health.v1), reflection, TLS/mTLS."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from trace_common.service.config import ServiceSettings
+from trace_common.service.errors import ServiceError
+from trace_common.service.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+AUTH_HEADER = "authorization"
+BEARER = "bearer "
+_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options shared by servers and channels: message limits and keepalive."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def _replace_behavior(
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool], Callable]
+) -> grpc.RpcMethodHandler:
+    """Return `handler` with its behaviour wrapped; `wrap(fn, response_streaming)`."""
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(
+            wrap(handler.unary_unary, False),
+            handler.request_deserializer,
+            handler.response_serializer,
+        )
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap(handler.unary_stream, True),
+            handler.request_deserializer,
+            handler.response_serializer,
+        )
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(
+            wrap(handler.stream_unary, False),
+            handler.request_deserializer,
+            handler.response_serializer,
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        wrap(handler.stream_stream, True),
+        handler.request_deserializer,
+        handler.response_serializer,
+    )
+
+
+class ServiceInterceptor(grpc.ServerInterceptor):
+    """Checks the bearer token of every RPC (UNAUTHENTICATED otherwise), maps `ServiceError`
+    to its status code, and records per-method request counts and latencies."""
+
+    def __init__(self, token: str, metrics: Metrics, exempt_health: bool = True) -> None:
+        self._token = f"{BEARER}{token}".encode()
+        self._exempt_health = exempt_health
+        self._requests = metrics.counter(
+            "grpc_requests", "gRPC requests by method and status code", ("method", "code")
+        )
+        self._latency = metrics.histogram(
+            "grpc_request_seconds",
+            "gRPC request latency (streams: until the last message)",
+            ("method",),
+        )
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        if self._exempt_health and details.method.startswith(_EXEMPT_PREFIXES):
+            return True
+        for key, value in details.invocation_metadata or ():
+            if key == AUTH_HEADER:
+                got = value.encode() if isinstance(value, str) else value
+                # Case-insensitive scheme, constant-time token comparison.
+                return hmac.compare_digest(
+                    got[: len(BEARER)].lower() + got[len(BEARER) :], self._token
+                )
+        return False
+
+    def intercept_service(
+        self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if not self._authorized(handler_call_details):
+            self._requests.labels(method, "UNAUTHENTICATED").inc()
+
+            def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+            return _replace_behavior(handler, lambda _fn, _streaming: deny)
+        return _replace_behavior(handler, lambda fn, streaming: self._wrap(method, fn, streaming))
+
+    def _finish(self, method: str, start: float, code: str) -> None:
+        self._latency.labels(method).observe(time.perf_counter() - start)
+        self._requests.labels(method, code).inc()
+
+    def _wrap(self, method: str, fn: Callable, streaming: bool) -> Callable:
+        def _abort(context: grpc.ServicerContext, start: float, err: ServiceError) -> None:
+            self._finish(method, start, err.code.name)
+            context.abort(err.code, err.message)
+
+        if streaming:
+
+            def stream_behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                start = time.perf_counter()
+                try:
+                    yield from fn(request, context)
+                except ServiceError as err:
+                    _abort(context, start, err)
+                except Exception as exc:
+                    self._finish(method, start, _code_of(context, exc))
+                    raise
+                else:
+                    self._finish(method, start, "OK")
+
+            return stream_behavior
+
+        def unary_behavior(request: Any, context: grpc.ServicerContext) -> Any:
+            start = time.perf_counter()
+            try:
+                response = fn(request, context)
+            except ServiceError as err:
+                _abort(context, start, err)
+            except Exception as exc:
+                self._finish(method, start, _code_of(context, exc))
+                raise
+            self._finish(method, start, "OK")
+            return response
+
+        return unary_behavior
+
+
+def _code_of(context: grpc.ServicerContext, exc: Exception) -> str:
+    code = context.code() if hasattr(context, "code") else None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    log.exception("unhandled error in RPC handler", exc_info=exc)
+    return "UNKNOWN"
+
+
+def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials from the cert paths (mTLS when a client CA is set), else None."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    pair = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
+    ca = settings.tls_client_ca_file.read_bytes() if settings.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+class GrpcServer:
+    """A configured grpc.Server with health and reflection; `add` services, then `start`."""
+
+    def __init__(self, settings: ServiceSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=settings.max_workers),
+            interceptors=[
+                ServiceInterceptor(settings.token(), metrics, settings.auth_exempt_health)
+            ],
+            options=channel_options(settings.max_message_bytes),
+            maximum_concurrent_rpcs=None,
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names: list[str] = [health.SERVICE_NAME]
+        self.port = 0
+
+    def add(
+        self, register: Callable[[Any, grpc.Server], None], servicer: Any, full_name: str
+    ) -> None:
+        """Register a servicer, e.g. `add(add_QuantCacheServicer_to_server, s, "trace.quantcache.v1.QuantCache")`."""
+        register(servicer, self.server)
+        self._service_names.append(full_name)
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self._service_names]:
+            self.health.set(name, status)
+
+    def start(self) -> int:
+        """Bind, start, return the bound port (useful when the configured port is 0)."""
+        reflection.enable_server_reflection(
+            [*self._service_names, reflection.SERVICE_NAME], self.server
+        )
+        address = f"{self.settings.grpc_host}:{self.settings.grpc_port}"
+        creds = server_credentials(self.settings)
+        if creds is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, creds)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind gRPC address {address}")
+        self.set_serving(False)
+        self.server.start()
+        return self.port
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting RPCs, let in-flight ones finish for `grace` seconds."""
+        self.set_serving(False)
+        self.server.stop(self.settings.grace_seconds if grace is None else grace).wait()

@@ -1,0 +1,71 @@
+"""The HTTP side of every service: /healthz, /readyz, /metrics and a JSON /status (FastAPI),
+served by uvicorn on a background thread next to the gRPC server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+
+from trace_common.service.metrics import Metrics
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_app(
+    component: str,
+    metrics: Metrics,
+    ready: Callable[[], bool],
+    status: Callable[[], dict[str, Any]],
+) -> FastAPI:
+    """FastAPI app: liveness (process up), readiness (`ready()`), metrics, status JSON."""
+    app = FastAPI(title=f"trace {component}", docs_url=None, redoc_url=None)
+    started = time.time()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        return {"status": "ok", "component": component}
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        ok = ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/status")
+    def status_json() -> dict[str, Any]:
+        return {"component": component, "uptime_seconds": time.time() - started, **status()}
+
+    return app
+
+
+class HttpServer:
+    """uvicorn on a daemon thread; `stop()` asks it to exit and waits."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="http", daemon=True)
+
+    def start(self, timeout: float = 10.0) -> int:
+        """Start and return the bound port."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("HTTP server failed to start (port in use?)")
+            time.sleep(0.01)
+        sockets = self._server.servers[0].sockets
+        return sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)
