@@ -1,14 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorSpec(_message.Message):
-    __slots__ = ("crc32", "dtype", "name", "nbytes", "shape")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "crc32")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -19,17 +18,10 @@ class TensorSpec(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     crc32: int
-    def __init__(
-        self,
-        name: str | None = ...,
-        dtype: str | None = ...,
-        shape: _Iterable[int] | None = ...,
-        nbytes: int | None = ...,
-        crc32: int | None = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PolicyVersionInfo(_message.Message):
-    __slots__ = ("metadata_json", "num_tensors", "published_at", "total_bytes", "version")
+    __slots__ = ("version", "total_bytes", "num_tensors", "metadata_json", "published_at")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -40,11 +32,4 @@ class PolicyVersionInfo(_message.Message):
     num_tensors: int
     metadata_json: str
     published_at: float
-    def __init__(
-        self,
-        version: int | None = ...,
-        total_bytes: int | None = ...,
-        num_tensors: int | None = ...,
-        metadata_json: str | None = ...,
-        published_at: float | None = ...,
-    ) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata_json: _Optional[str] = ..., published_at: _Optional[float] = ...) -> None: ...

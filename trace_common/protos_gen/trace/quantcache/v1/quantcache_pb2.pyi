@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -15,29 +13,23 @@ class RecordStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECORD_STATUS_OK: _ClassVar[RecordStatus]
     RECORD_STATUS_MISSING: _ClassVar[RecordStatus]
     RECORD_STATUS_CORRUPT: _ClassVar[RecordStatus]
-
 RECORD_STATUS_UNSPECIFIED: RecordStatus
 RECORD_STATUS_OK: RecordStatus
 RECORD_STATUS_MISSING: RecordStatus
 RECORD_STATUS_CORRUPT: RecordStatus
 
 class RecordKey(_message.Message):
-    __slots__ = ("policy_version", "run_id", "sample_id")
+    __slots__ = ("run_id", "policy_version", "sample_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     policy_version: int
     sample_id: str
-    def __init__(
-        self,
-        run_id: str | None = ...,
-        policy_version: int | None = ...,
-        sample_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., sample_id: _Optional[str] = ...) -> None: ...
 
 class PutRecordsChunk(_message.Message):
-    __slots__ = ("crc32", "data", "key", "total_bytes")
+    __slots__ = ("key", "total_bytes", "crc32", "data")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
@@ -46,13 +38,7 @@ class PutRecordsChunk(_message.Message):
     total_bytes: int
     crc32: int
     data: bytes
-    def __init__(
-        self,
-        key: RecordKey | _Mapping | None = ...,
-        total_bytes: int | None = ...,
-        crc32: int | None = ...,
-        data: bytes | None = ...,
-    ) -> None: ...
+    def __init__(self, key: _Optional[_Union[RecordKey, _Mapping]] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutRecordsResponse(_message.Message):
     __slots__ = ("key", "stored_bytes", "ttl_seconds")
@@ -62,30 +48,20 @@ class PutRecordsResponse(_message.Message):
     key: RecordKey
     stored_bytes: int
     ttl_seconds: int
-    def __init__(
-        self,
-        key: RecordKey | _Mapping | None = ...,
-        stored_bytes: int | None = ...,
-        ttl_seconds: int | None = ...,
-    ) -> None: ...
+    def __init__(self, key: _Optional[_Union[RecordKey, _Mapping]] = ..., stored_bytes: _Optional[int] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class GetRecordsRequest(_message.Message):
-    __slots__ = ("policy_version", "run_id", "sample_ids")
+    __slots__ = ("run_id", "policy_version", "sample_ids")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     policy_version: int
     sample_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self,
-        run_id: str | None = ...,
-        policy_version: int | None = ...,
-        sample_ids: _Iterable[str] | None = ...,
-    ) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetRecordsChunk(_message.Message):
-    __slots__ = ("crc32", "data", "detail", "offset", "sample_id", "status", "total_bytes")
+    __slots__ = ("sample_id", "status", "total_bytes", "crc32", "offset", "data", "detail")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -100,53 +76,28 @@ class GetRecordsChunk(_message.Message):
     offset: int
     data: bytes
     detail: str
-    def __init__(
-        self,
-        sample_id: str | None = ...,
-        status: RecordStatus | str | None = ...,
-        total_bytes: int | None = ...,
-        crc32: int | None = ...,
-        offset: int | None = ...,
-        data: bytes | None = ...,
-        detail: str | None = ...,
-    ) -> None: ...
+    def __init__(self, sample_id: _Optional[str] = ..., status: _Optional[_Union[RecordStatus, str]] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("policy_version", "run_id")
+    __slots__ = ("run_id", "policy_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     policy_version: int
-    def __init__(self, run_id: str | None = ..., policy_version: int | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted_records",)
     DELETED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     deleted_records: int
-    def __init__(self, deleted_records: int | None = ...) -> None: ...
+    def __init__(self, deleted_records: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = (
-        "bytes_got_total",
-        "bytes_put_total",
-        "corrupt_total",
-        "hits_total",
-        "max_record_bytes",
-        "misses_total",
-        "records_got_total",
-        "records_put_total",
-        "redis_evicted_keys_total",
-        "redis_expired_keys_total",
-        "redis_keys",
-        "redis_maxmemory_bytes",
-        "redis_maxmemory_policy",
-        "redis_used_memory_bytes",
-        "ttl_seconds",
-    )
+    __slots__ = ("records_put_total", "bytes_put_total", "records_got_total", "bytes_got_total", "hits_total", "misses_total", "corrupt_total", "redis_used_memory_bytes", "redis_maxmemory_bytes", "redis_maxmemory_policy", "redis_evicted_keys_total", "redis_expired_keys_total", "redis_keys", "ttl_seconds", "max_record_bytes")
     RECORDS_PUT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_PUT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RECORDS_GOT_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -177,21 +128,4 @@ class StatsResponse(_message.Message):
     redis_keys: int
     ttl_seconds: int
     max_record_bytes: int
-    def __init__(
-        self,
-        records_put_total: int | None = ...,
-        bytes_put_total: int | None = ...,
-        records_got_total: int | None = ...,
-        bytes_got_total: int | None = ...,
-        hits_total: int | None = ...,
-        misses_total: int | None = ...,
-        corrupt_total: int | None = ...,
-        redis_used_memory_bytes: int | None = ...,
-        redis_maxmemory_bytes: int | None = ...,
-        redis_maxmemory_policy: str | None = ...,
-        redis_evicted_keys_total: int | None = ...,
-        redis_expired_keys_total: int | None = ...,
-        redis_keys: int | None = ...,
-        ttl_seconds: int | None = ...,
-        max_record_bytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, records_put_total: _Optional[int] = ..., bytes_put_total: _Optional[int] = ..., records_got_total: _Optional[int] = ..., bytes_got_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., redis_used_memory_bytes: _Optional[int] = ..., redis_maxmemory_bytes: _Optional[int] = ..., redis_maxmemory_policy: _Optional[str] = ..., redis_evicted_keys_total: _Optional[int] = ..., redis_expired_keys_total: _Optional[int] = ..., redis_keys: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., max_record_bytes: _Optional[int] = ...) -> None: ...

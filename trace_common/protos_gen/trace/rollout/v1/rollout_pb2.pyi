@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -14,7 +12,6 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
-
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -23,10 +20,10 @@ class Prompt(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "seed", "stop_token_ids", "temperature", "top_k", "top_p")
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -39,26 +36,10 @@ class SamplingParams(_message.Message):
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(
-        self,
-        temperature: float | None = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        max_new_tokens: int | None = ...,
-        stop_token_ids: _Iterable[int] | None = ...,
-        seed: int | None = ...,
-    ) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = (
-        "group_size",
-        "min_policy_version",
-        "prompts",
-        "run_id",
-        "sample_id_prefix",
-        "sampling",
-        "write_records",
-    )
+    __slots__ = ("prompts", "group_size", "sampling", "min_policy_version", "run_id", "sample_id_prefix", "write_records")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -73,28 +54,10 @@ class GenerateRequest(_message.Message):
     run_id: str
     sample_id_prefix: str
     write_records: bool
-    def __init__(
-        self,
-        prompts: _Iterable[Prompt | _Mapping] | None = ...,
-        group_size: int | None = ...,
-        sampling: SamplingParams | _Mapping | None = ...,
-        min_policy_version: int | None = ...,
-        run_id: str | None = ...,
-        sample_id_prefix: str | None = ...,
-        write_records: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., run_id: _Optional[str] = ..., sample_id_prefix: _Optional[str] = ..., write_records: _Optional[bool] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = (
-        "finish_reason",
-        "group_index",
-        "logprobs",
-        "policy_version",
-        "prompt_index",
-        "record_bytes",
-        "sample_id",
-        "token_ids",
-    )
+    __slots__ = ("sample_id", "prompt_index", "group_index", "token_ids", "logprobs", "policy_version", "finish_reason", "record_bytes")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -111,33 +74,14 @@ class Completion(_message.Message):
     policy_version: int
     finish_reason: FinishReason
     record_bytes: int
-    def __init__(
-        self,
-        sample_id: str | None = ...,
-        prompt_index: int | None = ...,
-        group_index: int | None = ...,
-        token_ids: _Iterable[int] | None = ...,
-        logprobs: _Iterable[float] | None = ...,
-        policy_version: int | None = ...,
-        finish_reason: FinishReason | str | None = ...,
-        record_bytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, sample_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., group_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., record_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RolloutStatusResponse(_message.Message):
-    __slots__ = (
-        "completions_total",
-        "engine",
-        "policy_version",
-        "quant_format",
-        "ready",
-        "replica_id",
-        "requests_in_flight",
-        "tokens_generated_total",
-    )
+    __slots__ = ("replica_id", "policy_version", "ready", "engine", "quant_format", "requests_in_flight", "completions_total", "tokens_generated_total")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -154,14 +98,4 @@ class RolloutStatusResponse(_message.Message):
     requests_in_flight: int
     completions_total: int
     tokens_generated_total: int
-    def __init__(
-        self,
-        replica_id: str | None = ...,
-        policy_version: int | None = ...,
-        ready: bool | None = ...,
-        engine: str | None = ...,
-        quant_format: str | None = ...,
-        requests_in_flight: int | None = ...,
-        completions_total: int | None = ...,
-        tokens_generated_total: int | None = ...,
-    ) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., ready: _Optional[bool] = ..., engine: _Optional[str] = ..., quant_format: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., completions_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ...) -> None: ...

@@ -1,10 +1,9 @@
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -16,7 +15,6 @@ class TrainerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAINER_STATE_PAUSED: _ClassVar[TrainerState]
     TRAINER_STATE_FINISHED: _ClassVar[TrainerState]
     TRAINER_STATE_FAILED: _ClassVar[TrainerState]
-
 TRAINER_STATE_UNSPECIFIED: TrainerState
 TRAINER_STATE_STARTING: TrainerState
 TRAINER_STATE_RUNNING: TrainerState
@@ -29,24 +27,14 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = (
-        "detail",
-        "last_metrics",
-        "policy_version",
-        "rollout_replicas",
-        "run_id",
-        "state",
-        "step",
-        "total_steps",
-    )
+    __slots__ = ("run_id", "state", "step", "total_steps", "policy_version", "rollout_replicas", "last_metrics", "detail")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: float
-        def __init__(self, key: str | None = ..., value: float | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -63,23 +51,13 @@ class TrainerStatus(_message.Message):
     rollout_replicas: int
     last_metrics: _containers.ScalarMap[str, float]
     detail: str
-    def __init__(
-        self,
-        run_id: str | None = ...,
-        state: TrainerState | str | None = ...,
-        step: int | None = ...,
-        total_steps: int | None = ...,
-        policy_version: int | None = ...,
-        rollout_replicas: int | None = ...,
-        last_metrics: _Mapping[str, float] | None = ...,
-        detail: str | None = ...,
-    ) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[TrainerState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., rollout_replicas: _Optional[int] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: str | None = ...) -> None: ...
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ()
