@@ -19,6 +19,25 @@ def demo() -> None:
     run_demo()
 
 
+# Service name -> module whose `main()` runs it (`python -m <module>` does the same).
+SERVICES: dict[str, str] = {
+    "quant-cache": "services.quant_cache.__main__",
+    "weight-sync": "services.weight_sync.__main__",
+}
+
+
+@app.command()
+def serve(
+    name: str = typer.Argument(..., help="service to run: " + ", ".join(SERVICES)),
+) -> None:
+    """Run one TRACE service in the foreground (configured by TRACE_* environment variables)."""
+    import importlib
+
+    if name not in SERVICES:
+        raise typer.BadParameter(f"unknown service {name!r}; choose from {sorted(SERVICES)}")
+    importlib.import_module(SERVICES[name]).main()
+
+
 @app.command()
 def version() -> None:
     """Print the installed version."""

@@ -59,6 +59,9 @@ class ServiceSettings(BaseSettings):
             )
         if self.auth_token_file is not None and not self.auth_token_file.is_file():
             raise ValueError(f"TRACE_AUTH_TOKEN_FILE={self.auth_token_file} is not a file")
+        if not self.token():
+            source = "TRACE_AUTH_TOKEN" if self.auth_token is not None else "TRACE_AUTH_TOKEN_FILE"
+            raise ValueError(f"auth: the token from {source} is empty")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 "TLS needs both TRACE_TLS_CERT_FILE and TRACE_TLS_KEY_FILE, got "
@@ -75,8 +78,6 @@ class ServiceSettings(BaseSettings):
         else:
             assert self.auth_token_file is not None
             token = self.auth_token_file.read_text().strip()
-        if not token:
-            raise ValueError("the auth token is empty")
         return token
 
     @classmethod
