@@ -317,10 +317,23 @@ def capture(
     return x_q, make_record(q, mode)
 
 
-def guided_codes(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
+def record_scaled(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
+    """z = clip(x_train / s_rollout, -6, 6) in fp32, shape of x_train (grid units)."""
+    with torch.no_grad():
+        z, _ = _scaled(x_train, record)
+    return z.reshape(x_train.shape)
+
+
+def guided_grid(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
     """The guided E2M1 values q* (fp32 grid values, shape of x_train), without the scales."""
-    q_star, _ = _guided(x_train, record)
+    with torch.no_grad():
+        q_star, _ = _guided(x_train, record)
     return q_star.reshape(x_train.shape)
+
+
+def guided_codes(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
+    """The guided E2M1 codes (uint8, shape of x_train; a guided zero is code 0)."""
+    return f32_to_e2m1(guided_grid(x_train, record))
 
 
 def guided_quantize(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
