@@ -79,7 +79,7 @@ def decode(value: bytes) -> Found:
 def redis_errors(exc: redis.RedisError) -> ServiceError:
     """Map a Redis failure to a status: OOM at the memory bound -> RESOURCE_EXHAUSTED."""
     text = str(exc)
-    if text.startswith("OOM"):
+    if isinstance(exc, redis.exceptions.OutOfMemoryError) or text.startswith("OOM"):
         return exhausted(f"Redis is at its memory bound (maxmemory, noeviction): {text}")
     return ServiceError(grpc.StatusCode.UNAVAILABLE, f"Redis error: {type(exc).__name__}: {text}")
 

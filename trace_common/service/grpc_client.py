@@ -28,7 +28,7 @@ class RetryPolicy:
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
-    codes: tuple[str, ...] = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")  # transient only
+    codes: tuple[str, ...] = ("UNAVAILABLE",)  # transient only (not limits, not bad input)
 
     def service_config(self, service: str, methods: Sequence[str]) -> str:
         return json.dumps(

@@ -1,0 +1,259 @@
+"""weight-sync in a subprocess, over real gRPC sockets, with replicas as separate clients."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+import torch
+
+from trace_common.clients import WeightSyncClient
+from trace_common.clients.tensors import tensor_to_wire
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+from trace_common.service.grpc_server import AUTH_HEADER
+from trace_common.service.testing import ServiceProcess
+
+TOKEN = "integration-test-token"
+WS = "services.weight_sync"
+HEARTBEAT_TIMEOUT_S = 0.6
+
+
+def _policy(seed: int) -> dict[str, torch.Tensor]:
+    """A small policy in the ModelOpt NVFP4 layout plus BF16 tensors."""
+    g = torch.Generator().manual_seed(seed)
+    out, inp = 256, 512
+    return {
+        "layers.0.mlp.experts.0.up_proj.weight": torch.randint(
+            0, 256, (out, inp // 2), dtype=torch.uint8, generator=g
+        ),
+        "layers.0.mlp.experts.0.up_proj.weight_scale": torch.rand(out, inp // 16, generator=g)
+        .mul(448)
+        .to(torch.float8_e4m3fn),
+        "layers.0.mlp.experts.0.up_proj.weight_scale_2": torch.tensor(
+            0.0123 * (seed + 1), dtype=torch.float32
+        ),
+        "layers.0.self_attn.q_proj.weight": torch.randn(inp, inp, generator=g).to(torch.bfloat16),
+        "embed_tokens.weight": torch.randn(1000, 64, generator=g).to(torch.bfloat16),
+        "lm_head.bias": torch.randn(1000, generator=g),
+    }
+
+
+def _assert_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        g = got[name]
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        assert bytes(tensor_to_wire(name, g)[1]) == bytes(tensor_to_wire(name, t)[1]), (
+            f"{name}: bytes differ"
+        )
+
+
+@pytest.fixture()
+def service() -> Iterator[ServiceProcess]:
+    env = {
+        "TRACE_AUTH_TOKEN": TOKEN,
+        "TRACE_KEEP_VERSIONS": "2",
+        "TRACE_CHUNK_BYTES": str(64 << 10),  # small chunks: many per tensor
+        "TRACE_HEARTBEAT_TIMEOUT_SECONDS": str(HEARTBEAT_TIMEOUT_S),
+    }
+    with ServiceProcess(WS, env) as svc:
+        yield svc
+
+
+class Replica(threading.Thread):
+    """A rollout replica's weight loop: register, subscribe, pull each notified version."""
+
+    def __init__(self, address: str, replica_id: str, want: int) -> None:
+        super().__init__(daemon=True)
+        self.client = WeightSyncClient(address, TOKEN)
+        self.replica_id = replica_id
+        self.want = want
+        self.pulled: dict[int, dict[str, torch.Tensor]] = {}
+        self.registered = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.client.register(self.replica_id, f"{self.replica_id}:50053")
+            stream = self.client.subscribe(self.replica_id)
+            self.registered.set()
+            for notice in stream:
+                version, tensors, _ = self.client.pull_version(
+                    notice.version, replica_id=self.replica_id
+                )
+                self.pulled[version] = tensors
+                self.client.heartbeat(self.replica_id, version)
+                if version >= self.want:
+                    stream.cancel()
+                    break
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+            self.registered.set()
+
+
+def test_push_reaches_two_subscribed_replicas_and_late_joiner(service: ServiceProcess) -> None:
+    trainer = WeightSyncClient(service.grpc_address, TOKEN, chunk_bytes=100_000)
+    replicas = [Replica(service.grpc_address, f"rollout-{i}", want=2) for i in range(2)]
+    for r in replicas:
+        r.start()
+        assert r.registered.wait(10) and r.error is None
+    time.sleep(0.2)  # both Subscribe streams are open
+    policies = {v: _policy(v) for v in (1, 2)}
+    info = trainer.push_version(1, policies[1], {"format": "nvfp4", "step": 10})
+    assert info.version == 1 and info.num_tensors == len(policies[1])
+    trainer.push_version(2, policies[2], {"format": "nvfp4", "step": 20})
+    for r in replicas:
+        r.join(20)
+        assert r.error is None, r.error
+        assert 2 in r.pulled, f"{r.replica_id} pulled {sorted(r.pulled)}"
+        for version, tensors in r.pulled.items():
+            _assert_exact(tensors, policies[version])
+
+    # A replica registering after the pushes gets the latest complete version at once.
+    late = Replica(service.grpc_address, "rollout-late", want=2)
+    late.start()
+    late.join(20)
+    assert late.error is None and sorted(late.pulled) == [2], sorted(late.pulled)
+    _assert_exact(late.pulled[2], policies[2])
+    version, tensors, meta = trainer.pull_version()
+    assert version == 2 and meta == {"format": "nvfp4", "step": 20}
+
+    listed = {r.replica_id: r for r in trainer.replicas()}
+    assert set(listed) == {"rollout-0", "rollout-1", "rollout-late"}
+    assert all(r.version_held == 2 and r.version_lag == 0 and r.alive for r in listed.values())
+
+    # Keep the last K=2: a third version drops version 1.
+    response = trainer.push_version(3, _policy(3), {})
+    assert [v.version for v in trainer.versions()] == [2, 3] and response.version == 3
+    with pytest.raises(grpc.RpcError) as err:
+        trainer.pull_version(1)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "version 1" in err.value.details()
+    metrics = httpx.get(f"{service.http_url}/metrics").text
+    assert "trace_weight_sync_versions_published_total 3.0" in metrics
+    assert 'trace_weight_sync_replica_version_lag{replica_id="rollout-0"} 1.0' in metrics
+
+
+def test_half_pushed_version_is_never_visible(service: ServiceProcess) -> None:
+    trainer = WeightSyncClient(service.grpc_address, TOKEN)
+    trainer.push_version(1, _policy(1), {})
+    policy = _policy(2)
+    wire = [tensor_to_wire(n, t) for n, t in policy.items()]
+    header = pb.VersionHeader(
+        version=2,
+        metadata_json="{}",
+        tensors=[s for s, _ in wire],
+        total_bytes=sum(s.nbytes for s, _ in wire),
+    )
+    halfway, resume = threading.Event(), threading.Event()
+
+    def messages(abandon: bool) -> Iterator[pb.PushChunk]:
+        yield pb.PushChunk(header=header)
+        for index, (_, view) in enumerate(wire):
+            if index == len(wire) // 2:
+                halfway.set()
+                resume.wait(10)
+                if abandon:
+                    raise RuntimeError("trainer crashed mid-push")
+            yield pb.PushChunk(chunk=pb.TensorChunk(tensor_index=index, offset=0, data=bytes(view)))
+
+    stub = pb_grpc.WeightSyncStub(grpc.insecure_channel(service.grpc_address))
+    md = ((AUTH_HEADER, f"Bearer {TOKEN}"),)
+
+    def check_invisible() -> None:
+        assert [v.version for v in trainer.versions()] == [1]
+        assert trainer.pull_version()[0] == 1
+        with pytest.raises(grpc.RpcError) as err:
+            trainer.pull_version(2)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    # 1) A push in flight is invisible until its last byte is verified.
+    future = stub.PushVersion.future(messages(abandon=False), metadata=md, timeout=30)
+    assert halfway.wait(10)
+    check_invisible()
+    resume.set()
+    assert future.result().published.version == 2
+    assert trainer.pull_version()[0] == 2
+
+    # 2) An abandoned push (client dies mid-stream) never becomes visible.
+    halfway.clear()
+    resume.clear()
+    header.version = 3
+    future = stub.PushVersion.future(messages(abandon=True), metadata=md, timeout=30)
+    assert halfway.wait(10)
+    resume.set()
+    with pytest.raises(grpc.RpcError):
+        future.result()
+    assert [v.version for v in trainer.versions()] == [1, 2]
+
+    # 3) A push whose bytes fail their checksum is rejected (DATA_LOSS), not published.
+    bad = pb.VersionHeader()
+    bad.CopyFrom(header)
+    bad.version = 4
+    bad.tensors[0].crc32 ^= 1
+
+    def corrupt() -> Iterator[pb.PushChunk]:
+        yield pb.PushChunk(header=bad)
+        for index, (_, view) in enumerate(wire):
+            yield pb.PushChunk(chunk=pb.TensorChunk(tensor_index=index, offset=0, data=bytes(view)))
+
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushVersion(corrupt(), metadata=md, timeout=30)
+    assert (
+        err.value.code() == grpc.StatusCode.DATA_LOSS and bad.tensors[0].name in err.value.details()
+    )
+    assert [v.version for v in trainer.versions()] == [1, 2]
+    # The failed pushes left no reservation behind: version 3 can be pushed now.
+    assert trainer.push_version(3, policy, {}).version == 3
+
+
+def test_dead_replica_reported_after_heartbeat_timeout(service: ServiceProcess) -> None:
+    ws = WeightSyncClient(service.grpc_address, TOKEN)
+    assert ws.register("alive-1", "a:1").heartbeat_timeout_seconds == pytest.approx(
+        HEARTBEAT_TIMEOUT_S
+    )
+    ws.register("silent-1", "b:1")
+    stop = ws.start_heartbeats("alive-1", lambda: -1, interval_s=HEARTBEAT_TIMEOUT_S / 4)
+    try:
+        assert all(r.alive for r in ws.replicas())
+        time.sleep(HEARTBEAT_TIMEOUT_S * 2)
+        state = {r.replica_id: r.alive for r in ws.replicas()}
+        assert state == {"alive-1": True, "silent-1": False}
+        assert (
+            "trace_weight_sync_replicas_alive 1.0" in httpx.get(f"{service.http_url}/metrics").text
+        )
+        ws.heartbeat("silent-1", -1)  # it comes back
+        assert all(r.alive for r in ws.replicas())
+    finally:
+        stop.set()
+
+
+def _all_rpcs(stub: pb_grpc.WeightSyncStub, md: tuple[tuple[str, str], ...]) -> list:
+    """One call of every WeightSync RPC, as thunks."""
+    return [
+        lambda: stub.Register(
+            pb.RegisterRequest(replica_id="r", address="a:1"), metadata=md, timeout=5
+        ),
+        lambda: stub.Heartbeat(pb.HeartbeatRequest(replica_id="r"), metadata=md, timeout=5),
+        lambda: stub.ListReplicas(pb.ListReplicasRequest(), metadata=md, timeout=5),
+        lambda: stub.ListVersions(pb.ListVersionsRequest(), metadata=md, timeout=5),
+        lambda: list(stub.PullVersion(pb.PullVersionRequest(), metadata=md, timeout=5)),
+        lambda: list(stub.Subscribe(pb.SubscribeRequest(replica_id="r"), metadata=md, timeout=5)),
+        lambda: stub.PushVersion(iter([pb.PushChunk()]), metadata=md, timeout=5),
+    ]
+
+
+def test_auth_required_on_every_rpc(service: ServiceProcess) -> None:
+    channel = grpc.insecure_channel(service.grpc_address)
+    stub = pb_grpc.WeightSyncStub(channel)
+    for md in [(), ((AUTH_HEADER, "Bearer wrong-token"),), ((AUTH_HEADER, TOKEN),)]:
+        for call in _all_rpcs(stub, md):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, md
+    assert WeightSyncClient(service.grpc_address, TOKEN).replicas() == [], "nothing registered"
+    channel.close()
