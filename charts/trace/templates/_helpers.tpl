@@ -1,0 +1,249 @@
+{{/* Names, labels and shared pod pieces of the TRACE chart. */}}
+
+{{- define "trace.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "trace.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of one component's objects: <fullname>-<component>. Call with (list $ "rollout"). */}}
+{{- define "trace.componentName" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s" (include "trace.fullname" $root) (index . 1) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "trace.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "trace.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: trace
+{{- end -}}
+
+{{/* Selector labels of one component. Call with (list $ "rollout"). */}}
+{{- define "trace.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "trace.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "trace.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "trace.authSecretName" -}}
+{{- if .Values.auth.existingSecret -}}
+{{- .Values.auth.existingSecret -}}
+{{- else -}}
+{{- printf "%s-auth" (include "trace.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "trace.redisSecretName" -}}
+{{- if .Values.redis.existingSecret -}}
+{{- .Values.redis.existingSecret -}}
+{{- else -}}
+{{- printf "%s-redis" (include "trace.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* host:port of a component's gRPC server through its Service. Call with (list $ "weight-sync" port). */}}
+{{- define "trace.grpcAddress" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s:%v" (include "trace.componentName" (list $root (index . 1))) (index . 2) -}}
+{{- end -}}
+
+{{/*
+Environment shared by every TRACE container: the token file, the addresses of the other
+services, and the ConfigMap. Call with (list $ <component values>).
+*/}}
+{{- define "trace.commonEnv" -}}
+{{- $root := index . 0 -}}
+{{- $v := $root.Values -}}
+- name: TRACE_AUTH_TOKEN_FILE
+  value: /var/run/secrets/trace/token
+- name: TRACE_QUANT_CACHE_ADDRESS
+  value: {{ include "trace.grpcAddress" (list $root "quant-cache" $v.quantCache.grpcPort) | quote }}
+- name: TRACE_WEIGHT_SYNC_ADDRESS
+  value: {{ include "trace.grpcAddress" (list $root "weight-sync" $v.weightSync.grpcPort) | quote }}
+- name: TRACE_TRAINER_ADDRESS
+  value: {{ include "trace.grpcAddress" (list $root "trainer" $v.trainer.grpcPort) | quote }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef: {fieldPath: metadata.name}
+- name: POD_IP
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
+{{- range $k, $val := (index . 1).env }}
+- name: {{ $k }}
+  value: {{ $val | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level pieces every TRACE pod shares: security context, pull secrets, scheduling. */}}
+{{- define "trace.podSpecCommon" -}}
+{{- $root := index . 0 -}}
+{{- $c := index . 1 -}}
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The TRACE container of one component. Call with (list $ "rollout" <component values> <extra env YAML or "">).
+It runs `trace-rl serve <component>` with gRPC and HTTP ports, gRPC health probes, the
+hardened security context, the token Secret, writable /tmp and /data.
+*/}}
+{{- define "trace.container" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $c := index . 2 -}}
+{{- $v := $root.Values -}}
+- name: {{ $name }}
+  image: {{ include "trace.image" $root | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  args: ["serve", {{ $name | quote }}]
+  env:
+    {{- include "trace.commonEnv" (list $root $c) | nindent 4 }}
+    - name: TRACE_GRPC_PORT
+      value: {{ $c.grpcPort | quote }}
+    - name: TRACE_HTTP_PORT
+      value: {{ $c.httpPort | quote }}
+    {{- with (index . 3) }}
+    {{- . | nindent 4 }}
+    {{- end }}
+  envFrom:
+    - configMapRef:
+        name: {{ include "trace.fullname" $root }}-config
+  ports:
+    - {name: grpc, containerPort: {{ $c.grpcPort }}, protocol: TCP}
+    - {name: http, containerPort: {{ $c.httpPort }}, protocol: TCP}
+  startupProbe:
+    grpc: {port: {{ $c.grpcPort }}}
+    periodSeconds: {{ $v.probes.startup.periodSeconds }}
+    failureThreshold: {{ $v.probes.startup.failureThreshold }}
+  livenessProbe:
+    grpc: {port: {{ $c.grpcPort }}}
+    periodSeconds: {{ $v.probes.liveness.periodSeconds }}
+    failureThreshold: {{ $v.probes.liveness.failureThreshold }}
+    timeoutSeconds: {{ $v.probes.liveness.timeoutSeconds }}
+  readinessProbe:
+    grpc: {port: {{ $c.grpcPort }}}
+    periodSeconds: {{ $v.probes.readiness.periodSeconds }}
+    failureThreshold: {{ $v.probes.readiness.failureThreshold }}
+    timeoutSeconds: {{ $v.probes.readiness.timeoutSeconds }}
+  securityContext:
+    {{- toYaml $v.securityContext | nindent 4 }}
+  resources:
+    {{- $res := deepCopy $c.resources }}
+    {{- if gt (int (default 0 $c.gpus)) 0 }}
+    {{- $limits := default dict $res.limits }}
+    {{- $_ := set $limits "nvidia.com/gpu" (int $c.gpus) }}
+    {{- $_ := set $res "limits" $limits }}
+    {{- end }}
+    {{- toYaml $res | nindent 4 }}
+  volumeMounts:
+    - {name: auth-token, mountPath: /var/run/secrets/trace, readOnly: true}
+    - {name: tmp, mountPath: /tmp}
+    - {name: data, mountPath: /data}
+{{- end -}}
+
+{{/* Volumes of the TRACE container; the trainer replaces `data` by its PVC. */}}
+{{- define "trace.volumes" -}}
+{{- $root := index . 0 -}}
+{{- $withData := index . 1 -}}
+- name: auth-token
+  secret:
+    secretName: {{ include "trace.authSecretName" $root }}
+    defaultMode: 0440
+    items:
+      - {key: {{ $root.Values.auth.secretKey }}, path: token}
+- name: tmp
+  emptyDir: {}
+{{- if $withData }}
+- name: data
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{/* TRACE_REDIS_URL for quant-cache: the in-chart Redis (password from its Secret) or external. */}}
+{{- define "trace.redisEnv" -}}
+{{- $r := .Values.redis -}}
+{{- if $r.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "trace.redisSecretName" . }}
+      key: {{ $r.secretKey }}
+- name: TRACE_REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "trace.componentName" (list . "redis")) | quote }}
+{{- else if $r.external.existingSecret }}
+- name: TRACE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $r.external.existingSecret }}
+      key: {{ $r.external.secretKey }}
+{{- else if $r.external.url }}
+- name: TRACE_REDIS_URL
+  value: {{ $r.external.url | quote }}
+{{- else }}
+{{- fail "redis.enabled is false: set redis.external.url or redis.external.existingSecret" }}
+{{- end }}
+{{- end -}}
+
+{{/* A ClusterIP Service for one component's gRPC and HTTP ports. Call with (list $ name values). */}}
+{{- define "trace.service" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $c := index . 2 -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "trace.componentName" (list $root $name) }}
+  labels:
+    {{- include "trace.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ $name }}
+spec:
+  selector:
+    {{- include "trace.selectorLabels" (list $root $name) | nindent 4 }}
+  ports:
+    - {name: grpc, port: {{ $c.grpcPort }}, targetPort: grpc, appProtocol: grpc}
+    - {name: http, port: {{ $c.httpPort }}, targetPort: http}
+{{- end -}}
+
+{{/* Rollout: each pod registers with weight-sync under its pod name at its pod IP. */}}
+{{- define "trace.rolloutEnv" -}}
+{{- $c := index . 1 -}}
+- name: TRACE_ROLLOUT_REPLICA_ID
+  value: "$(POD_NAME)"
+- name: TRACE_ROLLOUT_ADVERTISE_ADDRESS
+  value: {{ printf "$(POD_IP):%v" $c.grpcPort | quote }}
+{{- end -}}

@@ -1,0 +1,180 @@
+"""The Helm chart without a helm binary: values against values.schema.json, the schema's
+hardening constraints, template structure, references to values, and the embedded files."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import pathlib
+import re
+import sys
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts/trace"
+TEMPLATES = CHART / "templates"
+COMPONENTS = {
+    "quantCache": "quant-cache",
+    "weightSync": "weight-sync",
+    "trainer": "trainer",
+    "rollout": "rollout",
+}
+
+
+@pytest.fixture(scope="module")
+def values() -> dict:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def validator() -> jsonschema.Draft7Validator:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def test_values_validate(values: dict, validator: jsonschema.Draft7Validator) -> None:
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(values)]
+    assert not errors, errors
+
+
+@pytest.mark.parametrize(
+    ("path", "bad"),
+    [
+        (("podSecurityContext", "runAsNonRoot"), False),
+        (("securityContext", "readOnlyRootFilesystem"), False),
+        (("securityContext", "allowPrivilegeEscalation"), True),
+        (("securityContext", "capabilities", "drop"), ["NET_RAW"]),
+        (("rollout", "replicas"), -1),
+        (("rollout", "grpcPort"), 70000),
+        (("rollout", "gpus"), "1"),
+        (("redis", "maxmemoryPolicy"), "lru"),
+        (("redis", "external", "url"), "http://redis:6379"),
+        (("config",), {"not a var": "x"}),
+        (("rollout", "typo"), 1),
+    ],
+)
+def test_schema_rejects_bad_values(
+    values: dict, validator: jsonschema.Draft7Validator, path: tuple[str, ...], bad: object
+) -> None:
+    broken = copy.deepcopy(values)
+    node = broken
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = bad
+    assert list(validator.iter_errors(broken)), f"schema accepted {path}={bad!r}"
+
+
+def test_gpu_components_request_gpus(values: dict) -> None:
+    assert values["trainer"]["gpus"] >= 1 and values["rollout"]["gpus"] >= 1
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    assert '"nvidia.com/gpu"' in helpers
+
+
+_BLOCK_OPEN = re.compile(r"\{\{-?\s*(if|range|with|define|block)\b")
+_BLOCK_END = re.compile(r"\{\{-?\s*end\s*-?\}\}")
+_VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+_COMPONENT_VAR = re.compile(r"\$c\s*:=\s*\.Values\.([A-Za-z]+)")
+_COMPONENT_REF = re.compile(r"\$c((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+
+
+def _templates() -> list[pathlib.Path]:
+    return sorted(p for p in TEMPLATES.iterdir() if p.suffix in (".yaml", ".tpl", ".txt"))
+
+
+@pytest.mark.parametrize("path", _templates(), ids=lambda p: p.name)
+def test_template_blocks_balance(path: pathlib.Path) -> None:
+    text = path.read_text()
+    assert text.count("{{") == text.count("}}"), path.name
+    assert len(_BLOCK_OPEN.findall(text)) == len(_BLOCK_END.findall(text)), path.name
+
+
+def _lookup(values: dict, dotted: str) -> bool:
+    node: object = values
+    for key in dotted.strip(".").split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+@pytest.mark.parametrize("path", _templates(), ids=lambda p: p.name)
+def test_templates_reference_existing_values(values: dict, path: pathlib.Path) -> None:
+    """`.Values.a.b` and `$c.x` (with `$c := .Values.<component>`) name keys in values.yaml."""
+    text = path.read_text()
+    missing = [ref for ref in _VALUES_REF.findall(text) if not _lookup(values, ref)]
+    bound = _COMPONENT_VAR.findall(text)
+    # Helpers take any component as $c: check against all four (gpus is read with a default).
+    components = bound or (list(COMPONENTS) if path.suffix == ".tpl" else [])
+    for ref in _COMPONENT_REF.findall(text):
+        for comp in components:
+            if not _lookup(values[comp], ref) and not (path.suffix == ".tpl" and ref == ".gpus"):
+                missing.append(f"{comp}{ref}")
+    assert not missing, f"{path.name} references values that do not exist: {missing}"
+
+
+def test_every_component_has_a_workload() -> None:
+    for comp, name in COMPONENTS.items():
+        text = (TEMPLATES / f"{name}.yaml").read_text()
+        assert f".Values.{comp}" in text
+        assert f'"trace.container" (list . "{name}"' in text, name
+    assert "kind: StatefulSet" in (TEMPLATES / "trainer.yaml").read_text()
+    assert "volumeClaimTemplates" in (TEMPLATES / "trainer.yaml").read_text()
+    rollout = (TEMPLATES / "rollout.yaml").read_text()
+    assert "clusterIP: None" in rollout and "HorizontalPodAutoscaler" in rollout
+
+
+def test_probes_are_grpc_and_containers_hardened() -> None:
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        block = helpers.split(f"{probe}:", 1)[1].split("\n", 2)[1]
+        assert block.strip().startswith("grpc:"), probe
+    assert (
+        "toYaml $v.securityContext" in helpers
+        and "toYaml $root.Values.podSecurityContext" in helpers
+    )
+    # The services may skip the token only for grpc.health.v1 (kubelet probes carry none).
+    from trace_common.service.config import ServiceSettings
+
+    assert ServiceSettings.model_fields["auth_exempt_health"].default is True
+
+
+def _dashboard_module():
+    spec = importlib.util.spec_from_file_location(
+        "trace_dashboard", ROOT / "deploy/grafana/dashboard.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dashboard_configmap_embeds_the_dashboard() -> None:
+    """The chart's ConfigMap embeds files/trace-rl.json, identical to the compose dashboard,
+    both equal to what deploy/grafana/dashboard.py generates."""
+    generated = _dashboard_module().render()
+    compose_copy = (ROOT / "deploy/grafana/dashboards/trace-rl.json").read_text()
+    chart_copy = (CHART / "files/trace-rl.json").read_text()
+    assert compose_copy == generated, "stale: run .venv/bin/python deploy/grafana/dashboard.py"
+    assert chart_copy == generated, "stale: run .venv/bin/python deploy/grafana/dashboard.py"
+    cm = (TEMPLATES / "grafana-dashboard.yaml").read_text()
+    assert '.Files.Get "files/trace-rl.json"' in cm
+    assert "toYaml .Values.grafanaDashboard.labels" in cm
+
+
+def test_prometheus_rule_embeds_the_rules() -> None:
+    assert (CHART / "files/trace.rules.yml").read_text() == (
+        ROOT / "deploy/prometheus/rules/trace.rules.yml"
+    ).read_text(), "copy deploy/prometheus/rules/trace.rules.yml to charts/trace/files/"
+    assert '.Files.Get "files/trace.rules.yml"' in (TEMPLATES / "monitoring.yaml").read_text()
+
+
+def test_chart_metadata() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "trace"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
