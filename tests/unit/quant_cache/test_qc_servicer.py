@@ -1,0 +1,222 @@
+"""QuantCacheServicer in-process with hand-built messages: the validation matrix."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from services.quant_cache.servicer import QuantCacheServicer
+from services.quant_cache.store import HEADER_BYTES, Lookup, RecordStore, decode, encode_header
+from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
+from trace_common.redis_local import LocalRedis
+from trace_common.service import Metrics, ServiceError
+
+MAX_RECORD = 1000
+MAX_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with LocalRedis() as server:
+        yield server.url
+
+
+@pytest.fixture()
+def servicer(redis_url: str) -> Iterator[QuantCacheServicer]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield QuantCacheServicer(
+        RecordStore(client, "t:qc", ttl_seconds=60),
+        Metrics("quant_cache"),
+        max_record_bytes=MAX_RECORD,
+        max_batch=MAX_BATCH,
+        chunk_bytes=7,
+    )
+    client.close()
+
+
+def key(run: str = "run", version: int = 1, sample: str = "s") -> pb.RecordKey:
+    return pb.RecordKey(run_id=run, policy_version=version, sample_id=sample)
+
+
+def put(servicer: QuantCacheServicer, chunks: list[pb.PutRecordsChunk]) -> pb.PutRecordsResponse:
+    return servicer.PutRecords(iter(chunks), None)
+
+
+def first(
+    data: bytes, k: pb.RecordKey | None = None, total: int | None = None, crc: int | None = None
+) -> pb.PutRecordsChunk:
+    return pb.PutRecordsChunk(
+        key=k or key(),
+        total_bytes=len(data) if total is None else total,
+        crc32=zlib.crc32(data) if crc is None else crc,
+        data=data,
+    )
+
+
+def code_of(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(ServiceError) as err:
+        fn()
+    return err.value.code, err.value.message
+
+
+def get(servicer: QuantCacheServicer, request: pb.GetRecordsRequest) -> list[pb.GetRecordsChunk]:
+    return list(servicer.GetRecords(request, None))
+
+
+def test_put_get_chunks_and_stats(servicer: QuantCacheServicer) -> None:
+    data = bytes(range(20))
+    response = put(
+        servicer,
+        [first(data[:5], total=20, crc=zlib.crc32(data)), pb.PutRecordsChunk(data=data[5:])],
+    )
+    assert response.stored_bytes == 20 and response.ttl_seconds == 60
+    chunks = get(
+        servicer, pb.GetRecordsRequest(run_id="run", policy_version=1, sample_ids=["s", "nope"])
+    )
+    # 20 bytes in chunks of 7: 3 chunks for "s", then one MISSING for "nope".
+    assert [c.sample_id for c in chunks] == ["s", "s", "s", "nope"]
+    assert [c.offset for c in chunks[:3]] == [0, 7, 14]
+    assert b"".join(c.data for c in chunks[:3]) == data and chunks[0].crc32 == zlib.crc32(data)
+    assert (
+        chunks[0].status == pb.RECORD_STATUS_OK and chunks[1].status == pb.RECORD_STATUS_UNSPECIFIED
+    )
+    assert chunks[3].status == pb.RECORD_STATUS_MISSING
+    stats = servicer.Stats(pb.StatsRequest(), None)
+    assert (
+        stats.records_put_total,
+        stats.bytes_put_total,
+        stats.hits_total,
+        stats.misses_total,
+    ) == (1, 20, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "code", "needle"),
+    [
+        ([], grpc.StatusCode.INVALID_ARGUMENT, "empty PutRecords stream"),
+        ([pb.PutRecordsChunk(data=b"x")], grpc.StatusCode.INVALID_ARGUMENT, "no key"),
+        ([first(b"x", key(run=""))], grpc.StatusCode.INVALID_ARGUMENT, "run_id=''"),
+        ([first(b"x", key(run="a:b"))], grpc.StatusCode.INVALID_ARGUMENT, "run_id='a:b'"),
+        ([first(b"x", key(run="r*"))], grpc.StatusCode.INVALID_ARGUMENT, "run_id='r*'"),
+        ([first(b"x", key(version=-1))], grpc.StatusCode.INVALID_ARGUMENT, "policy_version=-1"),
+        ([first(b"x", key(sample="s/1"))], grpc.StatusCode.INVALID_ARGUMENT, "sample_id='s/1'"),
+        (
+            [first(b"x", total=MAX_RECORD + 1)],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"max_record_bytes={MAX_RECORD}",
+        ),
+        ([first(b"xy", total=1)], grpc.StatusCode.INVALID_ARGUMENT, "more data than total_bytes=1"),
+        (
+            [first(b"x", total=3)],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stream ended after 1 of total_bytes=3",
+        ),
+        ([first(b"x", crc=123)], grpc.StatusCode.DATA_LOSS, "crc32"),
+        (
+            [first(b"x", total=2), pb.PutRecordsChunk(key=key(sample="other"), data=b"y")],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "one record per stream",
+        ),
+    ],
+)
+def test_put_rejects_bad_input(
+    servicer: QuantCacheServicer, chunks: list, code: grpc.StatusCode, needle: str
+) -> None:
+    got_code, message = code_of(lambda: put(servicer, chunks))
+    assert got_code == code and needle in message, message
+    assert servicer.Stats(pb.StatsRequest(), None).redis_keys == 0, "nothing stored"
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "needle"),
+    [
+        (
+            pb.GetRecordsRequest(run_id="run", sample_ids=[]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sample_ids is empty",
+        ),
+        (
+            pb.GetRecordsRequest(run_id="", sample_ids=["s"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "run_id=''",
+        ),
+        (
+            pb.GetRecordsRequest(run_id="r", policy_version=-3, sample_ids=["s"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "policy_version=-3",
+        ),
+        (
+            pb.GetRecordsRequest(run_id="r", sample_ids=["ok", "b a d"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sample_id='b a d'",
+        ),
+        (
+            pb.GetRecordsRequest(run_id="r", sample_ids=["a", "a"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "duplicate sample_ids: ['a']",
+        ),
+        (
+            pb.GetRecordsRequest(run_id="r", sample_ids=[f"s{i}" for i in range(MAX_BATCH + 1)]),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"max_batch={MAX_BATCH}",
+        ),
+    ],
+)
+def test_get_rejects_bad_input(
+    servicer: QuantCacheServicer, request_: pb.GetRecordsRequest, code: grpc.StatusCode, needle: str
+) -> None:
+    got_code, message = code_of(lambda: get(servicer, request_))
+    assert got_code == code and needle in message, message
+
+
+def test_delete_validation_and_scope(servicer: QuantCacheServicer) -> None:
+    assert (
+        code_of(lambda: servicer.Delete(pb.DeleteRequest(run_id="a b"), None))[0]
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert (
+        code_of(lambda: servicer.Delete(pb.DeleteRequest(run_id="r", policy_version=-1), None))[0]
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    for run, version in [("r", 1), ("r", 2), ("r2", 1), ("r.1", 1)]:
+        put(servicer, [first(b"abc", key(run=run, version=version))])
+    assert (
+        servicer.Delete(pb.DeleteRequest(run_id="r", policy_version=1), None).deleted_records == 1
+    )
+    assert servicer.Delete(pb.DeleteRequest(run_id="r"), None).deleted_records == 1
+    # "r" never matches "r2" or "r.1": keys end each id with ':'.
+    assert servicer.Stats(pb.StatsRequest(), None).redis_keys == 2
+
+
+def test_redis_down_is_unavailable(redis_url: str) -> None:
+    dead = redis.Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )
+    s = QuantCacheServicer(
+        RecordStore(dead, "t", 60),
+        Metrics("quant_cache"),
+        max_record_bytes=10,
+        max_batch=2,
+        chunk_bytes=4,
+    )
+    code, message = code_of(lambda: put(s, [first(b"x")]))
+    assert code == grpc.StatusCode.UNAVAILABLE and "Redis error" in message
+
+
+def test_decode_detects_corruption() -> None:
+    blob = b"records!"
+    good = encode_header(zlib.crc32(blob), len(blob)) + blob
+    assert decode(good).status is Lookup.OK and bytes(decode(good).blob) == blob
+    flipped = bytearray(good)
+    flipped[HEADER_BYTES] ^= 0x80
+    assert decode(bytes(flipped)).status is Lookup.CORRUPT
+    assert "truncated" in decode(good[:-1]).detail
+    assert "shorter than the header" in decode(good[:5]).detail
+    assert "bad magic" in decode(b"XXXX" + good[4:]).detail
