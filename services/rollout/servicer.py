@@ -1,0 +1,178 @@
+"""trace.rollout.v1.Rollout: generate groups of completions with the replica's current policy.
+
+A request takes one ``(engine, version)`` snapshot (see ``trace_common.rl.engine``) and runs
+to the end on it, so a weight swap never splits a request. Records go to quant-cache before
+the completion that refers to them is streamed back: a completion the trainer receives always
+has its records stored.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from trace_common.rl.dispatch import GenerateCall, ReplicaBehind
+from trace_common.rl.engine import EngineHolder, PutRecord, generate_unit
+from trace_common.rl.types import SamplingConfig, WorkUnit
+from trace_common.service import Metrics, ServiceError, check_id, failed_precondition, invalid
+from trace_common.service.errors import LONG_ID_RE
+
+FINISH_TO_PROTO = {
+    "stop": rollout_pb2.FINISH_REASON_STOP,
+    "length": rollout_pb2.FINISH_REASON_LENGTH,
+}
+MAX_PROMPTS_PER_REQUEST = 4096
+MAX_GROUP_SIZE = 1024
+
+
+def sampling_from_proto(p: rollout_pb2.SamplingParams) -> SamplingConfig:
+    """Proto -> typed config; a bad value is INVALID_ARGUMENT naming it."""
+    try:
+        return SamplingConfig(
+            temperature=p.temperature,
+            top_p=p.top_p if p.top_p else 1.0,
+            top_k=p.top_k,
+            max_new_tokens=p.max_new_tokens,
+            seed=p.seed,
+        )
+    except ValueError as exc:
+        raise invalid(f"sampling: {exc}") from exc
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Serves Generate / Status for one replica."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        holder: EngineHolder,
+        put_record: PutRecord | None,
+        *,
+        vocab_size: int | None = None,
+        metrics: Metrics | None = None,
+        engine_name: str = "native",
+        quant_format: str = "",
+    ) -> None:
+        self.replica_id = replica_id
+        self.holder = holder
+        self.put_record = put_record
+        self.vocab_size = vocab_size
+        self.engine_name = engine_name
+        self.quant_format = quant_format
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._completions = 0
+        self._tokens = 0
+        self._m = _RolloutMetrics(metrics or Metrics("rollout"))
+
+    def _validate(self, request: rollout_pb2.GenerateRequest) -> SamplingConfig:
+        if not request.prompts:
+            raise invalid("prompts is empty")
+        if len(request.prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise invalid(f"{len(request.prompts)} prompts > max {MAX_PROMPTS_PER_REQUEST}")
+        if not 1 <= request.group_size <= MAX_GROUP_SIZE:
+            raise invalid(f"group_size={request.group_size} must be in [1, {MAX_GROUP_SIZE}]")
+        if request.min_policy_version < 0:
+            raise invalid(f"min_policy_version={request.min_policy_version} must be >= 0")
+        check_id("run_id", request.run_id)
+        check_id("sample_id_prefix", request.sample_id_prefix, LONG_ID_RE)
+        for i, p in enumerate(request.prompts):
+            if not p.token_ids:
+                raise invalid(f"prompts[{i}] has no tokens")
+            if self.vocab_size is not None:
+                bad = [t for t in p.token_ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise invalid(
+                        f"prompts[{i}] has token ids {bad[:5]} outside [0, {self.vocab_size})"
+                    )
+        return sampling_from_proto(request.sampling)
+
+    def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: Any
+    ) -> Iterator[rollout_pb2.Completion]:
+        sampling = self._validate(request)
+        engine, version = self.holder.snapshot()
+        if engine is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no policy weights loaded yet")
+        if request.write_records and self.put_record is None:
+            raise failed_precondition("write_records requested but no quant-cache is configured")
+        n = len(request.prompts)
+        call = GenerateCall(
+            run_id=request.run_id,
+            step=0,
+            unit=WorkUnit(
+                unit_id=0,
+                prompt_ids=list(range(n)),
+                prompt_tokens=[tuple(p.token_ids) for p in request.prompts],
+            ),
+            group_size=request.group_size,
+            sampling=sampling,
+            min_policy_version=request.min_policy_version,
+            write_records=request.write_records,
+            sample_id_prefix=request.sample_id_prefix,
+        )
+        with self._lock:
+            self._in_flight += 1
+        self._m.in_flight.inc()
+        try:
+            with self._m.generate_seconds.time():
+                samples = generate_unit(engine, version, call, self.put_record, self.replica_id)
+        except ReplicaBehind as exc:
+            raise failed_precondition(str(exc)) from exc
+        except ValueError as exc:  # the engine rejected the input
+            raise invalid(str(exc)) from exc
+        except ConnectionError as exc:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"quant-cache: {exc}") from exc
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+            self._m.in_flight.dec()
+        for s in samples:
+            n_tok = len(s.completion_tokens)
+            with self._lock:
+                self._completions += 1
+                self._tokens += n_tok
+            self._m.completions.inc()
+            self._m.tokens.inc(n_tok)
+            self._m.record_bytes.inc(s.record_bytes)
+            yield rollout_pb2.Completion(
+                sample_id=s.sample_id,
+                prompt_index=s.prompt_id,
+                group_index=s.group_index,
+                token_ids=s.completion_tokens,
+                logprobs=s.logprobs,
+                policy_version=s.policy_version,
+                finish_reason=FINISH_TO_PROTO[s.finish_reason],
+                record_bytes=s.record_bytes,
+            )
+
+    def Status(
+        self, request: rollout_pb2.RolloutStatusRequest, context: Any
+    ) -> rollout_pb2.RolloutStatusResponse:
+        return rollout_pb2.RolloutStatusResponse(**self.status())
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "replica_id": self.replica_id,
+                "policy_version": self.holder.version,
+                "ready": self.holder.version >= 0,
+                "engine": self.engine_name,
+                "quant_format": self.quant_format,
+                "requests_in_flight": self._in_flight,
+                "completions_total": self._completions,
+                "tokens_generated_total": self._tokens,
+            }
+
+
+class _RolloutMetrics:
+    def __init__(self, m: Metrics) -> None:
+        self.in_flight = m.gauge("requests_in_flight", "Generate calls running now")
+        self.completions = m.counter("completions", "completions generated")
+        self.tokens = m.counter("generated_tokens", "completion tokens generated")
+        self.record_bytes = m.counter("record_bytes", "record bytes written to quant-cache")
+        self.generate_seconds = m.histogram("generate_seconds", "time of one Generate call")

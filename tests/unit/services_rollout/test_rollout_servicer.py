@@ -1,0 +1,121 @@
+"""The rollout servicer in-process with hand-built messages and a fake engine."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.rollout.servicer import RolloutServicer
+from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2
+from trace_common.rl.engine import EngineHolder, GeneratedSample
+from trace_common.service import ServiceError
+
+
+class FakeEngine:
+    name = "fake"
+
+    def __init__(self, tag: int) -> None:
+        self.tag = tag
+        self.calls = []
+
+    def generate(self, prompts, group_size, sampling, *, with_records):
+        self.calls.append((list(map(list, prompts)), group_size, sampling))
+        return [
+            GeneratedSample(
+                prompt_index=i,
+                group_index=j,
+                completion_tokens=[self.tag, 2],
+                logprobs=[-0.1, -0.2],
+                finish_reason="stop" if j % 2 == 0 else "length",
+                records=f"r{self.tag}-{i}-{j}".encode() if with_records else None,
+            )
+            for i in range(len(prompts))
+            for j in range(group_size)
+        ]
+
+
+def request(**kw) -> rollout_pb2.GenerateRequest:
+    base = dict(
+        prompts=[rollout_pb2.Prompt(token_ids=[1, 4, 5]), rollout_pb2.Prompt(token_ids=[1, 6])],
+        group_size=2,
+        sampling=rollout_pb2.SamplingParams(temperature=1.0, max_new_tokens=4, seed=3),
+        min_policy_version=0,
+        run_id="run1",
+        sample_id_prefix="s0-u0-a0",
+        write_records=True,
+    )
+    base.update(kw)
+    return rollout_pb2.GenerateRequest(**base)
+
+
+def make(holder=None):
+    holder = holder or EngineHolder()
+    stored = {}
+    servicer = RolloutServicer(
+        "rep-a", holder, lambda r, v, s, b: stored.__setitem__((r, v, s), b), vocab_size=17
+    )
+    return servicer, holder, stored
+
+
+def test_generate_streams_completions_and_stores_records_first() -> None:
+    servicer, holder, stored = make()
+    holder.swap(FakeEngine(7), 3)
+    out = list(servicer.Generate(request(), None))
+    assert [(c.prompt_index, c.group_index) for c in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert out[0].sample_id == "s0-u0-a0-0-0"
+    assert all(c.policy_version == 3 for c in out)
+    assert out[1].finish_reason == rollout_pb2.FINISH_REASON_LENGTH
+    assert list(out[0].token_ids) == [7, 2]
+    assert stored[("run1", 3, "s0-u0-a0-1-1")] == b"r7-1-1"
+    assert out[3].record_bytes == len(b"r7-1-1")
+    st = servicer.Status(rollout_pb2.RolloutStatusRequest(), None)
+    assert (st.policy_version, st.ready, st.completions_total, st.tokens_generated_total) == (
+        3, True, 4, 8,
+    )  # fmt: skip
+
+
+def test_version_swap_between_requests() -> None:
+    servicer, holder, _ = make()
+    holder.swap(FakeEngine(7), 0)
+    gen = servicer.Generate(request(), None)
+    first = next(gen)  # the request has taken its snapshot (version 0) ...
+    holder.swap(FakeEngine(8), 1)  # ... a swap now must not affect it
+    rest = list(gen)
+    assert {c.policy_version for c in [first, *rest]} == {0}
+    assert {c.token_ids[0] for c in [first, *rest]} == {7}
+    assert {c.policy_version for c in servicer.Generate(request(), None)} == {1}
+    with pytest.raises(ValueError, match="not newer"):
+        holder.swap(FakeEngine(9), 1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"prompts": []}, "prompts is empty"),
+        ({"group_size": 0}, "group_size=0"),
+        ({"run_id": "bad id!"}, "run_id='bad id!'"),
+        ({"sample_id_prefix": ""}, "sample_id_prefix=''"),
+        ({"prompts": [rollout_pb2.Prompt(token_ids=[1, 99])]}, r"token ids \[99\] outside"),
+        ({"prompts": [rollout_pb2.Prompt(token_ids=[])]}, "prompts.0. has no tokens"),
+        ({"sampling": rollout_pb2.SamplingParams(max_new_tokens=0)}, "max_new_tokens must be >= 1"),
+        ({"sampling": rollout_pb2.SamplingParams(temperature=-1, max_new_tokens=2)}, "temperature"),
+        ({"min_policy_version": -2}, "min_policy_version=-2"),
+    ],
+)
+def test_bad_requests_are_invalid_argument(kw, message) -> None:
+    servicer, holder, _ = make()
+    holder.swap(FakeEngine(7), 0)
+    with pytest.raises(ServiceError, match=message) as err:
+        list(servicer.Generate(request(**kw), None))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_no_weights_is_unavailable_and_old_weights_failed_precondition() -> None:
+    servicer, holder, _ = make()
+    with pytest.raises(ServiceError) as err:
+        list(servicer.Generate(request(), None))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    holder.swap(FakeEngine(7), 2)
+    with pytest.raises(ServiceError, match="holds version 2 < minimum 5") as err:
+        list(servicer.Generate(request(min_policy_version=5), None))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION

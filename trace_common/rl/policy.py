@@ -1,0 +1,309 @@
+"""The MoE policy behind the RL loop's interfaces: a native rollout engine, and the learner
+(master weights + optimizer) that runs the train step in one of the four modes.
+
+Modes (DESIGN.md / issue 5):
+  bf16   rollout in high precision, trainer high precision: the no-quantization baseline
+  fp4    FP4 rollout (W4A4 + FP4 KV), trainer high precision without QAT
+  rtn    FP4 rollout, trainer vanilla QAT (its own round-to-nearest fake quant)
+  trace  FP4 rollout with guidance + routing records, trainer rollout-guided QAT + routing replay
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trace_common.fp4.guided import record_values
+from trace_common.model import (
+    GuidanceConfig,
+    MoECausalLM,
+    QuantConfig,
+    SampleRecords,
+    SamplingParams,
+    export_quantized_state_dict,
+    forward_logprobs,
+    generate,
+    load_quantized_state_dict,
+    quantize_policy,
+)
+from trace_common.model.discrepancy import (
+    code_flip_rate,
+    d_act,
+    logprob_discrepancy,
+    routing_mismatch,
+)
+from trace_common.model.train_forward import pad_right
+from trace_common.rl.engine import GeneratedSample
+from trace_common.rl.objective import clipped_policy_loss
+from trace_common.rl.types import SamplingConfig, TrainSample
+
+META_GUIDANCE = "trace_guidance_config"  # JSON GuidanceConfig, or "null": no guidance
+META_TOKENS = "trace_special_tokens"  # JSON {"eos_id": .., "pad_id": ..}
+QAT_OF_MODE = {"bf16": "none", "fp4": "none", "rtn": "rtn", "trace": "trace"}
+
+
+def guidance_to_json(g: GuidanceConfig | None) -> str:
+    if g is None:
+        return "null"
+    return json.dumps({"layers": None if g.layers is None else list(g.layers),
+                       "sites": list(g.sites), "mode": g.mode})  # fmt: skip
+
+
+def guidance_from_json(s: str) -> GuidanceConfig | None:
+    d = json.loads(s)
+    if d is None:
+        return None
+    layers = None if d["layers"] is None else tuple(d["layers"])
+    return GuidanceConfig(layers=layers, sites=tuple(d["sites"]), mode=d["mode"])
+
+
+class NativeEngine:
+    """Rollout engine on the plain-PyTorch model (FP4 per the model's QuantConfig)."""
+
+    name = "native"
+
+    def __init__(
+        self,
+        model: MoECausalLM,
+        *,
+        eos_id: int,
+        pad_id: int,
+        guidance: GuidanceConfig | None,
+    ) -> None:
+        self.model = model.eval()
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.guidance = guidance
+
+    @classmethod
+    def from_weights(
+        cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+    ) -> NativeEngine:
+        """Build from a pushed policy version: codes used as stored, never re-quantized."""
+        for key in (META_GUIDANCE, META_TOKENS):
+            if key not in metadata:
+                raise ValueError(f"policy metadata lacks {key!r}; got keys {sorted(metadata)}")
+        model = load_quantized_state_dict(tensors, metadata)
+        special = json.loads(metadata[META_TOKENS])
+        return cls(
+            model,
+            eos_id=int(special["eos_id"]),
+            pad_id=int(special["pad_id"]),
+            guidance=guidance_from_json(metadata[META_GUIDANCE]),
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group_size: int,
+        sampling: SamplingConfig,
+        *,
+        with_records: bool,
+    ) -> list[GeneratedSample]:
+        flat = [list(p) for p in prompts for _ in range(group_size)]  # prompt-major
+        sp = SamplingParams(
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            stop_token_ids=(self.eos_id,),
+            seed=sampling.seed,
+        )
+        out = generate(
+            self.model,
+            flat,
+            sp,
+            guidance=self.guidance if with_records else None,
+            record_routing=with_records,
+            pad_token_id=self.pad_id,
+        )
+        samples = []
+        for i in range(len(flat)):
+            rec = out.records[i].to_bytes() if with_records and out.records else None
+            samples.append(
+                GeneratedSample(
+                    prompt_index=i // group_size,
+                    group_index=i % group_size,
+                    completion_tokens=out.tokens[i],
+                    logprobs=out.logprobs[i],
+                    finish_reason=out.finish_reasons[i],  # type: ignore[arg-type]
+                    records=rec,
+                )
+            )
+        return samples
+
+
+@dataclass(kw_only=True, slots=True)
+class LearnerConfig:
+    """The train step's knobs."""
+
+    mode: str = "trace"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    minibatches: int = 2  # optimizer steps per RL step (each on a slice of the batch)
+    clip_eps: float = 0.2
+    tis_cap: float = 5.0
+    routing_replay: bool = True  # trace mode: replay the rollout's expert choices
+    temperature: float = 1.0  # the rollout's sampling temperature (log-probs are tempered)
+
+    def __post_init__(self) -> None:
+        if self.mode not in QAT_OF_MODE:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {sorted(QAT_OF_MODE)}")
+        if self.minibatches < 1:
+            raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
+
+
+class ModelLearner:
+    """Master weights + AdamW; ``train_step`` is one RL update, ``export_weights`` the
+    quantized policy pushed to the replicas."""
+
+    def __init__(
+        self,
+        model: MoECausalLM,
+        config: LearnerConfig,
+        *,
+        quant: QuantConfig,
+        guidance: GuidanceConfig | None,
+        eos_id: int,
+        pad_id: int,
+    ) -> None:
+        self.model = model
+        self.config = config
+        # bf16 mode: everything high precision, on both sides.
+        self.quant = QuantConfig.none() if config.mode == "bf16" else quant
+        self.guidance = guidance if config.mode == "trace" else None
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        quantize_policy(model, self.quant)
+
+    # ------------------------------------------------------------------ weights
+
+    def export_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Quantize the master weights once and export them (ModelOpt layout + HP tensors)."""
+        quantize_policy(self.model, self.quant)
+        tensors, meta = export_quantized_state_dict(self.model)
+        meta = dict(meta)
+        meta[META_GUIDANCE] = guidance_to_json(self.guidance)
+        meta[META_TOKENS] = json.dumps({"eos_id": self.eos_id, "pad_id": self.pad_id})
+        return tensors, meta
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def load_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optim_state)
+        quantize_policy(self.model, self.quant)
+
+    # ------------------------------------------------------------------ train
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        cfg = self.config
+        qat = QAT_OF_MODE[cfg.mode]
+        seqs = [
+            list(ts.rollout.prompt_tokens) + list(ts.rollout.completion_tokens) for ts in samples
+        ]
+        tokens, lengths = pad_right(seqs, self.pad_id)  # [B, T], [B]
+        b, t = tokens.shape
+        logp_rollout = torch.zeros(b, t - 1)
+        comp_mask = torch.zeros(b, t - 1, dtype=torch.bool)
+        for i, ts in enumerate(samples):
+            p = len(ts.rollout.prompt_tokens)
+            n = len(ts.rollout.completion_tokens)
+            logp_rollout[i, p - 1 : p - 1 + n] = torch.tensor(ts.rollout.logprobs)
+            comp_mask[i, p - 1 : p - 1 + n] = True
+        adv = torch.tensor([ts.advantage for ts in samples])  # [B]
+        records = None
+        if cfg.mode == "trace":
+            if any(ts.records is None for ts in samples):
+                raise ValueError("trace mode needs every sample's records")
+            records = [SampleRecords.from_bytes(ts.records) for ts in samples]  # type: ignore[arg-type]
+        replay = cfg.mode == "trace" and cfg.routing_replay
+        kw = dict(qat_mode=qat, routing_replay=replay, temperature=cfg.temperature)
+
+        self.model.train()
+        with torch.no_grad():
+            ref = forward_logprobs(
+                self.model, tokens, lengths=lengths, records=records, collect=True, **kw
+            )
+        metrics = self._discrepancy(ref, logp_rollout, comp_mask, records)
+        logp_old = ref.logprobs.detach()
+
+        order = torch.arange(b)
+        losses, clip_fracs, tis_means = [], [], []
+        for mb in order.chunk(min(cfg.minibatches, b)):
+            sub_records = [records[i] for i in mb.tolist()] if records is not None else None
+            out = forward_logprobs(
+                self.model, tokens[mb], lengths=lengths[mb], records=sub_records, **kw
+            )
+            res = clipped_policy_loss(
+                out.logprobs,
+                logp_old[mb],
+                logp_rollout[mb],
+                adv[mb],
+                comp_mask[mb],
+                clip_eps=cfg.clip_eps,
+                tis_cap=cfg.tis_cap,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            res.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            losses.append(float(res.loss.detach()))
+            clip_fracs.append(res.clip_frac)
+            tis_means.append(res.tis_mean)
+        metrics.update(
+            loss=sum(losses) / len(losses),
+            clip_frac=sum(clip_fracs) / len(clip_fracs),
+            tis_mean=sum(tis_means) / len(tis_means),
+            grad_norm=float(grad_norm),
+        )
+        return metrics
+
+    def _discrepancy(
+        self,
+        ref: Any,
+        logp_rollout: torch.Tensor,
+        mask: torch.Tensor,
+        records: list[SampleRecords] | None,
+    ) -> dict[str, float]:
+        """Train-vs-rollout measures of this batch, before the update."""
+        lp = logprob_discrepancy(ref.logprobs, logp_rollout, mask)
+        out = {
+            "logp_abs_diff_mean": lp.mean_abs,
+            "logp_abs_diff_max": lp.max_abs,
+            "k3_kl": lp.k3_kl,
+            "exp_mean_abs_dlogp": lp.exp_mean_abs,
+        }
+        if not records:
+            return out
+        dacts, flips = [], []
+        for key in sorted(records[0].guidance):
+            if records[0].guidance[key].mode != "full" or key not in ref.site_values:
+                continue  # compact records hold 1 bit: the rollout's value is not recoverable
+            q_roll = torch.cat([record_values(r.guidance[key]) for r in records])  # [N, W]
+            q_train = ref.site_values[key].float()
+            dacts.append(d_act(q_train, q_roll))
+            flips.append(code_flip_rate(q_train, q_roll))
+        if dacts:
+            out["d_act_mean"] = sum(dacts) / len(dacts)
+            out["d_act_max"] = max(dacts)
+            out["code_flip_rate"] = sum(flips) / len(flips)
+        if records[0].routing is not None and ref.own_routing:
+            routed = torch.cat([r.routing for r in records])  # [N, n_moe, k]
+            mism = [
+                routing_mismatch(ref.own_routing[layer], routed[:, j])
+                for j, layer in enumerate(records[0].moe_layers)
+            ]
+            out["routing_mismatch"] = sum(mism) / len(mism)
+        out = {k: (v if math.isfinite(v) else float("nan")) for k, v in out.items()}
+        return out
