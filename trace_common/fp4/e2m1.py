@@ -57,14 +57,21 @@ def f32_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     if bool(torch.isnan(x_f32).any()):
         idx = tuple(int(i) for i in torch.isnan(x_f32).nonzero()[0])
         raise ValueError(f"f32_to_e2m1: NaN at index {idx} has no E2M1 encoding")
-    mag_f32 = x_f32.abs()
+    sign_u8 = (x_f32 < 0).to(torch.uint8)
+    return rne_magnitude_index(x_f32.abs()) | (sign_u8 << 3)
+
+
+def rne_magnitude_index(mag_f32: torch.Tensor) -> torch.Tensor:
+    """Index (uint8 0..7) of the E2M1 magnitude nearest to |x| (ties to even, saturating).
+
+    No checks: `mag_f32` must be non-negative and NaN-free (callers validate).
+    """
     # Count the boundaries below |x|: a boundary that ties up (0.75, 1.75, 3.5) also counts when
     # |x| sits exactly on it. The count is the magnitude index (0..7), saturating at 7.
-    idx_u8 = torch.zeros(x_f32.shape, dtype=torch.uint8, device=x_f32.device)
+    idx_u8 = torch.zeros(mag_f32.shape, dtype=torch.uint8, device=mag_f32.device)
     for bound, ties_up in zip(E2M1_RNE_BOUNDS, E2M1_BOUND_TIES_UP, strict=True):
         idx_u8 += (mag_f32 >= bound) if ties_up else (mag_f32 > bound)
-    sign_u8 = (x_f32 < 0).to(torch.uint8)
-    return idx_u8 | (sign_u8 << 3)
+    return idx_u8
 
 
 def e2m1_to_f32(codes: torch.Tensor) -> torch.Tensor:
@@ -130,6 +137,7 @@ __all__ = [
     "f32_to_e2m1",
     "pack_bits",
     "pack_uint4",
+    "rne_magnitude_index",
     "unpack_bits",
     "unpack_uint4",
 ]

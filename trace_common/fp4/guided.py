@@ -54,6 +54,7 @@ from trace_common.fp4.e2m1 import (
     e2m1_to_f32,
     f32_to_e2m1,
     pack_bits,
+    rne_magnitude_index,
     unpack_bits,
     unpack_uint4,
 )
@@ -373,19 +374,24 @@ def _guided(x_train: torch.Tensor, record: GuidanceRecord) -> tuple[torch.Tensor
     z, factor = _scaled(x_train, record)  # z: [R, nb, bs] in [-6, 6]
     grid = _table("magnitudes", z.device)  # [8] ascending
     mag = z.abs()
-    i_hi = torch.searchsorted(grid, mag)  # first grid magnitude >= |z|
-    i_lo = torch.searchsorted(grid, mag, right=True) - 1  # last grid magnitude <= |z|
+    # Bracket from the nearest grid point r: the other member lies on z's side of it
+    # (r itself when z sits on the grid). Magnitude indices 0..7; their parity is the mantissa.
+    r = rne_magnitude_index(mag).long()
+    g_r = grid[r]
+    above, below = (mag > g_r).long(), (mag < g_r).long()
     negative = z < 0
     if record.mode == "full":
         q_r = e2m1_to_f32(unpack_uint4(record.payload)).reshape(z.shape)
-        lo = torch.where(negative, -grid[i_hi], grid[i_lo])
-        hi = torch.where(negative, -grid[i_lo], grid[i_hi])
+        g_lo, g_hi = grid[r - below], grid[r + above]  # magnitudes: g_lo <= |z| <= g_hi
+        lo = torch.where(negative, -g_hi, g_lo)
+        hi = torch.where(negative, -g_lo, g_hi)
         q_star = torch.minimum(torch.maximum(q_r, lo), hi)  # clamp(q_r, lo, hi)
     else:
         m_r = unpack_bits(record.payload).reshape(z.shape).long()
-        # Adjacent magnitudes differ in their mantissa bit (= index parity): exactly one of
-        # i_lo, i_hi carries the rollout's; when i_lo == i_hi that single point is taken.
-        idx = torch.where((i_lo & F4_E2M1_MANTISSA_BIT) == m_r, i_lo, i_hi)
+        # Adjacent magnitudes differ in their mantissa bit (= index parity): exactly one
+        # bracket member carries the rollout's; a degenerate bracket (z on the grid) keeps r.
+        other = r + above - below
+        idx = torch.where((r & F4_E2M1_MANTISSA_BIT) == m_r, r, other)
         q_star = torch.where(negative, -grid[idx], grid[idx])
     return q_star + 0.0, factor  # + 0.0 turns -0.0 into +0.0, as the decode table
 

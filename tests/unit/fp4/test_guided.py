@@ -20,7 +20,7 @@ from trace_common.fp4.guided import (
 )
 
 SIGNED_GRID = torch.tensor(sorted({s * m for m in E2M1_MAGNITUDES for s in (-1.0, 1.0)}))
-EXAMPLES = settings(max_examples=40, deadline=None)
+EXAMPLES = settings(max_examples=100, deadline=None)
 
 
 def activation_like(seed: int, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
