@@ -81,7 +81,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatusResponse(_message.Message):
-    __slots__ = ("replica_id", "policy_version", "ready", "engine", "quant_format", "requests_in_flight", "completions_total", "tokens_generated_total")
+    __slots__ = ("replica_id", "policy_version", "ready", "engine", "quant_format", "requests_in_flight", "completions_total", "tokens_generated_total", "last_weight_pull_seconds", "weight_pulls_total")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class RolloutStatusResponse(_message.Message):
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LAST_WEIGHT_PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_PULLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     policy_version: int
     ready: bool
@@ -98,4 +100,6 @@ class RolloutStatusResponse(_message.Message):
     requests_in_flight: int
     completions_total: int
     tokens_generated_total: int
-    def __init__(self, replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., ready: _Optional[bool] = ..., engine: _Optional[str] = ..., quant_format: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., completions_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ...) -> None: ...
+    last_weight_pull_seconds: float
+    weight_pulls_total: int
+    def __init__(self, replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., ready: _Optional[bool] = ..., engine: _Optional[str] = ..., quant_format: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., completions_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., last_weight_pull_seconds: _Optional[float] = ..., weight_pulls_total: _Optional[int] = ...) -> None: ...
