@@ -119,7 +119,7 @@ affinity:
 
 {{/*
 The TRACE container of one component. Call with (list $ "rollout" <component values> <extra env YAML or "">).
-It runs `trace-rl serve <component>` with gRPC and HTTP ports, gRPC health probes, the
+It runs `trace-rl serve <component>` with gRPC and HTTP ports, probes (see below), the
 hardened security context, the token Secret, writable /tmp and /data.
 */}}
 {{- define "trace.container" -}}
@@ -146,12 +146,15 @@ hardened security context, the token Secret, writable /tmp and /data.
   ports:
     - {name: grpc, containerPort: {{ $c.grpcPort }}, protocol: TCP}
     - {name: http, containerPort: {{ $c.httpPort }}, protocol: TCP}
+  # Readiness: grpc.health.v1 (SERVING only once the service is ready, e.g. a rollout replica
+  # holds weights). Startup/liveness: HTTP /healthz (process up), because the gRPC health
+  # status is NOT_SERVING while a replica waits for its first weights, which must not restart it.
   startupProbe:
-    grpc: {port: {{ $c.grpcPort }}}
+    httpGet: {path: /healthz, port: http}
     periodSeconds: {{ $v.probes.startup.periodSeconds }}
     failureThreshold: {{ $v.probes.startup.failureThreshold }}
   livenessProbe:
-    grpc: {port: {{ $c.grpcPort }}}
+    httpGet: {path: /healthz, port: http}
     periodSeconds: {{ $v.probes.liveness.periodSeconds }}
     failureThreshold: {{ $v.probes.liveness.failureThreshold }}
     timeoutSeconds: {{ $v.probes.liveness.timeoutSeconds }}
@@ -165,7 +168,7 @@ hardened security context, the token Secret, writable /tmp and /data.
   resources:
     {{- $res := deepCopy $c.resources }}
     {{- if gt (int (default 0 $c.gpus)) 0 }}
-    {{- $limits := default dict $res.limits }}
+    {{- $limits := default (dict) $res.limits }}
     {{- $_ := set $limits "nvidia.com/gpu" (int $c.gpus) }}
     {{- $_ := set $res "limits" $limits }}
     {{- end }}

@@ -128,16 +128,20 @@ def test_every_component_has_a_workload() -> None:
     assert "clusterIP: None" in rollout and "HorizontalPodAutoscaler" in rollout
 
 
-def test_probes_are_grpc_and_containers_hardened() -> None:
+def test_probes_and_hardening() -> None:
+    """Readiness is the gRPC health service; startup/liveness the HTTP /healthz (the gRPC
+    status is NOT_SERVING until ready, which must not restart a replica waiting for weights)."""
     helpers = (TEMPLATES / "_helpers.tpl").read_text()
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        block = helpers.split(f"{probe}:", 1)[1].split("\n", 2)[1]
-        assert block.strip().startswith("grpc:"), probe
-    assert (
-        "toYaml $v.securityContext" in helpers
-        and "toYaml $root.Values.podSecurityContext" in helpers
-    )
-    # The services may skip the token only for grpc.health.v1 (kubelet probes carry none).
+
+    def probe(name: str) -> str:
+        return helpers.split(f"  {name}:\n", 1)[1].split("\n", 1)[0].strip()
+
+    assert probe("readinessProbe").startswith("grpc: {port: {{ $c.grpcPort }}}")
+    assert probe("livenessProbe") == "httpGet: {path: /healthz, port: http}"
+    assert probe("startupProbe") == "httpGet: {path: /healthz, port: http}"
+    assert "toYaml $v.securityContext" in helpers
+    assert "toYaml $root.Values.podSecurityContext" in helpers
+    # kubelet probes carry no token: the services let grpc.health.v1 through without one.
     from trace_common.service.config import ServiceSettings
 
     assert ServiceSettings.model_fields["auth_exempt_health"].default is True
