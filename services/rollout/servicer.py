@@ -68,6 +68,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._completions = 0
         self._tokens = 0
         self._m = _RolloutMetrics(metrics or Metrics("rollout"))
+        self.follower: Any = None  # services.rollout.weights.WeightFollower, once wired
 
     def _validate(self, request: rollout_pb2.GenerateRequest) -> SamplingConfig:
         if not request.prompts:
@@ -166,6 +167,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 "requests_in_flight": self._in_flight,
                 "completions_total": self._completions,
                 "tokens_generated_total": self._tokens,
+                "last_weight_pull_seconds": getattr(self.follower, "last_pull_seconds", 0.0),
+                "weight_pulls_total": getattr(self.follower, "pulls", 0),
             }
 
 

@@ -183,7 +183,7 @@ class TrainerCore:
             "redispatched_units": dstats.redispatched_units,
             "failed_replicas": list(dstats.failed_replicas),
             "record_bytes_per_token": sum(s.record_bytes for s in samples) / max(n_tokens, 1),
-            "push_seconds": push_s,
+            "weight_push_seconds": push_s,
             "time_rollout_s": t_rollout - t_start,
             "time_records_s": t_records - t_rollout,
             "time_train_s": t_train - t_records,

@@ -287,6 +287,7 @@ class ModelLearner:
         if not records:
             return out
         dacts, flips = [], []
+        per_layer: dict[str, list[float]] = {}
         for key in sorted(records[0].guidance):
             if records[0].guidance[key].mode != "full" or key not in ref.site_values:
                 continue  # compact records hold 1 bit: the rollout's value is not recoverable
@@ -294,10 +295,12 @@ class ModelLearner:
             q_train = ref.site_values[key].float()
             dacts.append(d_act(q_train, q_roll))
             flips.append(code_flip_rate(q_train, q_roll))
+            per_layer.setdefault(str(key[0]), []).append(dacts[-1])
         if dacts:
             out["d_act_mean"] = sum(dacts) / len(dacts)
             out["d_act_max"] = max(dacts)
             out["code_flip_rate"] = sum(flips) / len(flips)
+            out["d_act_per_layer"] = {k: max(v) for k, v in per_layer.items()}  # type: ignore[assignment]
         if records[0].routing is not None and ref.own_routing:
             routed = torch.cat([r.routing for r in records])  # [N, n_moe, k]
             mism = [
@@ -305,5 +308,7 @@ class ModelLearner:
                 for j, layer in enumerate(records[0].moe_layers)
             ]
             out["routing_mismatch"] = sum(mism) / len(mism)
-        out = {k: (v if math.isfinite(v) else float("nan")) for k, v in out.items()}
-        return out
+        return {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else float("nan"))
+            for k, v in out.items()
+        }

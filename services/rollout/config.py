@@ -1,0 +1,27 @@
+"""rollout settings (environment `TRACE_*`, optional YAML via `TRACE_CONFIG_FILE`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field
+
+from trace_common.service import ServiceSettings
+
+
+class RolloutSettings(ServiceSettings):
+    grpc_port: int = Field(50053, ge=0, le=65535)
+    http_port: int = Field(8053, ge=0, le=65535)
+    weight_sync_address: str = Field(..., description="host:port of weight-sync (required)")
+    quant_cache_address: str = Field(..., description="host:port of quant-cache (required)")
+    replica_id: str = Field(
+        default_factory=lambda: f"rollout-{socket.gethostname()}-{os.getpid()}",
+        description="this replica's id in weight-sync's registry",
+    )
+    advertise_host: str = Field(
+        "127.0.0.1", description="host other services use to reach this replica's gRPC port"
+    )
+    heartbeat_interval_seconds: float = Field(1.0, gt=0)
+    engine: str = Field("native", description="rollout engine: native (vLLM later)")
+    torch_threads: int = Field(1, ge=1, description="intra-op threads of the native engine")

@@ -1,0 +1,102 @@
+"""Keeps a replica on the latest policy: register with weight-sync, follow its version
+notices, pull each new version, build an engine from it (codes as pushed, no re-quantization)
+and swap it in between requests; heartbeat the version held."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from trace_common.clients import WeightSyncClient
+from trace_common.rl.engine import EngineHolder, RolloutEngine
+from trace_common.service import Metrics
+
+log = logging.getLogger(__name__)
+
+RECONNECT_S = 0.5  # wait before re-subscribing after weight-sync went away
+
+EngineFactory = Callable[[dict[str, torch.Tensor], dict[str, str]], RolloutEngine]
+
+
+class WeightFollower:
+    """A daemon thread: subscribe -> pull -> build -> swap, for as long as the replica lives."""
+
+    def __init__(
+        self,
+        client: WeightSyncClient,
+        holder: EngineHolder,
+        factory: EngineFactory,
+        *,
+        replica_id: str,
+        address: Callable[[], str],
+        heartbeat_interval_s: float,
+        metrics: Metrics,
+    ) -> None:
+        self.client = client
+        self.holder = holder
+        self.factory = factory
+        self.replica_id = replica_id
+        self.address = address
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.last_pull_seconds = 0.0
+        self.pulls = 0
+        self._stop = threading.Event()
+        self._stream = None
+        self._hb_stop: threading.Event | None = None
+        self._pull_s = metrics.histogram("weight_pull_seconds", "pull + build + swap of a version")
+        self._version = metrics.gauge("policy_version", "policy version this replica serves")
+        self._version.set(-1)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="weight-follower", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._stream is not None:
+            self._stream.cancel()
+        if self._hb_stop is not None:
+            self._hb_stop.set()
+
+    def _run(self) -> None:
+        registered = False
+        while not self._stop.is_set():
+            try:
+                if not registered:
+                    self.client.register(self.replica_id, self.address())
+                    registered = True
+                    if self._hb_stop is None:
+                        self._hb_stop = self.client.start_heartbeats(
+                            self.replica_id, lambda: self.holder.version, self.heartbeat_interval_s
+                        )
+                self._stream = self.client.subscribe(self.replica_id)
+                for notice in self._stream:
+                    if notice.version > self.holder.version:
+                        self._load(notice.version)
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("weight-sync stream ended: %s; reconnecting", exc.code())
+                registered = exc.code() != grpc.StatusCode.NOT_FOUND and registered
+            except Exception:
+                log.exception("loading a policy version failed; retrying")
+            self._stop.wait(RECONNECT_S)
+
+    def _load(self, version: int) -> None:
+        t0 = time.perf_counter()
+        got, tensors, meta = self.client.pull_version(version, replica_id=self.replica_id)
+        engine = self.factory(tensors, {k: v for k, v in meta.items() if isinstance(v, str)})
+        self.holder.swap(engine, got)
+        seconds = time.perf_counter() - t0
+        self.last_pull_seconds = seconds
+        self.pulls += 1
+        self._pull_s.observe(seconds)
+        self._version.set(got)
+        log.info("serving policy version", extra={"version": got, "pull_seconds": seconds})
+        with contextlib.suppress(grpc.RpcError):  # the periodic beat will retry
+            self.client.heartbeat(self.replica_id, got)  # tell weight-sync at once

@@ -1,0 +1,254 @@
+"""The trainer service's job: build the run from settings, restore or initialize, publish,
+then step until done, writing metrics and checkpoints; pause/resume between steps."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from services.trainer.config import TrainerSettings
+from services.trainer.metrics import TrainerMetrics
+from services.trainer.remote import (
+    QuantCacheRecords,
+    WeightSyncDirectory,
+    WeightSyncPublisher,
+)
+from trace_common.clients import QuantCacheClient, WeightSyncClient
+from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
+from trace_common.model.hf import load_native_state_dict
+from trace_common.rl.checkpoint import (
+    Checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from trace_common.rl.core import TrainerConfig, TrainerCore
+from trace_common.rl.dispatch import DispatchConfig, Dispatcher
+from trace_common.rl.policy import LearnerConfig, ModelLearner
+from trace_common.rl.types import SamplingConfig
+from trace_common.service import Metrics
+from trace_common.tasks import PromptStream, exact_match_reward, load_tokenizer, make_task
+
+log = logging.getLogger(__name__)
+
+STATES = ("starting", "running", "paused", "finished", "failed")
+
+
+def build_model(settings: TrainerSettings, vocab_size: int) -> MoECausalLM:
+    """A named shape (vocab sized to the tokenizer) or a Hugging Face checkpoint directory."""
+    import pathlib
+
+    path = pathlib.Path(settings.model)
+    if path.is_dir():
+        from trace_common.model import load_hf_checkpoint
+
+        model = load_hf_checkpoint(path)
+    else:
+        model = MoECausalLM(get_config(settings.model).replace(vocab_size=vocab_size))
+        model.init_weights(settings.seed)
+    if settings.init_weights is not None:
+        from safetensors.torch import load_file
+
+        load_native_state_dict(
+            model, load_file(settings.init_weights), source=str(settings.init_weights)
+        )
+    return model
+
+
+def guidance_of(settings: TrainerSettings, num_layers: int) -> GuidanceConfig:
+    g = settings.guidance_layers
+    if g == "deeper-half":
+        layers = None
+    elif g == "all":
+        layers = tuple(range(num_layers))
+    else:
+        layers = tuple(int(x) for x in g.split(","))
+    return GuidanceConfig(layers=layers, mode=settings.guidance_mode)
+
+
+class TrainerApp:
+    """Owns the core loop and its state; the gRPC servicer and HTTP status read it."""
+
+    def __init__(self, settings: TrainerSettings, metrics: Metrics) -> None:
+        self.settings = s = settings
+        torch.set_num_threads(s.torch_threads)
+        torch.manual_seed(s.seed)
+        token = s.token()
+        self.tokenizer = tok = load_tokenizer(s.tokenizer)
+        self.task = make_task(s.task, s.task_difficulty)
+        model = build_model(s, tok.vocab_size)
+        self.weight_sync = WeightSyncClient(s.weight_sync_address, token)
+        self.quant_cache = QuantCacheClient(s.quant_cache_address, token)
+        self.directory = WeightSyncDirectory(
+            self.weight_sync, token, generate_timeout=s.generate_timeout_seconds
+        )
+        self.publisher = WeightSyncPublisher(self.weight_sync)
+        self.learner = ModelLearner(
+            model,
+            LearnerConfig(
+                mode=s.mode, lr=s.lr, minibatches=s.minibatches, clip_eps=s.clip_eps,
+                tis_cap=s.tis_cap, routing_replay=s.routing_replay, temperature=s.temperature,
+            ),
+            quant=QuantConfig(format=s.quant_format),
+            guidance=guidance_of(s, model.cfg.num_layers),
+            eos_id=tok.eos_id,
+            pad_id=tok.pad_id,
+        )  # fmt: skip
+        max_new = s.max_new_tokens or self.task.max_answer_chars + 1
+        self.core = TrainerCore(
+            TrainerConfig(
+                run_id=s.run_id, steps=s.steps, prompts_per_step=s.prompts_per_step,
+                group_size=s.group_size, mode=s.mode, max_staleness=s.max_staleness,
+                tis_cap=s.tis_cap, clip_eps=s.clip_eps,
+                sampling=SamplingConfig(temperature=s.temperature, max_new_tokens=max_new,
+                                        seed=s.seed),
+            ),
+            prompts=PromptStream(self.task, tok, seed=s.seed),
+            dispatcher=Dispatcher(
+                self.directory,
+                DispatchConfig(prompts_per_unit=s.prompts_per_unit,
+                               wait_for_replicas_s=s.replica_wait_seconds),
+            ),
+            scorer=lambda sample, problem: exact_match_reward(
+                sample.completion_tokens, problem.answer, tok
+            ),
+            records=QuantCacheRecords(self.quant_cache),
+            learner=self.learner,
+            publisher=self.publisher,
+        )  # fmt: skip
+        self.metrics = TrainerMetrics(metrics, s.metrics_file)
+        self.state = "starting"
+        self.detail = ""
+        self.last_metrics: dict[str, Any] = {}
+        self.resumed_from: str | None = None
+        self._resume = threading.Event()
+        self._resume.set()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- control
+
+    def pause(self, reason: str) -> None:
+        with self._lock:
+            if self.state in ("finished", "failed"):
+                raise RuntimeError(f"trainer is {self.state}")
+            self._resume.clear()
+            self.detail = f"pause requested: {reason}" if reason else "pause requested"
+            if self.state == "running":
+                self.state = "paused"
+
+    def resume(self) -> None:
+        with self._lock:
+            if self.state in ("finished", "failed"):
+                raise RuntimeError(f"trainer is {self.state}")
+            self._resume.set()
+            if self.state == "paused":
+                self.state = "running"
+            self.detail = ""
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._resume.set()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "run_id": self.settings.run_id,
+            "state": self.state,
+            "step": self.core.step_index,
+            "total_steps": self.settings.steps,
+            "policy_version": self.core.version,
+            "rollout_replicas": len(self.directory.replicas()),
+            "mode": self.settings.mode,
+            "detail": self.detail,
+            "resumed_from": self.resumed_from,
+            "last_metrics": self.last_metrics,
+        }
+
+    # ----------------------------------------------------------------- run
+
+    def start(self) -> None:
+        threading.Thread(target=self._run_safely, name="trainer-loop", daemon=True).start()
+
+    def _run_safely(self) -> None:
+        try:
+            self.run()
+        except Exception as exc:
+            log.exception("trainer failed")
+            self.state = "failed"
+            self.detail = f"{type(exc).__name__}: {exc}"
+
+    def run(self) -> None:
+        s = self.settings
+        self._restore_or_publish()
+        self.state = "running" if self._resume.is_set() else "paused"
+        while self.core.step_index < s.steps and not self._stop.is_set():
+            if not self._resume.is_set():
+                self.state = "paused"
+                self._resume.wait()
+                if self._stop.is_set():
+                    break
+                self.state = "running"
+            m = self.core.step()
+            m["weight_pull_seconds_per_replica"] = self.directory.pull_seconds()
+            pulls = list(m["weight_pull_seconds_per_replica"].values())
+            m["weight_pull_seconds"] = sum(pulls) / len(pulls) if pulls else 0.0
+            m["wall_time"] = time.time()
+            self.metrics.record(m)
+            self.last_metrics = m
+            log.info(
+                "step done",
+                extra={k: m[k] for k in ("step", "policy_version", "reward_mean", "step_time_s")},
+            )
+            if s.checkpoint_dir is not None and (
+                self.core.step_index % s.checkpoint_every == 0 or self.core.step_index == s.steps
+            ):
+                self.checkpoint()
+        if self.core.step_index >= s.steps:
+            self.state = "finished"
+
+    def checkpoint(self) -> None:
+        assert self.settings.checkpoint_dir is not None
+        model_state, optim_state = self.learner.state()
+        save_checkpoint(
+            self.settings.checkpoint_dir,
+            Checkpoint(
+                step=self.core.step_index,
+                version=self.core.version,
+                model=model_state,
+                optimizer=optim_state,
+                prompt_state=self.core.prompts.state_dict(),
+                extra={"run_id": self.settings.run_id, "mode": self.settings.mode},
+            ),
+        )
+
+    def _restore_or_publish(self) -> None:
+        """Resume from the latest checkpoint (same step, same weights) or publish version 0."""
+        s = self.settings
+        path = latest_checkpoint(s.checkpoint_dir) if s.checkpoint_dir and s.resume else None
+        latest = self.publisher.latest_version()
+        if path is None:
+            self.core.version = latest  # next publish is latest + 1 (0 on a fresh weight-sync)
+            self.core.publish()
+            return
+        ckpt = load_checkpoint(path)
+        self.learner.load_state(ckpt.model, ckpt.optimizer)
+        self.core.prompts.load_state_dict(ckpt.prompt_state)
+        self.core.step_index = ckpt.step
+        if ckpt.rng is not None:
+            restore_rng(ckpt.rng)
+        self.resumed_from = str(path)
+        if latest == ckpt.version:
+            self.core.version = ckpt.version  # replicas already hold exactly these weights
+        else:
+            # weight-sync holds other weights (pushed after the checkpoint, or lost): push the
+            # checkpoint's weights as a version newer than anything it has.
+            self.core.version = max(latest, ckpt.version - 1)
+            self.core.publish()
+        log.info(
+            "resumed", extra={"path": str(path), "step": ckpt.step, "version": self.core.version}
+        )

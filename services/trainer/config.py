@@ -1,0 +1,72 @@
+"""trainer settings (environment `TRACE_*`, optional YAML via `TRACE_CONFIG_FILE`).
+
+One settings object describes a run: the services it talks to, the task, the model, the RL
+loop and the checkpointing. `python -m services.trainer` with `TRACE_WEIGHT_SYNC_ADDRESS`,
+`TRACE_QUANT_CACHE_ADDRESS` and `TRACE_AUTH_TOKEN` set runs the defaults.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trace_common.rl.objective import DEFAULT_CLIP_EPS, DEFAULT_MAX_STALENESS, DEFAULT_TIS_CAP
+from trace_common.service import ServiceSettings
+
+
+class TrainerSettings(ServiceSettings):
+    grpc_port: int = Field(50054, ge=0, le=65535)
+    http_port: int = Field(8054, ge=0, le=65535)
+    weight_sync_address: str = Field(..., description="host:port of weight-sync (required)")
+    quant_cache_address: str = Field(..., description="host:port of quant-cache (required)")
+
+    run_id: str = Field("trace-run", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    mode: Literal["bf16", "fp4", "rtn", "trace"] = Field("trace", description="training mode")
+    steps: int = Field(50, ge=1, description="RL steps of the run")
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=2, description="completions per prompt (GRPO group)")
+    prompts_per_unit: int = Field(4, ge=1, description="prompts per rollout generate call")
+    max_staleness: int = Field(DEFAULT_MAX_STALENESS, ge=0, description="max version gap")
+    tis_cap: float = Field(DEFAULT_TIS_CAP, gt=0, description="truncated IS weight cap")
+    clip_eps: float = Field(DEFAULT_CLIP_EPS, gt=0, lt=1)
+    lr: float = Field(1e-3, gt=0)
+    minibatches: int = Field(2, ge=1, description="optimizer steps per RL step")
+    temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
+    max_new_tokens: int = Field(0, ge=0, description="0 = the task's answer length + 1")
+    seed: int = Field(0)
+
+    task: Literal["addition", "sort", "reverse", "mixed"] = "addition"
+    task_difficulty: int = Field(1, ge=1, description="digits (addition) or length")
+    tokenizer: str = Field("char", description='"char" or a Hugging Face tokenizer directory')
+    model: str = Field("debug", description="named shape (debug, ...) or an HF checkpoint dir")
+    init_weights: pathlib.Path | None = Field(
+        None, description="safetensors of master weights to start from (e.g. a warm start)"
+    )
+    quant_format: Literal["nvfp4", "mxfp4"] = "nvfp4"
+    guidance_layers: str = Field(
+        "deeper-half", description='"deeper-half", "all", or comma-separated layer ids'
+    )
+    guidance_mode: Literal["compact", "full"] = "compact"
+    routing_replay: bool = True
+
+    checkpoint_dir: pathlib.Path | None = Field(None, description="where checkpoints go")
+    checkpoint_every: int = Field(10, ge=1)
+    resume: bool = Field(True, description="continue from checkpoint_dir/latest if present")
+    metrics_file: pathlib.Path | None = Field(None, description="metrics.jsonl path")
+    replica_wait_seconds: float = Field(120.0, gt=0, description="give up without replicas")
+    generate_timeout_seconds: float = Field(300.0, gt=0)
+    torch_threads: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check_guidance(self) -> TrainerSettings:
+        g = self.guidance_layers
+        if g not in ("deeper-half", "all"):
+            try:
+                [int(x) for x in g.split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"TRACE_GUIDANCE_LAYERS={g!r}: expected deeper-half, all or e.g. 2,3"
+                ) from None
+        return self

@@ -1,0 +1,99 @@
+"""The trainer's per-step metrics: one JSON line per step in metrics.jsonl and the same
+numbers as Prometheus series ``trace_trainer_<name>``.
+
+Documented series (all gauges unless noted; every one is set on every step where it applies):
+
+- ``trace_trainer_step``, ``trace_trainer_policy_version``
+- ``trace_trainer_reward_mean``
+- ``trace_trainer_logp_abs_diff_mean``, ``..._max``, ``trace_trainer_k3_kl``,
+  ``trace_trainer_exp_mean_abs_dlogp``, ``trace_trainer_routing_mismatch`` (trace mode)
+- ``trace_trainer_d_act{layer}``, ``trace_trainer_code_flip_rate`` (full guidance records)
+- ``trace_trainer_staleness_mean``, ``trace_trainer_staleness_max``
+- ``trace_trainer_samples_total``, ``trace_trainer_samples_dropped_stale_total``,
+  ``trace_trainer_redispatched_units_total`` (counters)
+- ``trace_trainer_rollout_tokens_per_second{replica}``
+- ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica}``
+- ``trace_trainer_record_bytes_per_token``
+- ``trace_trainer_step_phase_seconds{phase=rollout|records|train|push}``,
+  ``trace_trainer_step_seconds`` (histogram)
+- ``trace_trainer_loss``, ``trace_trainer_clip_frac``, ``trace_trainer_tis_mean``
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import threading
+from typing import Any
+
+from trace_common.service import Metrics
+
+SCALAR_SERIES = {
+    "reward_mean": "mean exact-match reward of the step's samples",
+    "logp_abs_diff_mean": "mean |logp_train - logp_rollout| per completion token",
+    "logp_abs_diff_max": "max |logp_train - logp_rollout| over the step's tokens",
+    "k3_kl": "k3 estimate of KL(rollout || trainer)",
+    "exp_mean_abs_dlogp": "exp(mean |dlogp|)",
+    "routing_mismatch": "fraction of tokens whose own top-k differs from the rollout's",
+    "code_flip_rate": "fraction of guided-site elements quantized differently than the rollout",
+    "staleness_mean": "mean version gap of the samples trained",
+    "staleness_max": "max version gap of the samples trained",
+    "record_bytes_per_token": "record bytes written to quant-cache per token",
+    "loss": "policy loss",
+    "clip_frac": "fraction of tokens with the clipped ratio branch active",
+    "tis_mean": "mean truncated importance weight",
+    "weight_push_seconds": "seconds to quantize + push the last version",
+}
+PHASES = ("rollout", "records", "train", "push")
+
+
+class TrainerMetrics:
+    """Writes each step's metrics to metrics.jsonl and Prometheus."""
+
+    def __init__(self, metrics: Metrics, jsonl: pathlib.Path | None) -> None:
+        self.jsonl = jsonl
+        if jsonl is not None:
+            jsonl.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self.step = metrics.gauge("step", "RL steps completed")
+        self.version = metrics.gauge("policy_version", "latest published policy version")
+        self.scalars = {k: metrics.gauge(k, doc) for k, doc in SCALAR_SERIES.items()}
+        self.d_act = metrics.gauge("d_act", "max D_act at guided sites, by layer", ("layer",))
+        self.samples = metrics.counter("samples", "samples received from rollout")
+        self.dropped = metrics.counter("samples_dropped_stale", "samples dropped as too stale")
+        self.redispatched = metrics.counter("redispatched_units", "work units re-dispatched")
+        self.tps = metrics.gauge(
+            "rollout_tokens_per_second", "rollout tokens/s by replica", ("replica",)
+        )
+        self.pull = metrics.gauge(
+            "weight_pull_seconds", "last weight pull seconds by replica", ("replica",)
+        )
+        self.phase = metrics.gauge(
+            "step_phase_seconds", "seconds of the last step by phase", ("phase",)
+        )
+        self.step_seconds = metrics.histogram("step_seconds", "RL step wall time")
+
+    def record(self, m: dict[str, Any]) -> None:
+        with self._lock:
+            self.step.set(m["step"])
+            self.version.set(m["policy_version"])
+            for k, g in self.scalars.items():
+                v = m.get(k)
+                if isinstance(v, int | float) and math.isfinite(v):
+                    g.set(v)
+            for layer, v in (m.get("d_act_per_layer") or {}).items():
+                self.d_act.labels(str(layer)).set(v)
+            self.samples.inc(m.get("samples", 0))
+            self.dropped.inc(m.get("samples_dropped_stale", 0))
+            self.redispatched.inc(m.get("redispatched_units", 0))
+            for r, v in (m.get("rollout_tokens_per_s_per_replica") or {}).items():
+                self.tps.labels(r).set(v)
+            for r, v in (m.get("weight_pull_seconds_per_replica") or {}).items():
+                self.pull.labels(r).set(v)
+            for p in PHASES:
+                self.phase.labels(p).set(m[f"time_{p}_s"])
+            self.step_seconds.observe(m["step_time_s"])
+            if self.jsonl is not None:
+                with open(self.jsonl, "a") as f:
+                    f.write(json.dumps(m, sort_keys=True) + "\n")

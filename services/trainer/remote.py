@@ -1,0 +1,174 @@
+"""The trainer's view of the other services, behind the loop's interfaces
+(``trace_common.rl``): rollout replicas over gRPC found through weight-sync's registry,
+records from quant-cache, new versions pushed to weight-sync."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+import torch
+
+from trace_common.clients import QuantCacheClient, WeightSyncClient
+from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from trace_common.rl.dispatch import GenerateCall, ReplicaBehind, ReplicaUnavailable
+from trace_common.rl.types import RolloutSample
+from trace_common.service.grpc_client import GrpcClient
+
+log = logging.getLogger(__name__)
+
+FINISH_FROM_PROTO = {
+    rollout_pb2.FINISH_REASON_STOP: "stop",
+    rollout_pb2.FINISH_REASON_LENGTH: "length",
+}
+STATUS_TIMEOUT_S = 2.0
+
+
+class GrpcReplica(GrpcClient):
+    """A rollout replica reached over gRPC (the dispatcher's ``Replica``)."""
+
+    SERVICE = "trace.rollout.v1.Rollout"
+    IDEMPOTENT = ("Status",)  # Generate is re-dispatched by the trainer, never retried blindly
+
+    def __init__(
+        self, replica_id: str, address: str, token: str, *, generate_timeout: float
+    ) -> None:
+        super().__init__(address, token)
+        self._replica_id = replica_id
+        self.generate_timeout = generate_timeout
+        self._stub = rollout_pb2_grpc.RolloutStub(self.channel)
+
+    @property
+    def replica_id(self) -> str:
+        return self._replica_id
+
+    def generate(self, call: GenerateCall) -> list[RolloutSample]:
+        unit = call.unit
+        sp = call.sampling
+        request = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=list(t)) for t in unit.prompt_tokens],
+            group_size=call.group_size,
+            sampling=rollout_pb2.SamplingParams(
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k,
+                max_new_tokens=sp.max_new_tokens,
+                seed=sp.seed,
+            ),
+            min_policy_version=call.min_policy_version,
+            run_id=call.run_id,
+            sample_id_prefix=call.prefix(),
+            write_records=call.write_records,
+        )
+        out = []
+        try:
+            for c in self._stub.Generate(
+                request, metadata=self.metadata, timeout=self.generate_timeout
+            ):
+                if not 0 <= c.prompt_index < len(unit.prompt_ids):
+                    raise ReplicaUnavailable(f"prompt_index {c.prompt_index} out of range")
+                out.append(
+                    RolloutSample(
+                        sample_id=c.sample_id,
+                        prompt_id=unit.prompt_ids[c.prompt_index],
+                        group_index=c.group_index,
+                        prompt_tokens=tuple(unit.prompt_tokens[c.prompt_index]),
+                        completion_tokens=list(c.token_ids),
+                        logprobs=list(c.logprobs),
+                        policy_version=c.policy_version,
+                        finish_reason=FINISH_FROM_PROTO.get(c.finish_reason, "length"),  # type: ignore[arg-type]
+                        record_bytes=c.record_bytes,
+                        replica_id=self._replica_id,
+                    )
+                )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) and (
+                "version" in (exc.details() or "") or "no policy weights" in (exc.details() or "")
+            ):
+                raise ReplicaBehind(f"{self._replica_id}: {exc.details()}") from exc
+            raise ReplicaUnavailable(f"{self._replica_id}: {code.name}: {exc.details()}") from exc
+        return out
+
+    def status(self) -> rollout_pb2.RolloutStatusResponse:
+        return self._stub.Status(
+            rollout_pb2.RolloutStatusRequest(), metadata=self.metadata, timeout=STATUS_TIMEOUT_S
+        )
+
+
+class WeightSyncDirectory:
+    """Live replicas as weight-sync's registry reports them (heartbeats within the timeout)."""
+
+    def __init__(self, client: WeightSyncClient, token: str, *, generate_timeout: float) -> None:
+        self.client = client
+        self.token = token
+        self.generate_timeout = generate_timeout
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, str], GrpcReplica] = {}
+
+    def replicas(self) -> Sequence[GrpcReplica]:
+        try:
+            infos = [r for r in self.client.replicas() if r.alive and r.address]
+        except grpc.RpcError as exc:
+            log.warning("weight-sync ListReplicas failed: %s", exc.code())
+            return []
+        out = []
+        with self._lock:
+            for r in infos:
+                key = (r.replica_id, r.address)
+                if key not in self._clients:
+                    self._clients[key] = GrpcReplica(
+                        r.replica_id, r.address, self.token, generate_timeout=self.generate_timeout
+                    )
+                out.append(self._clients[key])
+        return out
+
+    def pull_seconds(self) -> dict[str, float]:
+        """Each live replica's last weight pull time (pull + build + swap), seconds."""
+        out = {}
+        for r in self.replicas():
+            try:
+                st = r.status()
+            except grpc.RpcError:
+                continue
+            if st.weight_pulls_total:
+                out[r.replica_id] = st.last_weight_pull_seconds
+        return out
+
+
+class QuantCacheRecords:
+    """``fetch`` of record blobs from quant-cache; a missing or corrupt record is an error."""
+
+    def __init__(self, client: QuantCacheClient) -> None:
+        self.client = client
+        self.bytes_fetched = 0
+
+    def fetch(
+        self, run_id: str, policy_version: int, sample_ids: Sequence[str]
+    ) -> dict[str, bytes]:
+        got = self.client.get_records(run_id, policy_version, sample_ids, missing_ok=False)
+        self.bytes_fetched += sum(len(b) for b in got.values())
+        return got
+
+
+class WeightSyncPublisher:
+    """Pushes a version to weight-sync (published atomically once complete)."""
+
+    def __init__(self, client: WeightSyncClient) -> None:
+        self.client = client
+        self.last_push_seconds = 0.0
+
+    def publish(
+        self, version: int, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]
+    ) -> None:
+        t0 = time.perf_counter()
+        self.client.push_version(version, tensors, metadata)
+        self.last_push_seconds = time.perf_counter() - t0
+
+    def latest_version(self) -> int:
+        versions = self.client.versions()
+        return max((v.version for v in versions), default=-1)
