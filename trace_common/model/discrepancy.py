@@ -10,10 +10,14 @@ same sampled tokens under both paths.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from trace_common.fp4.e2m1 import e2m1_to_f32, unpack_uint4
+from trace_common.fp4.guided import record_values
+from trace_common.model.records import SampleRecords, batch_guidance
 
 Key = tuple[int, str]
 
@@ -32,10 +36,11 @@ def d_act(q_train: torch.Tensor, q_rollout: torch.Tensor) -> float:
 
 
 def code_flip_rate(q_train: torch.Tensor, q_rollout: torch.Tensor) -> float:
-    """Fraction of quantized elements whose value differs between the paths.
+    """Fraction of elements whose FP4 code differs between the paths.
 
-    Compared as dequantized values, so it is defined even when the two paths used different
-    scales (rtn); with the same scales it is exactly the fraction of flipped FP4 codes.
+    Takes each path's E2M1 grid values (fp32 in [-6, 6], e.g. `TrainForwardOutput.site_codes`
+    and `rollout_reference`), so it counts flipped codes regardless of small scale
+    differences (which D_act captures); +0 and -0 count as the same code.
     """
     if q_train.shape != q_rollout.shape:
         raise ValueError(
@@ -84,13 +89,38 @@ def logprob_discrepancy(
     )
 
 
+def rollout_reference(
+    records: Sequence[SampleRecords], dtype: torch.dtype = torch.float32
+) -> tuple[dict[Key, torch.Tensor], dict[Key, torch.Tensor]]:
+    """(values, grid values) the rollout produced at each (layer, site) of *full* records,
+    concatenated sample-major like `TrainForwardOutput.site_values`; values are cast to the
+    model's dtype, as the rollout used them."""
+    values, codes = {}, {}
+    for key, rec in batch_guidance(list(records)).items():
+        values[key] = record_values(rec).to(dtype)
+        codes[key] = e2m1_to_f32(unpack_uint4(rec.payload)).reshape(rec.shape)
+    return values, codes
+
+
+@dataclass(frozen=True, slots=True)
+class SiteDiscrepancy:
+    d_act: float
+    flip_rate: float
+
+
 def activation_discrepancy(
-    train: Mapping[Key, torch.Tensor], rollout: Mapping[Key, torch.Tensor]
-) -> dict[Key, tuple[float, float]]:
-    """{(layer, site): (D_act, code flip rate)} for every key present in both."""
+    train_values: Mapping[Key, torch.Tensor],
+    train_codes: Mapping[Key, torch.Tensor],
+    rollout_values: Mapping[Key, torch.Tensor],
+    rollout_codes: Mapping[Key, torch.Tensor],
+) -> dict[Key, SiteDiscrepancy]:
+    """{(layer, site): D_act and code flip rate} for every key present on both sides."""
     return {
-        k: (d_act(train[k], rollout[k]), code_flip_rate(train[k], rollout[k]))
-        for k in sorted(set(train) & set(rollout))
+        k: SiteDiscrepancy(
+            d_act(train_values[k], rollout_values[k]),
+            code_flip_rate(train_codes[k], rollout_codes[k]),
+        )
+        for k in sorted(set(train_values) & set(rollout_values))
     }
 
 

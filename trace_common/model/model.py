@@ -195,15 +195,20 @@ class Experts(nn.Module):
         wg = self.weight("gate_proj", hooks.weight_mode)
         wu = self.weight("up_proj", hooks.weight_mode)
         wd = self.weight("down_proj", hooks.weight_mode)
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.where(ids == e)  # rows routed to expert e, in token order
-            xe = x[tok]  # [n_e, H]
+        n, k = ids.shape
+        # Each (token, slot) output lands in its own row; the k slots are then summed in fp32
+        # in slot order, so a token's result does not depend on which other tokens are batched.
+        slots = x.new_zeros(n * k, x.shape[1], dtype=torch.float32)  # [N*k, H]
+        flat_ids = ids.reshape(-1)  # [N*k], row r = token r // k, slot r % k
+        for e in torch.unique(flat_ids).tolist():
+            rows = torch.nonzero(flat_ids == e).flatten()  # (token, slot) rows routed to e
+            xe = x[rows // k]  # [n_e, H]
             he = F.silu(xe @ wg[e].T) * (xe @ wu[e].T)  # [n_e, I]
             he = hooks.act(layer, ASITE_DOWN_IN, he)
-            ye = (he @ wd[e].T) * weights[tok, slot, None]  # [n_e, H]
-            out = out.index_add(0, tok, ye.to(out.dtype))
-        return out
+            ye = he @ wd[e].T  # [n_e, H]
+            slots = slots.index_copy(0, rows, ye.float())
+        w = weights.reshape(n * k, 1).float()
+        return (slots * w).view(n, k, -1).sum(dim=1).to(x.dtype)
 
 
 class SparseMoE(nn.Module):

@@ -14,8 +14,9 @@ from typing import Literal
 import torch
 
 from trace_common.fp4 import get_format
+from trace_common.fp4.e2m1 import e2m1_to_f32
 from trace_common.fp4.fake import fake_quantize
-from trace_common.fp4.guided import GuidanceRecord, capture, guided_quantize
+from trace_common.fp4.guided import GuidanceRecord, capture, guided_codes, guided_quantize
 from trace_common.model.config import (
     ASITE_DOWN_IN,
     GSITE_K,
@@ -47,6 +48,17 @@ Key = tuple[int, str]  # (layer, site)
 def rtn(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Round-to-nearest FP4 fake quantization with per-row (per-token) second-level scales."""
     return fake_quantize(x, fmt, scale_granularity="row")
+
+
+def _as_grid(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes -> fp32 grid values (grid values pass through)."""
+    return e2m1_to_f32(codes) if codes.dtype == torch.uint8 else codes.float()
+
+
+@torch.no_grad()
+def rtn_grid_values(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The E2M1 grid values (fp32, in [-6, 6]) RTN would pick for rows x [N, W]."""
+    return e2m1_to_f32(get_format(fmt).quantize(x, scale_granularity="row").codes())
 
 
 class RolloutHooks:
@@ -119,19 +131,28 @@ class TrainHooks:
         quant_w = qat_mode != "none" and quant.has(SITE_EXPERT_WEIGHTS)
         self.weight_mode: WeightMode = "ste" if quant_w else "master"
         self.site_values: dict[Key, torch.Tensor] = {}  # [N_valid, W] values used, detached
+        # [N_valid, W] fp32 E2M1 grid values chosen (for "none": those RTN would choose)
+        self.site_codes: dict[Key, torch.Tensor] = {}
         self.own_routing: dict[int, torch.Tensor] = {}  # [N_valid, k] the model's own top-k
 
     def act(self, layer: int, site: str, x: torch.Tensor) -> torch.Tensor:
-        if self.qat_mode == "none" or not self.quant.has(ACT_SITE_TO_QUANT_SITE[site]):
+        quantized = self.quant.has(ACT_SITE_TO_QUANT_SITE[site])
+        rec = self.guidance.get((layer, site)) if self.qat_mode == "trace" else None
+        if self.qat_mode == "none" or not quantized:
             out = x
         else:
             out = rtn(x, self.fmt)
-            rec = self.guidance.get((layer, site)) if self.qat_mode == "trace" else None
             if rec is not None:
                 guided = guided_quantize(x[self.valid_rows], rec)
                 out = out.index_copy(0, self.valid_rows, guided)
-        if self.collect and site in MEASURED_SITES:
-            self.site_values[(layer, site)] = out[self.valid_rows].detach()
+        if self.collect and quantized and site in MEASURED_SITES:
+            key, xv = (layer, site), x[self.valid_rows].detach()
+            self.site_values[key] = out[self.valid_rows].detach()
+            self.site_codes[key] = (
+                _as_grid(guided_codes(xv, rec))
+                if rec is not None
+                else rtn_grid_values(xv, self.fmt)
+            )
         return out
 
     def route(self, layer: int, probs: torch.Tensor, top_k: int) -> torch.Tensor:

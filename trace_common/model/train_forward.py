@@ -27,8 +27,9 @@ from trace_common.model.runtime import QAT_MODES, Key, TrainHooks
 class TrainForwardOutput:
     """logprobs[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1]); mask marks real targets.
 
-    site_values / own_routing (with collect=True): the values used at each measured
-    (layer, site) and the model's own top-k ids per MoE layer, over real input rows
+    site_values / site_codes / own_routing (with collect=True): the values used at each
+    quantized measured (layer, site), their E2M1 grid values (fp32; for qat_mode "none" the
+    ones RTN would pick) and the model's own top-k ids per MoE layer, over real input rows
     sample-major ([N_valid, W] / [N_valid, k]), aligned with records' rows.
     """
 
@@ -36,6 +37,7 @@ class TrainForwardOutput:
     mask: torch.Tensor  # [B, T-1] bool
     logits: torch.Tensor | None = None  # [B, T-1, V] if return_logits
     site_values: dict[Key, torch.Tensor] = field(default_factory=dict)
+    site_codes: dict[Key, torch.Tensor] = field(default_factory=dict)
     own_routing: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -127,5 +129,6 @@ def forward_logprobs(
         mask=in_valid,
         logits=logits if return_logits else None,
         site_values=hooks.site_values,
+        site_codes=hooks.site_codes,
         own_routing=hooks.own_routing,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from trace_common.model import MoECausalLM, QuantConfig, get_config, quantize_policy
 
@@ -22,3 +23,13 @@ def debug_model() -> MoECausalLM:
 def hp_model() -> MoECausalLM:
     """The same weights, nothing quantized."""
     return MoECausalLM(get_config("debug")).init_weights(seed=0, std=INIT_STD).eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """The debug model's ops are tiny: intra-op threads only add contention (10x slower on a
+    busy 2-core machine). Restored afterwards so other test folders are unaffected."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
