@@ -2,18 +2,50 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
 
 @app.command()
-def demo() -> None:
-    """Run the project's main job on this machine.
+def demo(
+    out: Annotated[
+        Path | None, typer.Option(help="run directory (default: runs/<timestamp>)")
+    ] = None,
+    mode: str = typer.Option("trace", help="bf16 | fp4 | rtn | trace"),
+    steps: int = typer.Option(40, min=1, help="RL steps"),
+    task: str = typer.Option("addition", help="addition | sort | reverse | mixed"),
+    difficulty: int = typer.Option(1, min=1, help="digits (addition) or sequence length"),
+    replicas: int = typer.Option(2, min=1, help="rollout replicas (processes)"),
+    prompts_per_step: int = typer.Option(16, min=1),
+    group_size: int = typer.Option(8, min=2, help="completions per prompt (GRPO group)"),
+    lr: float = typer.Option(1e-3, min=0.0),
+    warmstart_target: float = typer.Option(0.4, help="stop the warm start at this greedy accuracy"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Run TRACE end to end on this machine: warm start, then RL of the tiny MoE with a local
+    Redis, quant-cache, weight-sync, the trainer and rollout replicas as processes."""
+    from trace_common.rl.demo import DemoConfig, run_demo
+    from trace_common.rl.types import TRAIN_MODES
 
-    Until the RL loop lands this runs the FP4 numerics demonstration: rollout-guided
-    rounding against plain round-to-nearest on perturbed activations.
-    """
+    if mode not in TRAIN_MODES:
+        raise typer.BadParameter(f"unknown mode {mode!r}; choose from {TRAIN_MODES}")
+    run_demo(
+        DemoConfig(
+            out=out, mode=mode, steps=steps, task=task, difficulty=difficulty, replicas=replicas,
+            prompts_per_step=prompts_per_step, group_size=group_size, lr=lr,
+            warmstart_target=warmstart_target, seed=seed,
+        )
+    )  # fmt: skip
+
+
+@app.command("numerics-demo")
+def numerics_demo() -> None:
+    """The FP4 numerics demonstration: rollout-guided rounding against plain round-to-nearest
+    on perturbed activations."""
     from trace_common.fp4.demo import run_demo
 
     run_demo()
@@ -23,6 +55,8 @@ def demo() -> None:
 SERVICES: dict[str, str] = {
     "quant-cache": "services.quant_cache.__main__",
     "weight-sync": "services.weight_sync.__main__",
+    "rollout": "services.rollout.__main__",
+    "trainer": "services.trainer.__main__",
 }
 
 

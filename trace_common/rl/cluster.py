@@ -1,0 +1,116 @@
+"""The whole system on one machine: a local Redis, quant-cache, weight-sync, the trainer and
+N rollout replicas, each a child process (what `trace-rl demo` and the e2e tests run)."""
+
+from __future__ import annotations
+
+import pathlib
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+
+from trace_common.redis_local import LocalRedis, LocalRedisConfig
+from trace_common.rl.processes import LocalService
+
+STATUS_TIMEOUT_S = 5.0
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    """What to start; env maps are extra `TRACE_*` settings per service."""
+
+    replicas: int = 2
+    heartbeat_timeout_s: float = 3.0  # weight-sync reports a silent replica dead after this
+    redis_maxmemory_bytes: int = 256 << 20
+    trainer_env: Mapping[str, str] = field(default_factory=dict)
+    rollout_env: Mapping[str, str] = field(default_factory=dict)
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+
+
+class LocalCluster:
+    """Start with ``start()`` (or as a context manager); ``stop()`` stops everything."""
+
+    def __init__(self, config: ClusterConfig, log_dir: pathlib.Path) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.redis: LocalRedis | None = None
+        self.quant_cache: LocalService | None = None
+        self.weight_sync: LocalService | None = None
+        self.trainer: LocalService | None = None
+        self.rollouts: list[LocalService] = []
+
+    def _common(self) -> dict[str, str]:
+        assert self.quant_cache is not None and self.weight_sync is not None
+        return {
+            "TRACE_AUTH_TOKEN": self.config.token,
+            "TRACE_WEIGHT_SYNC_ADDRESS": self.weight_sync.grpc_address,
+            "TRACE_QUANT_CACHE_ADDRESS": self.quant_cache.grpc_address,
+        }
+
+    def start(self) -> LocalCluster:
+        cfg = self.config
+        try:
+            self.redis = LocalRedis(
+                LocalRedisConfig(maxmemory_bytes=cfg.redis_maxmemory_bytes)
+            ).start()
+            token = {"TRACE_AUTH_TOKEN": cfg.token}
+            self.quant_cache = LocalService(
+                "quant-cache", "services.quant_cache",
+                {**token, "TRACE_REDIS_URL": self.redis.url}, self.log_dir,
+            ).launch()  # fmt: skip
+            self.weight_sync = LocalService(
+                "weight-sync", "services.weight_sync",
+                {**token, "TRACE_HEARTBEAT_TIMEOUT_SECONDS": str(cfg.heartbeat_timeout_s)},
+                self.log_dir,
+            ).launch()  # fmt: skip
+            for svc in (self.quant_cache, self.weight_sync):
+                svc.wait_ports().wait_serving()
+            self.start_trainer()
+            for i in range(cfg.replicas):
+                self.rollouts.append(self._rollout(i).launch())
+            for r in self.rollouts:
+                r.wait_ports()
+            assert self.trainer is not None
+            self.trainer.wait_serving()
+            for r in self.rollouts:
+                r.wait_serving()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _rollout(self, i: int) -> LocalService:
+        env = {**self._common(), "TRACE_REPLICA_ID": f"rollout-{i}", **self.config.rollout_env}
+        return LocalService(f"rollout-{i}", "services.rollout", env, self.log_dir)
+
+    def start_trainer(self, *, wait: bool = False) -> LocalService:
+        """(Re)start the trainer process with the configured settings."""
+        env = {**self._common(), **self.config.trainer_env}
+        self.trainer = LocalService("trainer", "services.trainer", env, self.log_dir).launch()
+        self.trainer.wait_ports()
+        if wait:
+            self.trainer.wait_serving()
+        return self.trainer
+
+    def trainer_status(self) -> dict:
+        assert self.trainer is not None
+        return httpx.get(f"{self.trainer.http_url}/status", timeout=STATUS_TIMEOUT_S).json()
+
+    def stop(self) -> None:
+        for svc in [*self.rollouts, self.trainer, self.weight_sync, self.quant_cache]:
+            if svc is not None:
+                svc.stop()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

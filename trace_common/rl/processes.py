@@ -1,0 +1,136 @@
+"""Run TRACE services as local child processes (the demo's embedded default; also e2e tests).
+
+Each service is `python -m services.<name>` with `TRACE_*` settings in its environment, binds
+OS-chosen ports (0) and reports them through `TRACE_PORTS_FILE`; `start()` returns once the
+ports are known and, if asked, once grpc.health.v1 reports SERVING. Logs go to a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+PORTS_FILE_ENV = "TRACE_PORTS_FILE"
+START_TIMEOUT_S = 60.0
+POLL_S = 0.05
+
+
+class LocalService:
+    """One service child process with its log file and ports."""
+
+    def __init__(
+        self, name: str, module: str, env: Mapping[str, str], log_dir: pathlib.Path
+    ) -> None:
+        self.name = name
+        self.module = module
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+        self.ports_file = log_dir / f".{name}.ports.json"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("TRACE_")}
+        self.env = {
+            **base,
+            "TRACE_GRPC_HOST": "127.0.0.1",
+            "TRACE_HTTP_HOST": "127.0.0.1",
+            "TRACE_GRPC_PORT": "0",
+            "TRACE_HTTP_PORT": "0",
+            "TRACE_LOG_JSON": "true",
+            PORTS_FILE_ENV: str(self.ports_file),
+            **env,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def launch(self) -> LocalService:
+        """Start the process without waiting."""
+        self.ports_file.unlink(missing_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self
+
+    def wait_ports(self, timeout: float = START_TIMEOUT_S) -> LocalService:
+        assert self.proc is not None, "launch() first"
+        deadline = time.monotonic() + timeout
+        while not self.ports_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{self.name} did not start in {timeout:.0f}s:\n{self.log()[-4000:]}"
+                )
+            time.sleep(POLL_S)
+        ports = json.loads(self.ports_file.read_text())
+        self.grpc_port, self.http_port = ports["grpc"], ports["http"]
+        return self
+
+    def wait_serving(self, timeout: float = START_TIMEOUT_S) -> LocalService:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.grpc_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    req = health_pb2.HealthCheckRequest(service="")
+                    if stub.Check(req, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited:\n{self.log()[-4000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} never became SERVING:\n{self.log()[-4000:]}")
+                time.sleep(POLL_S)
+
+    def start(self, *, serving: bool = True, timeout: float = START_TIMEOUT_S) -> LocalService:
+        self.launch().wait_ports(timeout)
+        return self.wait_serving(timeout) if serving else self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the crash a fault-tolerance test simulates."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (graceful), SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.ports_file.unlink(missing_ok=True)
+        return self.proc.returncode
