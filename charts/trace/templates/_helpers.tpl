@@ -67,30 +67,18 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{/*
-Environment shared by every TRACE container: the token file, the addresses of the other
-services, and the ConfigMap. Call with (list $ <component values>).
+Environment shared by every TRACE container: the token file and the pod's name and IP (for
+$(VAR) references).
 */}}
 {{- define "trace.commonEnv" -}}
-{{- $root := index . 0 -}}
-{{- $v := $root.Values -}}
 - name: TRACE_AUTH_TOKEN_FILE
   value: /var/run/secrets/trace/token
-- name: TRACE_QUANT_CACHE_ADDRESS
-  value: {{ include "trace.grpcAddress" (list $root "quant-cache" $v.quantCache.grpcPort) | quote }}
-- name: TRACE_WEIGHT_SYNC_ADDRESS
-  value: {{ include "trace.grpcAddress" (list $root "weight-sync" $v.weightSync.grpcPort) | quote }}
-- name: TRACE_TRAINER_ADDRESS
-  value: {{ include "trace.grpcAddress" (list $root "trainer" $v.trainer.grpcPort) | quote }}
 - name: POD_NAME
   valueFrom:
     fieldRef: {fieldPath: metadata.name}
 - name: POD_IP
   valueFrom:
     fieldRef: {fieldPath: status.podIP}
-{{- range $k, $val := (index . 1).env }}
-- name: {{ $k }}
-  value: {{ $val | quote }}
-{{- end }}
 {{- end -}}
 
 {{/* Pod-level pieces every TRACE pod shares: security context, pull secrets, scheduling. */}}
@@ -132,13 +120,18 @@ hardened security context, the token Secret, writable /tmp and /data.
   imagePullPolicy: {{ $v.image.pullPolicy }}
   args: ["serve", {{ $name | quote }}]
   env:
-    {{- include "trace.commonEnv" (list $root $c) | nindent 4 }}
+    {{- include "trace.commonEnv" $root | nindent 4 }}
     - name: TRACE_GRPC_PORT
       value: {{ $c.grpcPort | quote }}
     - name: TRACE_HTTP_PORT
       value: {{ $c.httpPort | quote }}
     {{- with (index . 3) }}
     {{- . | nindent 4 }}
+    {{- end }}
+    {{- /* The component's own `env` last, so it can override any of the above. */}}
+    {{- range $k, $val := $c.env }}
+    - name: {{ $k }}
+      value: {{ $val | quote }}
     {{- end }}
   envFrom:
     - configMapRef:
@@ -242,11 +235,29 @@ spec:
     - {name: http, port: {{ $c.httpPort }}, targetPort: http}
 {{- end -}}
 
+{{/* Where the trainer and the rollout replicas find the two stores (gRPC host:port). */}}
+{{- define "trace.storeEnv" -}}
+{{- $v := .Values -}}
+- name: TRACE_QUANT_CACHE_ADDRESS
+  value: {{ include "trace.grpcAddress" (list . "quant-cache" $v.quantCache.grpcPort) | quote }}
+- name: TRACE_WEIGHT_SYNC_ADDRESS
+  value: {{ include "trace.grpcAddress" (list . "weight-sync" $v.weightSync.grpcPort) | quote }}
+{{- end -}}
+
 {{/* Rollout: each pod registers with weight-sync under its pod name at its pod IP. */}}
 {{- define "trace.rolloutEnv" -}}
-{{- $c := index . 1 -}}
-- name: TRACE_ROLLOUT_REPLICA_ID
+{{ include "trace.storeEnv" . }}
+- name: TRACE_REPLICA_ID
   value: "$(POD_NAME)"
-- name: TRACE_ROLLOUT_ADVERTISE_ADDRESS
-  value: {{ printf "$(POD_IP):%v" $c.grpcPort | quote }}
+- name: TRACE_ADVERTISE_HOST
+  value: "$(POD_IP)"
+{{- end -}}
+
+{{/* Trainer: checkpoints and metrics.jsonl on its PersistentVolumeClaim (/data). */}}
+{{- define "trace.trainerEnv" -}}
+{{ include "trace.storeEnv" . }}
+- name: TRACE_CHECKPOINT_DIR
+  value: /data/checkpoints
+- name: TRACE_METRICS_FILE
+  value: /data/metrics.jsonl
 {{- end -}}

@@ -182,3 +182,67 @@ def test_chart_metadata() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2" and chart["name"] == "trace"
     assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+
+
+# Which helper's TRACE_* variables reach which component (see _helpers.tpl and the workloads).
+_ENV_HELPERS = {
+    "trace.container": set(COMPONENTS.values()),
+    "trace.commonEnv": set(COMPONENTS.values()),
+    "trace.redisEnv": {"quant-cache"},
+    "trace.storeEnv": {"trainer", "rollout"},
+    "trace.rolloutEnv": {"rollout"},
+    "trace.trainerEnv": {"trainer"},
+}
+_PENDING = pytest.mark.xfail(
+    strict=True, reason="issue 5: `trace-rl serve trainer|rollout` not implemented yet"
+)
+
+
+def _trace_vars_by_component(values: dict) -> dict[str, set[str]]:
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    by_component: dict[str, set[str]] = {
+        name: set(values["config"]) for name in COMPONENTS.values()
+    }
+    defines = {}
+    for block in re.split(r"(?=\{\{-?\s*define\s)", helpers):
+        m = re.match(r'\{\{-?\s*define\s+"([^"]+)"', block)
+        if m:
+            defines[m.group(1)] = block
+    for define, components in _ENV_HELPERS.items():
+        assert define in defines, define
+        names = set(re.findall(r"- name: (TRACE_[A-Z0-9_]+)", defines[define]))
+        for comp in components:
+            by_component[comp] |= names
+    for comp_key, name in COMPONENTS.items():
+        by_component[name] |= {k for k in values[comp_key]["env"] if k.startswith("TRACE_")}
+    return by_component
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "quant-cache",
+        "weight-sync",
+        pytest.param("trainer", marks=_PENDING),
+        pytest.param("rollout", marks=_PENDING),
+    ],
+)
+def test_every_trace_variable_is_a_real_setting(values: dict, name: str) -> None:
+    """Each TRACE_* variable the chart gives a component is a field of its settings (a typo
+    would be ignored silently by pydantic-settings)."""
+    from trace_common import cli
+    from trace_common.service.config import ServiceSettings
+
+    assert name in cli.SERVICES, f"`trace-rl serve {name}` does not exist"
+    config = importlib.import_module(cli.SERVICES[name].rsplit(".", 1)[0] + ".config")
+    (settings,) = [
+        c
+        for c in vars(config).values()
+        if isinstance(c, type) and issubclass(c, ServiceSettings) and c is not ServiceSettings
+    ]
+    names = _trace_vars_by_component(values)[name]
+    assert "TRACE_AUTH_TOKEN_FILE" in names and "TRACE_GRPC_PORT" in names
+    unknown = sorted(
+        v for v in names if v.removeprefix("TRACE_").lower() not in settings.model_fields
+    )
+    assert not unknown, f"{name}: not settings of {settings.__name__}: {unknown}"

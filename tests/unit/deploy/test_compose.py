@@ -169,14 +169,57 @@ def test_ports_agree_with_prometheus_and_healthchecks(compose: dict) -> None:
             assert sd["names"] == ["rollout"] and sd["type"] == "A" and sd["port"] == http
         else:
             assert job["static_configs"][0]["targets"] == [f"{name}:{http}"]
-    addresses = compose["services"]["trainer"]["environment"]
-    for var, name in (
-        ("TRACE_QUANT_CACHE_ADDRESS", "quant-cache"),
-        ("TRACE_WEIGHT_SYNC_ADDRESS", "weight-sync"),
-        ("TRACE_TRAINER_ADDRESS", "trainer"),
-    ):
-        port = compose["services"][name]["environment"]["TRACE_GRPC_PORT"]
-        assert addresses[var] == f"{name}:{port}", var
+    for client in ("trainer", "rollout"):
+        env = compose["services"][client]["environment"]
+        for var, name in (
+            ("TRACE_QUANT_CACHE_ADDRESS", "quant-cache"),
+            ("TRACE_WEIGHT_SYNC_ADDRESS", "weight-sync"),
+        ):
+            port = compose["services"][name]["environment"]["TRACE_GRPC_PORT"]
+            assert env[var] == f"{name}:{port}", (client, var)
+
+
+def settings_class(name: str) -> type:
+    """The pydantic-settings class of `trace-rl serve <name>` (services/<pkg>/config.py)."""
+    from trace_common.service.config import ServiceSettings
+
+    package = serve_targets()[name].rsplit(".", 1)[0]
+    config = importlib.import_module(f"{package}.config")
+    classes = [
+        c
+        for c in vars(config).values()
+        if isinstance(c, type) and issubclass(c, ServiceSettings) and c is not ServiceSettings
+    ]
+    assert len(classes) == 1, f"{package}.config: expected one settings class, got {classes}"
+    return classes[0]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "quant-cache",
+        "weight-sync",
+        pytest.param("trainer", marks=_PENDING),
+        pytest.param("rollout", marks=_PENDING),
+    ],
+)
+def test_every_trace_variable_is_a_real_setting(compose: dict, name: str) -> None:
+    """A misspelt TRACE_* variable would be ignored silently (extra="ignore"): each one the
+    compose file sets must be a field of that service's settings."""
+    svc = compose["services"][name]
+    names = {k for k in svc["environment"] if k.startswith("TRACE_")}
+    names |= set(re.findall(r"\b(TRACE_[A-Z0-9_]+)=", " ".join(svc.get("entrypoint", []))))
+    fields = settings_class(name).model_fields
+    unknown = sorted(v for v in names if v.removeprefix("TRACE_").lower() not in fields)
+    assert not unknown, f"{name}: not settings of {settings_class(name).__name__}: {unknown}"
+
+
+def test_rollout_advertises_its_own_address(compose: dict) -> None:
+    """Each replica reads its container IP at start, so N replicas register N addresses."""
+    entrypoint = compose["services"]["rollout"]["entrypoint"]
+    assert entrypoint[:2] == ["/bin/sh", "-c"] and entrypoint[-1] == "trace-rl"
+    assert 'TRACE_ADVERTISE_HOST="$$(hostname -i' in entrypoint[2]
+    assert entrypoint[2].endswith('exec trace-rl "$$@"')
 
 
 def test_redis_is_a_bounded_password_protected_cache(compose: dict) -> None:
