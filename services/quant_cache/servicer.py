@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import zlib
@@ -10,7 +11,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.quant_cache.store import HEADER_BYTES, Lookup, RecordStore, encode_header
+from services.quant_cache.store import HEADER_BYTES, Found, Lookup, RecordStore, encode_header
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
 from trace_common.service import (
@@ -24,6 +25,10 @@ from trace_common.service import (
 from trace_common.service.errors import LONG_ID_RE
 
 log = logging.getLogger(__name__)
+
+PUT_FLUSH_BYTES = 8 << 20  # write complete records to Redis in pipelines of about this size
+GET_GROUP_BYTES = 8 << 20  # read records with one MGET per about this many bytes
+GET_MAX_GROUP = 64  # most keys in one MGET
 
 _STATUS = {
     Lookup.OK: pb.RECORD_STATUS_OK,
@@ -92,8 +97,12 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
         self.misses = m.counter("misses", "lookups that found no record")
         self.corrupt = m.counter("corrupt_records", "lookups that found a corrupt record")
         self.redis_errors = m.counter("redis_errors", "Redis calls that failed")
-        self.put_seconds = m.histogram("put_seconds", "time to receive and store one record")
-        self.get_seconds = m.histogram("get_seconds", "time to read, verify and send one record")
+        self.put_seconds = m.histogram(
+            "put_seconds", "time to receive and store one PutRecords stream"
+        )
+        self.get_seconds = m.histogram(
+            "get_seconds", "time to read, verify and send one group of records"
+        )
         m.registry.register(_RedisInfoCollector(metrics, store))
 
     # -- PutRecords ---------------------------------------------------------------------
@@ -101,57 +110,59 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
         self, request_iterator: Iterable[pb.PutRecordsChunk], context: grpc.ServicerContext
     ) -> pb.PutRecordsResponse:
         start = time.perf_counter()
-        chunks = iter(request_iterator)
-        first = next(chunks, None)
-        if first is None:
-            raise invalid(
-                "empty PutRecords stream: the first message must carry key, total_bytes, crc32"
-            )
-        if not first.HasField("key"):
-            raise invalid("the first PutRecords message has no key")
-        key = first.key
-        self._check_key(key.run_id, key.policy_version)
-        check_id("sample_id", key.sample_id, LONG_ID_RE)
-        total = first.total_bytes
-        if total > self.max_record_bytes:
-            raise exhausted(
-                f"record {key.sample_id!r} is {total} bytes, over max_record_bytes={self.max_record_bytes}"
-            )
-        value = memoryview(bytearray(HEADER_BYTES + total))  # header + blob, filled in place
-        received = 0
-        for chunk in _prepend(first, chunks):
-            if chunk is not first and chunk.HasField("key") and chunk.key != key:
+        pending: list[tuple[str, memoryview]] = []  # complete records not yet written
+        pending_bytes = 0
+        totals = [0, 0]  # records, bytes stored
+        current: _Assembly | None = None
+        try:
+            for chunk in request_iterator:
+                if chunk.HasField("key"):
+                    if current is not None:
+                        pending.append(current.finish(self.store))
+                        pending_bytes += current.total
+                    current = self._start(chunk)
+                elif current is None:
+                    raise invalid("the first PutRecords message has no key")
+                current.add(chunk.data)
+                if pending_bytes >= PUT_FLUSH_BYTES:
+                    self._flush(pending, totals)
+                    pending_bytes = 0
+            if current is None:
                 raise invalid(
-                    f"one record per stream: got key {chunk.key.sample_id!r} after {key.sample_id!r}"
+                    "empty PutRecords stream: the first message must carry key, total_bytes, crc32"
                 )
-            n = len(chunk.data)
-            if received + n > total:
-                raise invalid(f"record {key.sample_id!r}: more data than total_bytes={total}")
-            value[HEADER_BYTES + received : HEADER_BYTES + received + n] = chunk.data
-            received += n
-        if received != total:
-            raise invalid(
-                f"record {key.sample_id!r}: stream ended after {received} of total_bytes={total}"
-            )
-        blob = value[HEADER_BYTES:]
-        actual = zlib.crc32(blob)
-        if actual != first.crc32:
-            raise ServiceError(
-                grpc.StatusCode.DATA_LOSS,
-                f"record {key.sample_id!r}: crc32 {actual:#010x} of received data != declared {first.crc32:#010x}",
-            )
-        value[:HEADER_BYTES] = encode_header(actual, total)
-        self._redis(
-            lambda: self.store.put(
-                self.store.key(key.run_id, key.policy_version, key.sample_id), value
-            )
-        )
-        self.records_in.inc()
-        self.bytes_in.inc(total)
+            pending.append(current.finish(self.store))
+        except BaseException:
+            # Records completed before the failing one are kept (documented in the proto).
+            with contextlib.suppress(ServiceError):
+                self._flush(pending, totals)
+            raise
+        self._flush(pending, totals)
         self.put_seconds.observe(time.perf_counter() - start)
         return pb.PutRecordsResponse(
-            key=key, stored_bytes=total, ttl_seconds=self.store.ttl_seconds
+            records=totals[0], stored_bytes=totals[1], ttl_seconds=self.store.ttl_seconds
         )
+
+    def _start(self, chunk: pb.PutRecordsChunk) -> _Assembly:
+        key = chunk.key
+        self._check_key(key.run_id, key.policy_version)
+        check_id("sample_id", key.sample_id, LONG_ID_RE)
+        if chunk.total_bytes > self.max_record_bytes:
+            raise exhausted(
+                f"record {key.sample_id!r} is {chunk.total_bytes} bytes, over max_record_bytes={self.max_record_bytes}"
+            )
+        return _Assembly(key, chunk.total_bytes, chunk.crc32)
+
+    def _flush(self, pending: list[tuple[str, memoryview]], totals: list[int]) -> None:
+        if not pending:
+            return
+        self._redis(lambda: self.store.put_many(pending))
+        nbytes = sum(len(v) - HEADER_BYTES for _, v in pending)
+        self.records_in.inc(len(pending))
+        self.bytes_in.inc(nbytes)
+        totals[0] += len(pending)
+        totals[1] += nbytes
+        pending.clear()
 
     # -- GetRecords ---------------------------------------------------------------------
     def GetRecords(
@@ -170,49 +181,60 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
         if len(set(ids)) != len(ids):
             dup = sorted({s for s in ids if ids.count(s) > 1})
             raise invalid(f"duplicate sample_ids: {dup}")
-        for sid in ids:
+        group, i = 1, 0
+        while i < len(ids):
+            # One MGET per group; the group grows while records are small, so a batch of
+            # 64 KiB records costs a few round trips and a batch of 16 MiB ones stays bounded.
             start = time.perf_counter()
-            found = self._redis(
-                lambda sid=sid: self.store.get(
-                    self.store.key(request.run_id, request.policy_version, sid)
-                )
-            )
-            if found.status is not Lookup.OK:
-                (self.misses if found.status is Lookup.MISSING else self.corrupt).inc()
-                if found.status is Lookup.CORRUPT:
-                    log.error(
-                        "corrupt record",
-                        extra={
-                            "run_id": request.run_id,
-                            "policy_version": request.policy_version,
-                            "sample_id": sid,
-                            "detail": found.detail,
-                        },
-                    )
-                yield pb.GetRecordsChunk(
-                    sample_id=sid, status=_STATUS[found.status], detail=found.detail
-                )
-                continue
-            blob = found.blob
-            assert blob is not None
-            total = len(blob)
-            step = self.chunk_bytes
-            yield pb.GetRecordsChunk(
-                sample_id=sid,
-                status=pb.RECORD_STATUS_OK,
-                total_bytes=total,
-                crc32=found.crc32,
-                offset=0,
-                data=bytes(blob[:step]),
-            )
-            for offset in range(step, total, step):
-                yield pb.GetRecordsChunk(
-                    sample_id=sid, offset=offset, data=bytes(blob[offset : offset + step])
-                )
-            self.hits.inc()
-            self.records_out.inc()
-            self.bytes_out.inc(total)
+            batch = ids[i : i + group]
+            keys = [self.store.key(request.run_id, request.policy_version, sid) for sid in batch]
+            founds = self._redis(lambda keys=keys: self.store.get_many(keys))
+            nbytes = 0
+            for sid, found in zip(batch, founds, strict=True):
+                yield from self._send(request, sid, found)
+                nbytes += len(found.blob) if found.blob is not None else 0
             self.get_seconds.observe(time.perf_counter() - start)
+            i += len(batch)
+            group = max(1, min(GET_MAX_GROUP, GET_GROUP_BYTES // max(1, nbytes // len(batch))))
+
+    def _send(
+        self, request: pb.GetRecordsRequest, sid: str, found: Found
+    ) -> Iterator[pb.GetRecordsChunk]:
+        if found.status is not Lookup.OK:
+            (self.misses if found.status is Lookup.MISSING else self.corrupt).inc()
+            if found.status is Lookup.CORRUPT:
+                log.error(
+                    "corrupt record",
+                    extra={
+                        "run_id": request.run_id,
+                        "policy_version": request.policy_version,
+                        "sample_id": sid,
+                        "detail": found.detail,
+                    },
+                )
+            yield pb.GetRecordsChunk(
+                sample_id=sid, status=_STATUS[found.status], detail=found.detail
+            )
+            return
+        blob = found.blob
+        assert blob is not None
+        total = len(blob)
+        step = self.chunk_bytes
+        yield pb.GetRecordsChunk(
+            sample_id=sid,
+            status=pb.RECORD_STATUS_OK,
+            total_bytes=total,
+            crc32=found.crc32,
+            offset=0,
+            data=bytes(blob[:step]),
+        )
+        for offset in range(step, total, step):
+            yield pb.GetRecordsChunk(
+                sample_id=sid, offset=offset, data=bytes(blob[offset : offset + step])
+            )
+        self.hits.inc()
+        self.records_out.inc()
+        self.bytes_out.inc(total)
 
     # -- Delete / Stats -------------------------------------------------------------------
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
@@ -265,8 +287,35 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
             raise
 
 
-def _prepend(
-    first: pb.PutRecordsChunk, rest: Iterator[pb.PutRecordsChunk]
-) -> Iterator[pb.PutRecordsChunk]:
-    yield first
-    yield from rest
+class _Assembly:
+    """One record being received: header space + blob, filled in place."""
+
+    def __init__(self, key: pb.RecordKey, total: int, crc32: int) -> None:
+        self.key = key
+        self.total = total
+        self.crc32 = crc32
+        self.value = memoryview(bytearray(HEADER_BYTES + total))
+        self.received = 0
+
+    def add(self, data: bytes) -> None:
+        n = len(data)
+        if self.received + n > self.total:
+            raise invalid(f"record {self.key.sample_id!r}: more data than total_bytes={self.total}")
+        self.value[HEADER_BYTES + self.received : HEADER_BYTES + self.received + n] = data
+        self.received += n
+
+    def finish(self, store: RecordStore) -> tuple[str, memoryview]:
+        """Check length and CRC-32; return (redis key, header + blob)."""
+        sid = self.key.sample_id
+        if self.received != self.total:
+            raise invalid(
+                f"record {sid!r}: stream ended after {self.received} of total_bytes={self.total}"
+            )
+        actual = zlib.crc32(self.value[HEADER_BYTES:])
+        if actual != self.crc32:
+            raise ServiceError(
+                grpc.StatusCode.DATA_LOSS,
+                f"record {sid!r}: crc32 {actual:#010x} of received data != declared {self.crc32:#010x}",
+            )
+        self.value[:HEADER_BYTES] = encode_header(actual, self.total)
+        return store.key(self.key.run_id, self.key.policy_version, sid), self.value

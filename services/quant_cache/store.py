@@ -49,6 +49,9 @@ class Found:
     detail: str = ""
 
 
+MISSING = Found(Lookup.MISSING, detail="not found (never written, expired or evicted)")
+
+
 def encode_header(crc32: int, length: int) -> bytes:
     return HEADER.pack(MAGIC, crc32, length)
 
@@ -102,14 +105,30 @@ class RecordStore:
         except redis.RedisError as exc:
             raise redis_errors(exc) from exc
 
-    def get(self, key: str) -> Found:
+    def put_many(self, items: list[tuple[str, memoryview]]) -> None:
+        """Several SETs in one round trip (a pipeline, not a transaction: each record is
+        atomic on its own)."""
+        if len(items) == 1:
+            self.put(*items[0])
+            return
         try:
-            value = self.client.get(key)
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(key, value, ex=self.ttl_seconds)
+            pipe.execute()
         except redis.RedisError as exc:
             raise redis_errors(exc) from exc
-        if value is None:
-            return Found(Lookup.MISSING, detail="not found (never written, expired or evicted)")
-        return decode(value)
+
+    def get(self, key: str) -> Found:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[str]) -> list[Found]:
+        """One MGET; each value checked."""
+        try:
+            values = self.client.mget(keys) if len(keys) > 1 else [self.client.get(keys[0])]
+        except redis.RedisError as exc:
+            raise redis_errors(exc) from exc
+        return [MISSING if v is None else decode(v) for v in values]
 
     def delete(self, run_id: str, version: int | None) -> int:
         """Delete a run's records, or one version's; returns how many were deleted."""

@@ -9,7 +9,7 @@ qc.delete("run1", version=3)
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
@@ -50,20 +50,35 @@ class QuantCacheClient(GrpcClient):
         self, run_id: str, version: int, sample_id: str, blob: bytes | bytearray | memoryview
     ) -> int:
         """Store one sample's record blob; returns the bytes stored. Overwrites."""
-        view = memoryview(blob).cast("B")
-        key = pb.RecordKey(run_id=run_id, policy_version=version, sample_id=sample_id)
-        crc = zlib.crc32(view)
-        step = self.chunk_bytes
+        return self.put_many(run_id, version, {sample_id: blob})
+
+    def put_many(
+        self, run_id: str, version: int, records: Mapping[str, bytes | bytearray | memoryview]
+    ) -> int:
+        """Store several samples' blobs in one stream (e.g. a whole GRPO group); returns bytes
+        stored. Each record is all-or-nothing; on an error the records before it are stored."""
+        if not records:
+            raise ValueError("records is empty")
 
         def chunks() -> Iterator[pb.PutRecordsChunk]:
-            yield pb.PutRecordsChunk(
-                key=key, total_bytes=len(view), crc32=crc, data=bytes(view[:step])
-            )
-            for offset in range(step, len(view), step):
-                yield pb.PutRecordsChunk(data=bytes(view[offset : offset + step]))
+            for sample_id, blob in records.items():
+                yield from self._chunks(run_id, version, sample_id, blob)
 
         response = self._stub.PutRecords(chunks(), metadata=self.metadata, timeout=self.timeout)
         return response.stored_bytes
+
+    def _chunks(
+        self, run_id: str, version: int, sample_id: str, blob: bytes | bytearray | memoryview
+    ) -> Iterator[pb.PutRecordsChunk]:
+        view = memoryview(blob).cast("B")
+        key = pb.RecordKey(run_id=run_id, policy_version=version, sample_id=sample_id)
+        step = self.chunk_bytes
+        first = view if len(view) <= step else view[:step]
+        yield pb.PutRecordsChunk(
+            key=key, total_bytes=len(view), crc32=zlib.crc32(view), data=bytes(first)
+        )
+        for offset in range(step, len(view), step):
+            yield pb.PutRecordsChunk(data=bytes(view[offset : offset + step]))
 
     def get_records(
         self, run_id: str, version: int, sample_ids: Sequence[str], *, missing_ok: bool = True

@@ -76,7 +76,7 @@ def test_put_get_chunks_and_stats(servicer: QuantCacheServicer) -> None:
         servicer,
         [first(data[:5], total=20, crc=zlib.crc32(data)), pb.PutRecordsChunk(data=data[5:])],
     )
-    assert response.stored_bytes == 20 and response.ttl_seconds == 60
+    assert (response.records, response.stored_bytes, response.ttl_seconds) == (1, 20, 60)
     chunks = get(
         servicer, pb.GetRecordsRequest(run_id="run", policy_version=1, sample_ids=["s", "nope"])
     )
@@ -95,6 +95,37 @@ def test_put_get_chunks_and_stats(servicer: QuantCacheServicer) -> None:
         stats.hits_total,
         stats.misses_total,
     ) == (1, 20, 1, 1)
+
+
+def test_many_records_in_one_stream_and_partial_failure(servicer: QuantCacheServicer) -> None:
+    blobs = {f"s{i}": bytes([i]) * (i * 300) for i in range(4)}
+    chunks = [first(b, key(sample=s)) for s, b in blobs.items()]
+    response = put(servicer, chunks)
+    assert response.records == 4 and response.stored_bytes == sum(map(len, blobs.values()))
+    got = get(
+        servicer, pb.GetRecordsRequest(run_id="run", policy_version=1, sample_ids=list(blobs))
+    )
+    joined: dict[str, bytes] = {}
+    for c in got:
+        joined[c.sample_id] = joined.get(c.sample_id, b"") + c.data
+    assert joined == blobs
+    # A bad record in the middle: the ones before it are stored, the error names it.
+    bad = [
+        first(b"ok", key(sample="before")),
+        first(b"x", key(sample="bad"), crc=1),
+        first(b"z", key(sample="after")),
+    ]
+    code, message = code_of(lambda: put(servicer, bad))
+    assert code == grpc.StatusCode.DATA_LOSS and "'bad'" in message
+    got = get(
+        servicer,
+        pb.GetRecordsRequest(run_id="run", policy_version=1, sample_ids=["before", "bad", "after"]),
+    )
+    assert [c.status for c in got] == [
+        pb.RECORD_STATUS_OK,
+        pb.RECORD_STATUS_MISSING,
+        pb.RECORD_STATUS_MISSING,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -120,9 +151,9 @@ def test_put_get_chunks_and_stats(servicer: QuantCacheServicer) -> None:
         ),
         ([first(b"x", crc=123)], grpc.StatusCode.DATA_LOSS, "crc32"),
         (
-            [first(b"x", total=2), pb.PutRecordsChunk(key=key(sample="other"), data=b"y")],
+            [first(b"x", total=2), first(b"y", key(sample="other"))],
             grpc.StatusCode.INVALID_ARGUMENT,
-            "one record per stream",
+            "record 's': stream ended after 1 of total_bytes=2",
         ),
     ],
 )

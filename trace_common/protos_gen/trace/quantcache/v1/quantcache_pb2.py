@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$trace/quantcache/v1/quantcache.proto\x12\x13trace.quantcache.v1\"F\n\tRecordKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x11\n\tsample_id\x18\x03 \x01(\t\"p\n\x0fPutRecordsChunk\x12+\n\x03key\x18\x01 \x01(\x0b\x32\x1e.trace.quantcache.v1.RecordKey\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"l\n\x12PutRecordsResponse\x12+\n\x03key\x18\x01 \x01(\x0b\x32\x1e.trace.quantcache.v1.RecordKey\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x03\"O\n\x11GetRecordsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x12\n\nsample_ids\x18\x03 \x03(\t\"\xa9\x01\n\x0fGetRecordsChunk\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x31\n\x06status\x18\x02 \x01(\x0e\x32!.trace.quantcache.v1.RecordStatus\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\"O\n\rDeleteRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\")\n\x0e\x44\x65leteResponse\x12\x17\n\x0f\x64\x65leted_records\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x9f\x03\n\rStatsResponse\x12\x19\n\x11records_put_total\x18\x01 \x01(\x04\x12\x17\n\x0f\x62ytes_put_total\x18\x02 \x01(\x04\x12\x19\n\x11records_got_total\x18\x03 \x01(\x04\x12\x17\n\x0f\x62ytes_got_total\x18\x04 \x01(\x04\x12\x12\n\nhits_total\x18\x05 \x01(\x04\x12\x14\n\x0cmisses_total\x18\x06 \x01(\x04\x12\x15\n\rcorrupt_total\x18\x07 \x01(\x04\x12\x1f\n\x17redis_used_memory_bytes\x18\x08 \x01(\x04\x12\x1d\n\x15redis_maxmemory_bytes\x18\t \x01(\x04\x12\x1e\n\x16redis_maxmemory_policy\x18\n \x01(\t\x12 \n\x18redis_evicted_keys_total\x18\x0b \x01(\x04\x12 \n\x18redis_expired_keys_total\x18\x0c \x01(\x04\x12\x12\n\nredis_keys\x18\r \x01(\x04\x12\x13\n\x0bttl_seconds\x18\x0e \x01(\x03\x12\x18\n\x10max_record_bytes\x18\x0f \x01(\x04*y\n\x0cRecordStatus\x12\x1d\n\x19RECORD_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10RECORD_STATUS_OK\x10\x01\x12\x19\n\x15RECORD_STATUS_MISSING\x10\x02\x12\x19\n\x15RECORD_STATUS_CORRUPT\x10\x03\x32\xec\x02\n\nQuantCache\x12]\n\nPutRecords\x12$.trace.quantcache.v1.PutRecordsChunk\x1a\'.trace.quantcache.v1.PutRecordsResponse(\x01\x12\\\n\nGetRecords\x12&.trace.quantcache.v1.GetRecordsRequest\x1a$.trace.quantcache.v1.GetRecordsChunk0\x01\x12Q\n\x06\x44\x65lete\x12\".trace.quantcache.v1.DeleteRequest\x1a#.trace.quantcache.v1.DeleteResponse\x12N\n\x05Stats\x12!.trace.quantcache.v1.StatsRequest\x1a\".trace.quantcache.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$trace/quantcache/v1/quantcache.proto\x12\x13trace.quantcache.v1\"F\n\tRecordKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x11\n\tsample_id\x18\x03 \x01(\t\"p\n\x0fPutRecordsChunk\x12+\n\x03key\x18\x01 \x01(\x0b\x32\x1e.trace.quantcache.v1.RecordKey\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"V\n\x12PutRecordsResponse\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x03\x12\x0f\n\x07records\x18\x04 \x01(\rJ\x04\x08\x01\x10\x02\"O\n\x11GetRecordsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x12\n\nsample_ids\x18\x03 \x03(\t\"\xa9\x01\n\x0fGetRecordsChunk\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x31\n\x06status\x18\x02 \x01(\x0e\x32!.trace.quantcache.v1.RecordStatus\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\"O\n\rDeleteRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\")\n\x0e\x44\x65leteResponse\x12\x17\n\x0f\x64\x65leted_records\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x9f\x03\n\rStatsResponse\x12\x19\n\x11records_put_total\x18\x01 \x01(\x04\x12\x17\n\x0f\x62ytes_put_total\x18\x02 \x01(\x04\x12\x19\n\x11records_got_total\x18\x03 \x01(\x04\x12\x17\n\x0f\x62ytes_got_total\x18\x04 \x01(\x04\x12\x12\n\nhits_total\x18\x05 \x01(\x04\x12\x14\n\x0cmisses_total\x18\x06 \x01(\x04\x12\x15\n\rcorrupt_total\x18\x07 \x01(\x04\x12\x1f\n\x17redis_used_memory_bytes\x18\x08 \x01(\x04\x12\x1d\n\x15redis_maxmemory_bytes\x18\t \x01(\x04\x12\x1e\n\x16redis_maxmemory_policy\x18\n \x01(\t\x12 \n\x18redis_evicted_keys_total\x18\x0b \x01(\x04\x12 \n\x18redis_expired_keys_total\x18\x0c \x01(\x04\x12\x12\n\nredis_keys\x18\r \x01(\x04\x12\x13\n\x0bttl_seconds\x18\x0e \x01(\x03\x12\x18\n\x10max_record_bytes\x18\x0f \x01(\x04*y\n\x0cRecordStatus\x12\x1d\n\x19RECORD_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10RECORD_STATUS_OK\x10\x01\x12\x19\n\x15RECORD_STATUS_MISSING\x10\x02\x12\x19\n\x15RECORD_STATUS_CORRUPT\x10\x03\x32\xec\x02\n\nQuantCache\x12]\n\nPutRecords\x12$.trace.quantcache.v1.PutRecordsChunk\x1a\'.trace.quantcache.v1.PutRecordsResponse(\x01\x12\\\n\nGetRecords\x12&.trace.quantcache.v1.GetRecordsRequest\x1a$.trace.quantcache.v1.GetRecordsChunk0\x01\x12Q\n\x06\x44\x65lete\x12\".trace.quantcache.v1.DeleteRequest\x1a#.trace.quantcache.v1.DeleteResponse\x12N\n\x05Stats\x12!.trace.quantcache.v1.StatsRequest\x1a\".trace.quantcache.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trace.quantcache.v1.quantcache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RECORDSTATUS']._serialized_start=1168
-  _globals['_RECORDSTATUS']._serialized_end=1289
+  _globals['_RECORDSTATUS']._serialized_start=1146
+  _globals['_RECORDSTATUS']._serialized_end=1267
   _globals['_RECORDKEY']._serialized_start=61
   _globals['_RECORDKEY']._serialized_end=131
   _globals['_PUTRECORDSCHUNK']._serialized_start=133
   _globals['_PUTRECORDSCHUNK']._serialized_end=245
   _globals['_PUTRECORDSRESPONSE']._serialized_start=247
-  _globals['_PUTRECORDSRESPONSE']._serialized_end=355
-  _globals['_GETRECORDSREQUEST']._serialized_start=357
-  _globals['_GETRECORDSREQUEST']._serialized_end=436
-  _globals['_GETRECORDSCHUNK']._serialized_start=439
-  _globals['_GETRECORDSCHUNK']._serialized_end=608
-  _globals['_DELETEREQUEST']._serialized_start=610
-  _globals['_DELETEREQUEST']._serialized_end=689
-  _globals['_DELETERESPONSE']._serialized_start=691
-  _globals['_DELETERESPONSE']._serialized_end=732
-  _globals['_STATSREQUEST']._serialized_start=734
-  _globals['_STATSREQUEST']._serialized_end=748
-  _globals['_STATSRESPONSE']._serialized_start=751
-  _globals['_STATSRESPONSE']._serialized_end=1166
-  _globals['_QUANTCACHE']._serialized_start=1292
-  _globals['_QUANTCACHE']._serialized_end=1656
+  _globals['_PUTRECORDSRESPONSE']._serialized_end=333
+  _globals['_GETRECORDSREQUEST']._serialized_start=335
+  _globals['_GETRECORDSREQUEST']._serialized_end=414
+  _globals['_GETRECORDSCHUNK']._serialized_start=417
+  _globals['_GETRECORDSCHUNK']._serialized_end=586
+  _globals['_DELETEREQUEST']._serialized_start=588
+  _globals['_DELETEREQUEST']._serialized_end=667
+  _globals['_DELETERESPONSE']._serialized_start=669
+  _globals['_DELETERESPONSE']._serialized_end=710
+  _globals['_STATSREQUEST']._serialized_start=712
+  _globals['_STATSREQUEST']._serialized_end=726
+  _globals['_STATSRESPONSE']._serialized_start=729
+  _globals['_STATSRESPONSE']._serialized_end=1144
+  _globals['_QUANTCACHE']._serialized_start=1270
+  _globals['_QUANTCACHE']._serialized_end=1634
 # @@protoc_insertion_point(module_scope)

@@ -41,14 +41,14 @@ class PutRecordsChunk(_message.Message):
     def __init__(self, key: _Optional[_Union[RecordKey, _Mapping]] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutRecordsResponse(_message.Message):
-    __slots__ = ("key", "stored_bytes", "ttl_seconds")
-    KEY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("stored_bytes", "ttl_seconds", "records")
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    key: RecordKey
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
     stored_bytes: int
     ttl_seconds: int
-    def __init__(self, key: _Optional[_Union[RecordKey, _Mapping]] = ..., stored_bytes: _Optional[int] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    records: int
+    def __init__(self, stored_bytes: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., records: _Optional[int] = ...) -> None: ...
 
 class GetRecordsRequest(_message.Message):
     __slots__ = ("run_id", "policy_version", "sample_ids")

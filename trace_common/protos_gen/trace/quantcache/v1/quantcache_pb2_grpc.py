@@ -60,7 +60,7 @@ class QuantCacheServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PutRecords(self, request_iterator, context):
-        """Store one sample's records (client-streamed in chunks). Overwrites an existing record.
+        """Store samples' records (client-streamed in chunks). Overwrites existing records.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
