@@ -193,9 +193,6 @@ _ENV_HELPERS = {
     "trace.rolloutEnv": {"rollout"},
     "trace.trainerEnv": {"trainer"},
 }
-_PENDING = pytest.mark.xfail(
-    strict=True, reason="issue 5: `trace-rl serve trainer|rollout` not implemented yet"
-)
 
 
 def _trace_vars_by_component(values: dict) -> dict[str, set[str]]:
@@ -223,8 +220,8 @@ def _trace_vars_by_component(values: dict) -> dict[str, set[str]]:
     [
         "quant-cache",
         "weight-sync",
-        pytest.param("trainer", marks=_PENDING),
-        pytest.param("rollout", marks=_PENDING),
+        "trainer",
+        "rollout",
     ],
 )
 def test_every_trace_variable_is_a_real_setting(values: dict, name: str) -> None:

@@ -122,20 +122,13 @@ def test_images_run_the_console_script() -> None:
         assert 'ENTRYPOINT ["trace-rl"]' in text, dockerfile
 
 
-# The issue-5 services are not in `trace-rl serve` yet; strict: this turns into a failure
-# (a reminder to drop the mark) as soon as they are.
-_PENDING = pytest.mark.xfail(
-    strict=True, reason="issue 5: `trace-rl serve trainer|rollout` not implemented yet"
-)
-
-
 @pytest.mark.parametrize(
     "name",
     [
         "quant-cache",
         "weight-sync",
-        pytest.param("trainer", marks=_PENDING),
-        pytest.param("rollout", marks=_PENDING),
+        "trainer",
+        "rollout",
     ],
 )
 def test_every_service_runs_a_real_entry_point(compose: dict, name: str) -> None:
@@ -199,8 +192,8 @@ def settings_class(name: str) -> type:
     [
         "quant-cache",
         "weight-sync",
-        pytest.param("trainer", marks=_PENDING),
-        pytest.param("rollout", marks=_PENDING),
+        "trainer",
+        "rollout",
     ],
 )
 def test_every_trace_variable_is_a_real_setting(compose: dict, name: str) -> None:
