@@ -115,9 +115,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict of a Qwen3-MoE (or Qwen2-MoE) model."""
+        """Build from a Hugging Face `config.json` dict of a Qwen3-MoE model.
+
+        A `shared_expert_intermediate_size` key (Qwen2-MoE style shared expert) is honoured.
+        """
         model_type = hf.get("model_type")
-        if model_type not in ("qwen3_moe", "qwen2_moe"):
+        if model_type != "qwen3_moe":
             raise ValueError(f"unsupported model_type {model_type!r} (expected 'qwen3_moe')")
         if hf.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported (use_sliding_window=true)")
