@@ -238,33 +238,62 @@ def generate(
 
 
 def _assemble(
-    model, plist, out_tok, steps, guided, fmt, mode, record_routing
+    model: MoECausalLM,
+    plist: list[list[int]],
+    out_tok: list[list[int]],
+    steps: list[tuple[dict, dict, list[tuple[int, int, int]]]],
+    guided: frozenset[tuple[int, str]],
+    fmt: str,
+    mode: str,
+    record_routing: bool,
 ) -> list[SampleRecords]:
-    """Slice each forward's batch records per sample and concatenate them along rows."""
+    """Per-sample records from the per-forward batch records.
+
+    Every forward's records are concatenated along rows once per (layer, site); each sample's
+    rows are then gathered with one index per sample, so the cost is O(sites x samples)
+    tensor ops rather than O(sites x samples x steps).
+    """
     b = len(plist)
-    chunks: list[dict[tuple[int, str], list[GuidanceRecord]]] = [{} for _ in range(b)]
-    routes: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    moe_layers = model.cfg.moe_layers
+    dev = next(model.parameters()).device
+    rows: list[list[torch.Tensor]] = [[] for _ in range(b)]  # global row ids per sample
+    offset = 0
     for captured, routing, spans in steps:
         for i, start, stop in spans:
-            for key in guided:
-                chunks[i].setdefault(key, []).append(captured[key].rows(start, stop))
-            if record_routing:
-                routes[i].append(
-                    torch.stack([routing[layer][start:stop] for layer in moe_layers], 1)
-                )
+            rows[i].append(torch.arange(offset + start, offset + stop, device=dev))
+        some = next(iter(captured.values()), None) if captured else None
+        n = some.num_rows if some is not None else next(iter(routing.values())).shape[0]
+        offset += n
+    index = [torch.cat(r) for r in rows]
+    cat = {key: concat_records([c[key] for c, _, _ in steps]) for key in sorted(guided)}
+    moe_layers = model.cfg.moe_layers
+    routes = None
+    if record_routing:
+        routes = torch.stack(
+            [torch.cat([r[layer] for _, r, _ in steps]) for layer in moe_layers], 1
+        )  # [total rows, n_moe, k]
     out = []
     for i in range(b):
-        tokens = torch.tensor(plist[i] + out_tok[i], dtype=torch.long)
         rec = SampleRecords(
-            tokens=tokens,
+            tokens=torch.tensor(plist[i] + out_tok[i], dtype=torch.long),
             prompt_len=len(plist[i]),
             fmt=fmt,
             mode=mode if guided else "",
-            guidance={k: concat_records(v) for k, v in sorted(chunks[i].items())},
+            guidance={key: _take_rows(g, index[i]) for key, g in cat.items()},
             moe_layers=moe_layers,
-            routing=torch.cat(routes[i]).cpu() if record_routing else None,
+            routing=routes[index[i]].cpu() if routes is not None else None,
         )
         rec.validate(model.cfg)
         out.append(rec)
     return out
+
+
+def _take_rows(rec: GuidanceRecord, idx: torch.Tensor) -> GuidanceRecord:
+    """Rows `idx` of a 2-D record (records are row-separable: every section is per row)."""
+    return GuidanceRecord(
+        rec.fmt,
+        rec.mode,
+        (int(idx.numel()), rec.k),
+        rec.payload[idx],
+        rec.block_scales[idx],
+        None if rec.row_scales is None else rec.row_scales[idx],
+    )
