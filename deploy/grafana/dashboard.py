@@ -138,7 +138,8 @@ ROWS: tuple[Row, ...] = (
             ),
             Panel(
                 "Weight push / pull seconds",
-                "Mean seconds per version push (trainer to weight-sync) and per pull (replica).",
+                "Mean seconds per version push (trainer to weight-sync) and per pull (replica), and "
+                "each replica's last pull as the trainer saw it.",
                 "s",
                 (
                     q(
@@ -150,6 +151,10 @@ ROWS: tuple[Row, ...] = (
                         f"sum(rate(trace_weight_sync_pull_seconds_sum[{RATE}]))"
                         f" / sum(rate(trace_weight_sync_pull_seconds_count[{RATE}]))",
                         "pull",
+                    ),
+                    q(
+                        "max by (replica) (trace_trainer_weight_pull_seconds)",
+                        "last pull {{replica}}",
                     ),
                 ),
             ),
@@ -219,7 +224,7 @@ ROWS: tuple[Row, ...] = (
                 "Mean verifier reward of the samples trained on, per step.",
                 "short",
                 (q("max(trace_trainer_reward_mean)", "reward"),),
-                width=8,
+                width=6,
             ),
             Panel(
                 "Staleness",
@@ -229,7 +234,7 @@ ROWS: tuple[Row, ...] = (
                     q("max(trace_trainer_staleness_mean)", "mean"),
                     q("max(trace_trainer_staleness_max)", "max"),
                 ),
-                width=8,
+                width=6,
             ),
             Panel(
                 "Dropped samples",
@@ -241,7 +246,19 @@ ROWS: tuple[Row, ...] = (
                         "dropped/s",
                     ),
                 ),
-                width=8,
+                width=6,
+            ),
+            Panel(
+                "Policy loss, clip fraction, IS weight",
+                "Policy loss, fraction of tokens on the clipped branch, mean truncated "
+                "importance weight.",
+                "short",
+                (
+                    q("max(trace_trainer_loss)", "loss"),
+                    q("max(trace_trainer_clip_frac)", "clip fraction"),
+                    q("max(trace_trainer_tis_mean)", "TIS mean"),
+                ),
+                width=6,
             ),
         ),
     ),
@@ -256,22 +273,33 @@ ROWS: tuple[Row, ...] = (
                     q("max(trace_trainer_logp_abs_diff_mean)", "mean |dlogp|"),
                     q("max(trace_trainer_logp_abs_diff_max)", "max |dlogp|"),
                 ),
-                width=8,
+                width=6,
             ),
             Panel(
                 "k3 KL (rollout || trainer)",
                 "k3 estimator of the KL between the rollout and trainer policies.",
                 "short",
                 (q("max(trace_trainer_k3_kl)", "k3 KL"),),
-                width=8,
+                width=6,
             ),
             Panel(
                 "D_act per layer",
                 "Activation discrepancy ||Q_train - Q_rollout||_F / ||Q_rollout||_F at guided "
-                "sites (max over the sites of a layer).",
+                "sites (max over the sites of a layer; needs full guidance records).",
                 "percentunit",
                 (q("max by (layer) (trace_trainer_d_act)", "layer {{layer}}"),),
-                width=8,
+                width=6,
+            ),
+            Panel(
+                "Code flips, routing mismatch",
+                "Fraction of guided-site elements whose FP4 code differs from the rollout's, and "
+                "of tokens whose top-k experts differ from the rollout's.",
+                "percentunit",
+                (
+                    q("max(trace_trainer_code_flip_rate)", "code flip rate"),
+                    q("max(trace_trainer_routing_mismatch)", "routing mismatch"),
+                ),
+                width=6,
             ),
         ),
     ),
