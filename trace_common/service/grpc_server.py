@@ -25,14 +25,29 @@ BEARER = "bearer "
 _EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
+KEEPALIVE_MS = 30_000  # clients ping an idle connection (e.g. a quiet Subscribe) this often
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options shared by servers and channels: message limits and keepalive."""
+    """Client channel options: message limits and keepalive pings."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Server options: message limits, and accept the clients' keepalive pings (the default
+    minimum of 5 minutes would answer them with GOAWAY too_many_pings)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
 
@@ -179,7 +194,7 @@ class GrpcServer:
             interceptors=[
                 ServiceInterceptor(settings.token(), metrics, settings.auth_exempt_health)
             ],
-            options=channel_options(settings.max_message_bytes),
+            options=server_options(settings.max_message_bytes),
             maximum_concurrent_rpcs=None,
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
