@@ -70,7 +70,11 @@ class NVFP4Tensor:
 
 def scale_2_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """Second-level fp32 scale amax / (6 * 448); 1.0 where that is 0 (all-zero tensor/row)."""
-    scale_2_fp32 = amax.float() / (F4_E2M1_MAX * F8E4M3_MAX)
+    amax_fp32 = amax.float()
+    # Divide by a tensor on amax's device, not a Python float: CUDA turns division by a CPU
+    # scalar into a multiply by its reciprocal (1/2688 is inexact), CPU divides; a true
+    # divide on both keeps the reference device-independent and equal to ModelOpt's CPU path.
+    scale_2_fp32 = amax_fp32 / torch.full_like(amax_fp32, F4_E2M1_MAX * F8E4M3_MAX)
     return torch.where(scale_2_fp32 == 0, NVFP4_ZERO_AMAX_SCALE_2, scale_2_fp32)
 
 
