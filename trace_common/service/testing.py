@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from trace_common.service.grpc_client import ClientTLS
 from trace_common.service.runtime import PORTS_FILE_ENV
 
 START_TIMEOUT_S = 30.0
@@ -31,9 +32,15 @@ class ServiceProcess:
     """`python -m <module>` with the given environment (added to a TRACE_-free copy of ours)."""
 
     def __init__(
-        self, module: str, env: Mapping[str, str], *, timeout: float = START_TIMEOUT_S
+        self,
+        module: str,
+        env: Mapping[str, str],
+        *,
+        timeout: float = START_TIMEOUT_S,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.module = module
+        self.tls = tls  # how to reach a TLS/mTLS server for the health check
         self.timeout = timeout
         self._tmp = tempfile.TemporaryDirectory(prefix="trace-svc-")
         self.ports_file = pathlib.Path(self._tmp.name) / "ports.json"
@@ -87,7 +94,12 @@ class ServiceProcess:
         return self
 
     def _wait_serving(self, deadline: float) -> None:
-        with grpc.insecure_channel(self.grpc_address) as channel:
+        channel = (
+            grpc.insecure_channel(self.grpc_address)
+            if self.tls is None
+            else grpc.secure_channel(self.grpc_address, self.tls.credentials())
+        )
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 try:
