@@ -157,3 +157,13 @@ def test_bad_contents() -> None:
         GuidanceRecord("int4", "full", rec.shape, rec.payload, rec.block_scales, None)
     with pytest.raises(ValueError, match="unknown guidance mode 'half'"):
         capture(torch.randn(2, 32), "nvfp4", "half")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_empty_record_round_trip(fmt: str) -> None:
+    _, rec = capture(torch.randn(3, 64), fmt, "compact")
+    empty = rec.rows(1, 1)
+    assert empty.nbytes == 0
+    back = GuidanceRecord.from_bytes(empty.to_bytes())
+    assert back.shape == (0, 64) and back.num_rows == 0
+    assert concat_records([empty, rec]).to_bytes() == rec.to_bytes()
