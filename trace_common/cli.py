@@ -17,13 +17,13 @@ def demo(
     ] = None,
     mode: str = typer.Option("trace", help="bf16 | fp4 | rtn | trace"),
     steps: int = typer.Option(40, min=1, help="RL steps"),
-    task: str = typer.Option("addition", help="addition | sort | reverse | mixed"),
-    difficulty: int = typer.Option(1, min=1, help="digits (addition) or sequence length"),
+    task: str = typer.Option("reverse", help="addition | sort | reverse | mixed"),
+    difficulty: int = typer.Option(3, min=1, help="digits (addition) or sequence length"),
     replicas: int = typer.Option(2, min=1, help="rollout replicas (processes)"),
     prompts_per_step: int = typer.Option(16, min=1),
     group_size: int = typer.Option(8, min=2, help="completions per prompt (GRPO group)"),
     lr: float = typer.Option(1e-3, min=0.0),
-    warmstart_target: float = typer.Option(0.4, help="stop the warm start at this greedy accuracy"),
+    warmstart_target: float = typer.Option(0.3, help="stop the warm start at this greedy accuracy"),
     seed: int = typer.Option(0),
 ) -> None:
     """Run TRACE end to end on this machine: warm start, then RL of the tiny MoE with a local

@@ -12,6 +12,7 @@ from services.rollout.servicer import RolloutServicer
 from services.rollout.weights import WeightFollower
 from trace_common.clients import QuantCacheClient, WeightSyncClient
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2_grpc
+from trace_common.rl.audit import RecordAudit
 from trace_common.rl.engine import EngineHolder
 from trace_common.service import ServiceRuntime, load_settings
 
@@ -30,10 +31,17 @@ def main() -> None:
     quant_cache = QuantCacheClient(settings.quant_cache_address, token)
     weight_sync = WeightSyncClient(settings.weight_sync_address, token)
     holder = EngineHolder()
+    audit = RecordAudit(settings.record_audit_file) if settings.record_audit_file else None
+
+    def put_record(run: str, version: int, sid: str, blob: bytes) -> None:
+        quant_cache.put_records(run, version, sid, blob)
+        if audit is not None:
+            audit.log(run, version, sid, blob)
+
     servicer = RolloutServicer(
         settings.replica_id,
         holder,
-        lambda run, version, sid, blob: quant_cache.put_records(run, version, sid, blob),
+        put_record,
         metrics=rt.metrics,
         engine_name=settings.engine,
     )

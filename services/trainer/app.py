@@ -20,6 +20,7 @@ from services.trainer.remote import (
 from trace_common.clients import QuantCacheClient, WeightSyncClient
 from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
 from trace_common.model.hf import load_native_state_dict
+from trace_common.rl.audit import RecordAudit, state_digest
 from trace_common.rl.checkpoint import (
     Checkpoint,
     latest_checkpoint,
@@ -117,7 +118,10 @@ class TrainerApp:
             scorer=lambda sample, problem: exact_match_reward(
                 sample.completion_tokens, problem.answer, tok
             ),
-            records=QuantCacheRecords(self.quant_cache),
+            records=QuantCacheRecords(
+                self.quant_cache,
+                RecordAudit(s.record_audit_file) if s.record_audit_file else None,
+            ),
             learner=self.learner,
             publisher=self.publisher,
         )  # fmt: skip
@@ -126,8 +130,10 @@ class TrainerApp:
         self.detail = ""
         self.last_metrics: dict[str, Any] = {}
         self.resumed_from: str | None = None
+        self.weights_digest = ""  # sha256 of the master weights at start / last checkpoint
         self._resume = threading.Event()
-        self._resume.set()
+        if not s.start_paused:
+            self._resume.set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
@@ -166,6 +172,7 @@ class TrainerApp:
             "mode": self.settings.mode,
             "detail": self.detail,
             "resumed_from": self.resumed_from,
+            "weights_digest": self.weights_digest,
             "last_metrics": self.last_metrics,
         }
 
@@ -214,6 +221,7 @@ class TrainerApp:
     def checkpoint(self) -> None:
         assert self.settings.checkpoint_dir is not None
         model_state, optim_state = self.learner.state()
+        self.weights_digest = state_digest(model_state)
         save_checkpoint(
             self.settings.checkpoint_dir,
             Checkpoint(
@@ -222,7 +230,11 @@ class TrainerApp:
                 model=model_state,
                 optimizer=optim_state,
                 prompt_state=self.core.prompts.state_dict(),
-                extra={"run_id": self.settings.run_id, "mode": self.settings.mode},
+                extra={
+                    "run_id": self.settings.run_id,
+                    "mode": self.settings.mode,
+                    "weights_digest": self.weights_digest,
+                },
             ),
         )
 
@@ -232,6 +244,7 @@ class TrainerApp:
         path = latest_checkpoint(s.checkpoint_dir) if s.checkpoint_dir and s.resume else None
         latest = self.publisher.latest_version()
         if path is None:
+            self.weights_digest = state_digest(self.learner.state()[0])
             self.core.version = latest  # next publish is latest + 1 (0 on a fresh weight-sync)
             self.core.publish()
             return
@@ -242,6 +255,7 @@ class TrainerApp:
         if ckpt.rng is not None:
             restore_rng(ckpt.rng)
         self.resumed_from = str(path)
+        self.weights_digest = state_digest(self.learner.state()[0])
         if latest == ckpt.version:
             self.core.version = ckpt.version  # replicas already hold exactly these weights
         else:

@@ -58,6 +58,10 @@ class TrainerSettings(ServiceSettings):
     replica_wait_seconds: float = Field(120.0, gt=0, description="give up without replicas")
     generate_timeout_seconds: float = Field(300.0, gt=0)
     torch_threads: int = Field(1, ge=1)
+    start_paused: bool = Field(False, description="restore/publish, then wait for Resume")
+    record_audit_file: pathlib.Path | None = Field(
+        None, description="append a sha256 line per record blob trained on (tests, debugging)"
+    )
 
     @model_validator(mode="after")
     def _check_guidance(self) -> TrainerSettings:

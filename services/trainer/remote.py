@@ -15,6 +15,7 @@ import torch
 
 from trace_common.clients import QuantCacheClient, WeightSyncClient
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from trace_common.rl.audit import RecordAudit
 from trace_common.rl.dispatch import GenerateCall, ReplicaBehind, ReplicaUnavailable
 from trace_common.rl.types import RolloutSample
 from trace_common.service.grpc_client import GrpcClient
@@ -143,8 +144,9 @@ class WeightSyncDirectory:
 class QuantCacheRecords:
     """``fetch`` of record blobs from quant-cache; a missing or corrupt record is an error."""
 
-    def __init__(self, client: QuantCacheClient) -> None:
+    def __init__(self, client: QuantCacheClient, audit: RecordAudit | None = None) -> None:
         self.client = client
+        self.audit = audit
         self.bytes_fetched = 0
 
     def fetch(
@@ -152,6 +154,9 @@ class QuantCacheRecords:
     ) -> dict[str, bytes]:
         got = self.client.get_records(run_id, policy_version, sample_ids, missing_ok=False)
         self.bytes_fetched += sum(len(b) for b in got.values())
+        if self.audit is not None:
+            for sid, blob in got.items():
+                self.audit.log(run_id, policy_version, sid, blob)
         return got
 
 

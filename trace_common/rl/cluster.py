@@ -88,9 +88,11 @@ class LocalCluster:
         env = {**self._common(), "TRACE_REPLICA_ID": f"rollout-{i}", **self.config.rollout_env}
         return LocalService(f"rollout-{i}", "services.rollout", env, self.log_dir)
 
-    def start_trainer(self, *, wait: bool = False) -> LocalService:
-        """(Re)start the trainer process with the configured settings."""
-        env = {**self._common(), **self.config.trainer_env}
+    def start_trainer(
+        self, *, wait: bool = False, env: Mapping[str, str] | None = None
+    ) -> LocalService:
+        """(Re)start the trainer process: the configured settings, then ``env`` overrides."""
+        env = {**self._common(), **self.config.trainer_env, **(env or {})}
         self.trainer = LocalService("trainer", "services.trainer", env, self.log_dir).launch()
         self.trainer.wait_ports()
         if wait:

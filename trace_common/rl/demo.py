@@ -35,14 +35,14 @@ class DemoConfig:
     out: pathlib.Path | None = None
     mode: str = "trace"
     steps: int = 40
-    task: str = "addition"
-    difficulty: int = 1
+    task: str = "reverse"
+    difficulty: int = 3
     replicas: int = 2
     prompts_per_step: int = 16
     group_size: int = 8
     lr: float = 1e-3
     temperature: float = 1.0
-    warmstart_target: float = 0.4
+    warmstart_target: float = 0.3
     warmstart_max_steps: int = 300
     eval_prompts: int = 256
     seed: int = 0

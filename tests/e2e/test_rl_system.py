@@ -1,0 +1,271 @@
+"""The whole system with real processes, a real Redis and real gRPC: a local Redis,
+quant-cache, weight-sync, the trainer and two rollout replicas (issue 5's "must be true").
+
+One cluster serves the module; the tests run in file order and each starts its own trainer
+run (a fresh run id and directories), so they do not depend on each other's results.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+
+from trace_common.clients import WeightSyncClient
+from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from trace_common.rl.audit import read_audit
+from trace_common.rl.checkpoint import latest_checkpoint, load_checkpoint
+from trace_common.rl.cluster import ClusterConfig, LocalCluster
+from trace_common.rl.plots import read_metrics
+from trace_common.service.grpc_server import AUTH_HEADER
+
+pytestmark = pytest.mark.timeout(240)
+
+RUN_TIMEOUT_S = 120.0
+# Small and fast: 4 prompts x 4 completions per step, 1 prompt per work unit.
+BASE_TRAINER_ENV = {
+    "TRACE_TASK": "reverse",
+    "TRACE_TASK_DIFFICULTY": "2",
+    "TRACE_PROMPTS_PER_STEP": "4",
+    "TRACE_GROUP_SIZE": "4",
+    "TRACE_PROMPTS_PER_UNIT": "1",
+    "TRACE_START_PAUSED": "true",  # each test resumes it once it is watching
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    cfg = ClusterConfig(
+        replicas=2,
+        heartbeat_timeout_s=2.0,
+        trainer_env={**BASE_TRAINER_ENV, "TRACE_RUN_ID": "boot", "TRACE_STEPS": "1"},
+        rollout_env={"TRACE_RECORD_AUDIT_FILE": str(root / "rollout-audit.jsonl")},
+    )
+    with LocalCluster(cfg, root / "logs") as c:
+        c.root = root  # type: ignore[attr-defined]
+        yield c
+
+
+def trainer_stub(c: LocalCluster) -> trainer_pb2_grpc.TrainerStub:
+    assert c.trainer is not None
+    return trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(c.trainer.grpc_address))
+
+
+def auth(c: LocalCluster) -> tuple[tuple[str, str]]:
+    return ((AUTH_HEADER, f"Bearer {c.config.token}"),)
+
+
+def run_trainer(c: LocalCluster, env: dict[str, str]) -> dict:
+    """Restart the trainer with ``env``, resume it, wait until it finishes; its last status."""
+    if c.trainer is not None:
+        c.trainer.stop()
+    c.start_trainer(wait=True, env=env)
+    trainer_stub(c).Resume(trainer_pb2.ResumeRequest(), metadata=auth(c), timeout=10)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        st = c.trainer_status()
+        if st["state"] in ("finished", "failed"):
+            assert st["state"] == "finished", st["detail"]
+            return st
+        assert time.monotonic() < deadline, f"trainer did not finish: {st}"
+        time.sleep(0.3)
+
+
+def replica_versions(c: LocalCluster) -> dict[str, int]:
+    out = {}
+    for r in c.rollouts:
+        stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(r.grpc_address))
+        st = stub.Status(rollout_pb2.RolloutStatusRequest(), metadata=auth(c), timeout=5)
+        out[st.replica_id] = st.policy_version
+    return out
+
+
+def wait_versions(c: LocalCluster, version: int, timeout: float = 15.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = replica_versions(c)
+        if all(v == version for v in got.values()) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
+    root: pathlib.Path = cluster.root  # type: ignore[attr-defined]
+    out = root / "e2e"
+    st = run_trainer(
+        cluster,
+        {
+            "TRACE_RUN_ID": "e2e",
+            "TRACE_STEPS": "3",
+            "TRACE_GUIDANCE_LAYERS": "all",
+            "TRACE_GUIDANCE_MODE": "full",
+            "TRACE_MAX_STALENESS": "0",  # every sample from the version it trains: D_act is exact
+            "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
+            "TRACE_CHECKPOINT_DIR": str(out / "ckpt"),
+            "TRACE_CHECKPOINT_EVERY": "1",
+            "TRACE_RECORD_AUDIT_FILE": str(out / "trainer-audit.jsonl"),
+        },
+    )
+    # every replica ends on the final version
+    assert wait_versions(cluster, st["policy_version"]) == {
+        "rollout-0": st["policy_version"],
+        "rollout-1": st["policy_version"],
+    }
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["samples"] == 16 and r["samples_trained"] == 16, r
+        # all layers guided, routing replayed, same version: the trainer reproduces the rollout
+        assert r["d_act_mean"] == 0.0 and r["d_act_max"] == 0.0 and r["code_flip_rate"] == 0.0
+        assert r["routing_mismatch"] == 0.0
+        assert r["logp_abs_diff_max"] < 1e-4, r["logp_abs_diff_max"]
+        assert r["record_bytes_per_token"] > 0 and r["weight_push_seconds"] > 0
+    # the records the trainer used are byte-for-byte the ones the rollout wrote
+    written = {
+        (a["run_id"], a["version"], a["sample_id"]): a["sha256"]
+        for a in read_audit(root / "rollout-audit.jsonl")
+    }
+    used = read_audit(out / "trainer-audit.jsonl")
+    assert len(used) == 3 * 16
+    for a in used:
+        assert written[(a["run_id"], a["version"], a["sample_id"])] == a["sha256"], a
+    # metrics endpoints expose the documented series
+    assert cluster.trainer is not None
+    text = httpx.get(f"{cluster.trainer.http_url}/metrics", timeout=5).text
+    for series in (
+        "trace_trainer_reward_mean",
+        "trace_trainer_logp_abs_diff_mean",
+        "trace_trainer_k3_kl",
+        'trace_trainer_d_act{layer="3"}',
+        "trace_trainer_code_flip_rate",
+        "trace_trainer_staleness_mean",
+        "trace_trainer_samples_dropped_stale_total",
+        'trace_trainer_rollout_tokens_per_second{replica="rollout-',
+        "trace_trainer_weight_push_seconds",
+        'trace_trainer_weight_pull_seconds{replica="rollout-',
+        "trace_trainer_record_bytes_per_token",
+        'trace_trainer_step_phase_seconds{phase="rollout"}',
+        'trace_trainer_step_phase_seconds{phase="push"}',
+        "trace_trainer_policy_version 3.0",
+    ):
+        assert series in text, f"{series} missing from the trainer's /metrics"
+    rtext = httpx.get(f"{cluster.rollouts[0].http_url}/metrics", timeout=5).text
+    for series in (
+        "trace_rollout_generated_tokens_total",
+        "trace_rollout_record_bytes_total",
+        "trace_rollout_weight_pull_seconds_count",
+        "trace_rollout_policy_version 3.0",
+    ):
+        assert series in rtext, f"{series} missing from the rollout's /metrics"
+    assert latest_checkpoint(out / "ckpt") is not None
+
+
+def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -> None:
+    root: pathlib.Path = cluster.root  # type: ignore[attr-defined]
+    out = root / "resume"
+    env = {
+        "TRACE_RUN_ID": "resume",
+        "TRACE_STEPS": "2",
+        "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
+        "TRACE_CHECKPOINT_DIR": str(out / "ckpt"),
+        "TRACE_CHECKPOINT_EVERY": "1",
+    }
+    first = run_trainer(cluster, env)
+    ckpt = load_checkpoint(latest_checkpoint(out / "ckpt"))
+    assert (ckpt.step, first["step"]) == (2, 2)
+    # restart from the checkpoint, paused: it must stand at the same step with the same weights
+    cluster.trainer.stop()  # type: ignore[union-attr]
+    cluster.start_trainer(wait=True, env={**env, "TRACE_STEPS": "3"})
+    st = cluster.trainer_status()
+    assert st["state"] == "paused" and st["step"] == 2
+    assert st["resumed_from"] and st["weights_digest"] == ckpt.extra["weights_digest"]
+    assert st["policy_version"] == first["policy_version"]  # replicas already hold it
+    # ... and the version the replicas serve is exactly the checkpoint's weights, quantized
+    ws = WeightSyncClient(cluster.weight_sync.grpc_address, cluster.config.token)  # type: ignore[union-attr]
+    _, pushed, _ = ws.pull_version(st["policy_version"])
+    from trace_common.model import QuantConfig
+    from trace_common.rl.demo import DemoConfig, _tiny_model
+    from trace_common.rl.policy import LearnerConfig, ModelLearner
+    from trace_common.tasks import CharTokenizer
+
+    tok = CharTokenizer()
+    model = _tiny_model(DemoConfig(), tok.vocab_size)
+    model.load_state_dict(ckpt.model)
+    learner = ModelLearner(model, LearnerConfig(mode="trace"), quant=QuantConfig(), guidance=None,
+                           eos_id=tok.eos_id, pad_id=tok.pad_id)  # fmt: skip
+    exported, _ = learner.export_weights()
+    assert set(exported) == set(pushed)
+    for name, t in exported.items():
+        assert t.dtype == pushed[name].dtype and bool((t == pushed[name]).all()), name
+    # resume: it continues with step 3, nothing repeated
+    stub = trainer_stub(cluster)
+    stub.Resume(trainer_pb2.ResumeRequest(), metadata=auth(cluster), timeout=10)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while cluster.trainer_status()["state"] != "finished":
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    status = stub.GetStatus(trainer_pb2.GetStatusRequest(), metadata=auth(cluster), timeout=5)
+    assert status.state == trainer_pb2.TRAINER_STATE_FINISHED and status.step == 3
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Pause(trainer_pb2.PauseRequest(reason="x"), metadata=auth(cluster), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_killing_a_replica_mid_step_loses_no_sample(cluster: LocalCluster) -> None:
+    root: pathlib.Path = cluster.root  # type: ignore[attr-defined]
+    out = root / "kill"
+    env = {
+        "TRACE_RUN_ID": "kill",
+        "TRACE_STEPS": "3",
+        "TRACE_PROMPTS_PER_STEP": "8",
+        "TRACE_GROUP_SIZE": "8",
+        "TRACE_PROMPTS_PER_UNIT": "2",
+        "TRACE_MAX_NEW_TOKENS": "24",  # random init never says EOS: long generate calls
+        "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
+    }
+    if cluster.trainer is not None:
+        cluster.trainer.stop()
+    cluster.start_trainer(wait=True, env=env)
+    victim = cluster.rollouts[1]
+    stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(victim.grpc_address))
+    trainer_stub(cluster).Resume(trainer_pb2.ResumeRequest(), metadata=auth(cluster), timeout=10)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:  # kill the victim while it is generating a work unit of step 2
+        st = cluster.trainer_status()
+        busy = stub.Status(rollout_pb2.RolloutStatusRequest(), metadata=auth(cluster), timeout=5)
+        if st["step"] >= 1 and busy.requests_in_flight > 0:
+            victim.kill()
+            break
+        assert st["step"] < 3 and time.monotonic() < deadline, "never caught the victim busy"
+        time.sleep(0.01)
+    while (st := cluster.trainer_status())["state"] not in ("finished", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    assert st["state"] == "finished", st["detail"]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # every step got all 8 x 8 completions, none lost, none counted twice
+        assert r["samples"] == 64, r
+    assert sum(r["redispatched_units"] for r in rows) >= 1
+    assert any("rollout-1" in r["failed_replicas"] for r in rows)
+    survivor = replica_versions(LocalClusterView(cluster.rollouts[:1], cluster))
+    assert survivor == {"rollout-0": st["policy_version"]} or wait_versions(
+        LocalClusterView(cluster.rollouts[:1], cluster), st["policy_version"]
+    ) == {"rollout-0": st["policy_version"]}
+    json.dumps(rows)  # metrics rows are plain JSON
+
+
+class LocalClusterView:
+    """The cluster with only some replicas (for the survivor check)."""
+
+    def __init__(self, rollouts, cluster: LocalCluster) -> None:
+        self.rollouts = rollouts
+        self.config = cluster.config
