@@ -258,6 +258,7 @@ class TrainerApp:
         self.weights_digest = state_digest(self.learner.state()[0])
         if latest == ckpt.version:
             self.core.version = ckpt.version  # replicas already hold exactly these weights
+            self.core.version_floor = ckpt.version
         else:
             # weight-sync holds other weights (pushed after the checkpoint, or lost): push the
             # checkpoint's weights as a version newer than anything it has.

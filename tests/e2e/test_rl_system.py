@@ -153,7 +153,7 @@ def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
         "trace_trainer_record_bytes_per_token",
         'trace_trainer_step_phase_seconds{phase="rollout"}',
         'trace_trainer_step_phase_seconds{phase="push"}',
-        "trace_trainer_policy_version 3.0",
+        f"trace_trainer_policy_version {float(st['policy_version'])}",
     ):
         assert series in text, f"{series} missing from the trainer's /metrics"
     rtext = httpx.get(f"{cluster.rollouts[0].http_url}/metrics", timeout=5).text
@@ -161,7 +161,7 @@ def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
         "trace_rollout_generated_tokens_total",
         "trace_rollout_record_bytes_total",
         "trace_rollout_weight_pull_seconds_count",
-        "trace_rollout_policy_version 3.0",
+        f"trace_rollout_policy_version {float(st['policy_version'])}",
     ):
         assert series in rtext, f"{series} missing from the rollout's /metrics"
     assert latest_checkpoint(out / "ckpt") is not None

@@ -111,6 +111,9 @@ class TrainerCore:
         self.publisher = publisher
         self.step_index = 0  # steps completed
         self.version = -1  # latest published policy version
+        # Oldest version this run may sample from: versions before it belong to another run
+        # (or another start of this one) that shared weight-sync; set at the first publish.
+        self.version_floor: int | None = None
         self._on_event = on_event or (lambda _e: None)
 
     def publish(self) -> float:
@@ -121,6 +124,8 @@ class TrainerCore:
         metadata = {**metadata, "step": self.step_index, "mode": self.config.mode}
         self.publisher.publish(version, tensors, metadata)
         self.version = version
+        if self.version_floor is None:
+            self.version_floor = version
         self._on_event(f"push version={version}")
         return time.perf_counter() - t0
 
@@ -140,7 +145,7 @@ class TrainerCore:
             step=self.step_index,
             group_size=cfg.group_size,
             sampling=cfg.sampling,
-            min_policy_version=max(0, self.version - cfg.max_staleness),
+            min_policy_version=max(self.version_floor or 0, self.version - cfg.max_staleness),
             write_records=cfg.writes_records,
         )
         self._on_event(f"rollout samples={len(samples)}")

@@ -146,3 +146,22 @@ def test_config_rejects_bad_values() -> None:
         TrainerConfig(mode="fp8")
     with pytest.raises(ValueError, match="group_size must be >= 2"):
         TrainerConfig(group_size=1)
+
+
+def test_min_version_never_reaches_before_this_runs_first_publish() -> None:
+    log, store = EventLog(), {}
+    r = FakeReplica("a", store=store)
+    core, _, _ = make_core([r], log, store, max_staleness=3)
+    core.version = 6  # weight-sync already held versions 0..6 of another run
+    seen = []
+    run = core.dispatcher.run
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["min_policy_version"])
+        return run(*args, **kwargs)
+
+    core.dispatcher.run = spy
+    core.publish()  # this run's first version: 7
+    core.step()
+    core.step()
+    assert core.version_floor == 7 and seen == [7, 7]
