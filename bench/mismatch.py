@@ -5,7 +5,8 @@
 2. Quantizes it once, exports the FP4 policy and loads it as the rollout engine (in
    --rollout-dtype), and samples a batch with the FP4 rollout path (W4A4 experts + FP4 KV),
    recording full guidance at every layer and site plus routing.
-3. Runs the training path (fp32 master weights, same FP4 codes) in every mode: none, rtn,
+3. Runs the training path (fp32 master weights by default, --train-dtype; the same FP4 weight
+   codes) in every mode: none, rtn,
    trace-full (all layers), trace-compact with the deeper 100/50/25/12.5% of layers guided,
    each with and without routing replay; prints one table of all discrepancy metrics and
    guidance bytes per token, and saves a PNG (per-layer D_act at the expert input, and
@@ -21,6 +22,7 @@ Train-side values are cast to the rollout dtype before comparison.
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import time
 from dataclasses import dataclass
@@ -70,6 +72,8 @@ class BenchConfig:
     temperature: float = 1.0
     fmt: str = "nvfp4"
     rollout_dtypes: tuple[str, ...] = ("bf16", "fp32")  # one rollout engine per dtype
+    train_dtype: str = "fp32"  # dtype of the training path being measured
+    device: str = "cpu"
     difficulty: int = 4
     seed: int = 0
     threads: int = 1
@@ -138,7 +142,7 @@ def run(cfg: BenchConfig, console: Console) -> None:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = CharTokenizer()
-    model = build_model(cfg, tok.vocab_size)
+    model = build_model(cfg, tok.vocab_size).to(cfg.device)
     t0 = time.perf_counter()
     train(model, cfg, tok, console)
     console.log(f"trained {cfg.steps} steps in {time.perf_counter() - t0:.1f}s")
@@ -159,7 +163,9 @@ def evaluate(
     training path in every mode against it; prints the table, returns the rows."""
     tensors, meta = export_quantized_state_dict(model)
     rdtype = DTYPES[dtype_name]
-    engine = load_quantized_state_dict(tensors, meta, dtype=rdtype)
+    engine = load_quantized_state_dict(tensors, meta, dtype=rdtype).to(cfg.device)
+    # The measured training path: same master weights and FP4 codes (buffers), in train dtype.
+    trainer = copy.deepcopy(model).to(DTYPES[cfg.train_dtype])
     batch = problems(cfg, tok, cfg.samples, random.Random(cfg.seed + 1))
     all_layers = tuple(range(cfg.layers))
     t0 = time.perf_counter()
@@ -189,7 +195,7 @@ def evaluate(
     rows_total = sum(r.num_rows for r in out.records)
 
     table = Table(
-        title=f"Train (fp32) vs FP4 rollout ({dtype_name}), {cfg.fmt}, "
+        title=f"Train ({cfg.train_dtype}) vs FP4 rollout ({dtype_name}) on {cfg.device}, {cfg.fmt}, "
         f"{cfg.layers} layers, {n_gen} sampled tokens"
     )
     for col in (
@@ -216,7 +222,7 @@ def evaluate(
             recs = [r.select(keys, mode=g.mode if g else None, routing=replay) for r in out.records]
             with torch.no_grad():
                 res = forward_logprobs(
-                    model,
+                    trainer,
                     seqs,
                     qat_mode=qat_mode,
                     records=recs,
@@ -229,7 +235,7 @@ def evaluate(
                     for i, (s, p) in enumerate(zip(seqs, out.prompts, strict=True))
                 ]
             )
-            lpd = logprob_discrepancy(train_lp, rollout_lp)
+            lpd = logprob_discrepancy(train_lp.cpu(), rollout_lp)
             vals = {k: v.to(rdtype) for k, v in res.site_values.items()}
             ad = activation_discrepancy(vals, res.site_codes, ref_values, ref_codes)
             moe = [d for k, d in ad.items() if k[1] == "moe_in"]
@@ -329,7 +335,9 @@ def _plot(all_results: dict[str, list[dict]], cfg: BenchConfig, path: str) -> No
         ax2.set_title(f"{dtype_name} rollout: log-prob mismatch")
         ax2.invert_yaxis()
         ax2.tick_params(axis="y", labelsize=7)
-    fig.suptitle(f"TRACE mismatch bench: fp32 trainer vs FP4 {cfg.fmt} rollout")
+    fig.suptitle(
+        f"TRACE mismatch bench: {cfg.train_dtype} trainer vs FP4 {cfg.fmt} rollout ({cfg.device})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -347,6 +355,8 @@ def main() -> None:
         default=",".join(d.rollout_dtypes),
         help="comma list of rollout engine dtypes (bf16, fp32)",
     )
+    ap.add_argument("--train-dtype", choices=tuple(DTYPES), default=d.train_dtype)
+    ap.add_argument("--device", default=d.device, help="cpu or cuda")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--plot", default=d.plot, help="PNG path ('' for none)")
@@ -358,6 +368,8 @@ def main() -> None:
         max_new_tokens=a.max_new_tokens,
         fmt=a.fmt,
         rollout_dtypes=tuple(a.rollout_dtypes.split(",")),
+        train_dtype=a.train_dtype,
+        device=a.device,
         seed=a.seed,
         threads=a.threads,
         plot=a.plot or None,

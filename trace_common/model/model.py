@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trace_common.fp4.fake import straight_through
 from trace_common.model.config import (
     ASITE_DOWN_IN,
     GSITE_K,
@@ -154,9 +155,10 @@ EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 class Experts(nn.Module):
     """Routed experts, weights stacked: gate/up [E, I, H], down [E, H, I].
 
-    `quantized[name]` holds, once `trace_common.model.quant.quantize_expert_weights` ran (or a
-    quantized state dict was loaded), the FP4 codes of each weight and `dequant[name]` their
-    dequantized value, which is what both paths multiply with.
+    `quantized[name]` holds, once `trace_common.model.quant.quantize_policy` ran (or a
+    quantized state dict was loaded), the FP4 codes of each weight, and the non-persistent
+    buffer `<name>_dequant` their dequantized value [E, out, in], which is what both paths
+    multiply with (a buffer so that `.to(device/dtype)` moves it with the model).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -167,22 +169,37 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.quantized: dict[str, list[object]] = {}  # name -> per-expert FP4 tensors
-        self.dequant: dict[str, torch.Tensor] = {}  # name -> [E, out, in] dequantized codes
+        for name in EXPERT_PROJS:
+            self.register_buffer(f"{name}_dequant", None, persistent=False)
+
+    @property
+    def dequant(self) -> dict[str, torch.Tensor]:
+        """{name: [E, out, in] dequantized codes} for the quantized weights."""
+        out = {}
+        for name in EXPERT_PROJS:
+            t = getattr(self, f"{name}_dequant")
+            if t is not None:
+                out[name] = t
+        return out
+
+    def set_dequant(self, name: str, value: torch.Tensor | None) -> None:
+        setattr(self, f"{name}_dequant", value)
 
     def weight(self, name: str, mode: WeightMode) -> torch.Tensor:
         master = getattr(self, name)
         if mode == "master":
             return master
-        if name not in self.dequant:
+        deq = getattr(self, f"{name}_dequant")
+        if deq is None:
             raise RuntimeError(
-                f"expert weight {name!r} has no FP4 codes: call quantize_expert_weights(model) "
+                f"expert weight {name!r} has no FP4 codes: call quantize_policy(model, quant) "
                 "or load a quantized state dict before a quantized forward"
             )
-        deq = self.dequant[name].to(master.dtype)
+        deq = deq.to(master.dtype)
         if mode == "quantized":
             return deq
-        # Straight-through: forward the codes' value, gradient to the master weight.
-        return master + (deq - master).detach()
+        # Straight-through: forward exactly the codes' value, gradient to the master weight.
+        return straight_through(master, deq)
 
     def forward(
         self,

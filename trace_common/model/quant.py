@@ -49,7 +49,8 @@ def quantize_policy(model: MoECausalLM, quant: QuantConfig) -> MoECausalLM:
     for _, block in model.moe_blocks():
         ex: Experts = block.experts
         ex.quantized.clear()
-        ex.dequant.clear()
+        for name in EXPERT_PROJS:
+            ex.set_dequant(name, None)
         if not quant.has(SITE_EXPERT_WEIGHTS):
             continue
         for name in EXPERT_PROJS:
@@ -75,7 +76,9 @@ def quantize_policy(model: MoECausalLM, quant: QuantConfig) -> MoECausalLM:
 def _refresh_dequant(ex: Experts, fmt_name: str) -> None:
     fmt = get_format(fmt_name)
     for name, qs in ex.quantized.items():
-        ex.dequant[name] = torch.stack([fmt.dequantize(q, dtype=torch.float32) for q in qs])
+        master = getattr(ex, name)
+        deq = torch.stack([fmt.dequantize(q, dtype=torch.float32) for q in qs])
+        ex.set_dequant(name, deq.to(device=master.device, dtype=master.dtype))
 
 
 def export_quantized_state_dict(

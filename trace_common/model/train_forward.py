@@ -20,7 +20,7 @@ import torch
 from trace_common.model.model import MoECausalLM
 from trace_common.model.quant import quant_config_of
 from trace_common.model.records import SampleRecords, batch_guidance, batch_routing
-from trace_common.model.runtime import QAT_MODES, Key, TrainHooks
+from trace_common.model.runtime import ACT_SITE_TO_QUANT_SITE, QAT_MODES, Key, TrainHooks
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,6 +116,12 @@ def forward_logprobs(
                 )
         if qat_mode == "trace":
             guidance = {k: g.to(dev) for k, g in batch_guidance(records).items()}
+            for layer, site in guidance:
+                if not quant.has(ACT_SITE_TO_QUANT_SITE[site]):
+                    raise ValueError(
+                        f"records guide ({layer}, {site!r}) but the policy does not quantize "
+                        f"{ACT_SITE_TO_QUANT_SITE[site]!r} (sites={sorted(quant.sites)})"
+                    )
         if routing_replay:
             replay = {k: v.to(dev) for k, v in batch_routing(records).items()}
     hooks = TrainHooks(quant, qat_mode, valid_rows, guidance, replay, collect)
