@@ -1,0 +1,351 @@
+"""FP4 vs BF16 decode throughput on one GPU (H200): the Qwen3-30B-A3B shape, random weights.
+
+Same engine (trace_common.kernels.engine: Triton kernels + cuBLAS for the BF16 projections,
+the whole decode step captured as one CUDA graph) with BF16 weights/KV, and with NVFP4 expert
+weights + activations (W4A4) + FP4 KV. Prints, per (context, batch): tokens/s, ms/step, the
+HBM bytes the step had to move (weights it touched + KV), achieved bandwidth vs the copy
+bandwidth measured in the same run; then the largest batch fitting a fixed memory budget at
+the long context; the guidance-capture slowdown; and transformers `generate` (BF16) as the
+outside baseline. Writes JSON + a PNG under --out.
+
+    python bench/rollout_gpu.py --out /tmp/rollout_gpu            # full run (~6 min on H200)
+    python bench/rollout_gpu.py --layers 4 --quick                  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from trace_common.kernels.engine import (
+    DecodeEngine,
+    EngineShape,
+    EngineWeights,
+    kv_bytes_per_sequence,
+    largest_batch,
+)
+from trace_common.kernels.moe import MAX_FUSED_ROUTE_TOKENS
+
+GIB = 1 << 30
+STEP_MARGIN = 64  # cache capacity beyond the context: warm-up + timed steps
+FIT_HEADROOM = 4 * GIB  # left free for scratch, cuBLAS workspace, graph pools
+
+
+@dataclass(slots=True)
+class Row:
+    engine: str  # "bf16" | "fp4" | "fp4+capture" | "transformers"
+    context: int
+    batch: int
+    tok_s: float | None
+    ms_step: float | None
+    gb_step: float | None = None
+    bw_tb_s: float | None = None
+    bw_frac: float | None = None  # achieved / copy bandwidth
+    note: str = ""
+
+
+def copy_bandwidth(nbytes: int = 4 * GIB, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    sec = start.elapsed_time(end) / 1e3 / reps
+    del a, b
+    return 2 * nbytes / sec / 1e12
+
+
+def time_engine(
+    shape: EngineShape, weights: EngineWeights, *, batch: int, context: int, steps: int,
+    guided: tuple[int, ...] = (),
+    profile: bool = False,
+) -> tuple[float, int]:  # fmt: skip
+    """(seconds per decode step, bytes the step moved) for one captured configuration."""
+    eng = DecodeEngine(shape, weights, batch=batch, capacity=context + STEP_MARGIN,
+                       context=context, guided_layers=guided)  # fmt: skip
+    eng.fill_context_()
+    eng.tokens.random_(0, shape.vocab)
+    eng.capture(warmup=2)
+    eng.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        eng.replay()
+    end.record()
+    torch.cuda.synchronize()
+    sec = start.elapsed_time(end) / 1e3 / steps
+    nbytes = eng.bytes_last_step(context + 2 + steps)
+    if profile and batch in (1, 32) and context <= 1024:  # kernel time by name, 2 eager steps
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.step()
+            eng.step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10), flush=True)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return sec, nbytes
+
+
+def fits(weight_bytes: int, shape: EngineShape, *, fp4: bool, batch: int, context: int) -> bool:
+    need = batch * kv_bytes_per_sequence(shape, fp4=fp4, tokens=context + STEP_MARGIN)
+    free, _ = torch.cuda.mem_get_info()
+    return need + FIT_HEADROOM <= free
+
+
+def transformers_baseline(
+    shape: EngineShape, layers: int, batches: list[int], context: int, new_tokens: int
+) -> list[Row]:
+    """HF `generate` (BF16, greedy) on the same shape with `layers` layers: decode time per
+    token from the difference of two generate lengths (the prefill cancels)."""
+    try:
+        import transformers
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    except ImportError as exc:
+        return [Row("transformers", context, b, None, None, note=f"unavailable: {exc}")
+                for b in batches]  # fmt: skip
+    cfg = Qwen3MoeConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=layers,
+        num_attention_heads=shape.q_heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, num_experts=shape.num_experts,
+        num_experts_per_tok=shape.top_k, moe_intermediate_size=shape.moe_inter,
+        intermediate_size=6144, max_position_embeddings=40960, rope_theta=shape.rope_theta,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # build in bf16: fp32 would need 2x the memory
+    try:
+        with torch.device("cuda"):
+            model = Qwen3MoeForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    rows = []
+    for b in batches:
+        ids = torch.randint(0, shape.vocab, (b, context), device="cuda")
+        times = []
+        for n in (1, 1 + new_tokens):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)  # fmt: skip
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        sec = (times[1] - times[0]) / new_tokens
+        rows.append(Row("transformers", context, b, b / sec, sec * 1e3,
+                        note=f"transformers {transformers.__version__}, {layers} layers"))  # fmt: skip
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def check_fp4_decode() -> str:
+    """Use the inline-PTX FP4 decode if it compiles and agrees with the plain one here, else
+    fall back to "bits" (sets TRACE_FP4_DECODE for the engine)."""
+    import os
+
+    from trace_common.kernels import moe
+    from trace_common.kernels.quant import quantize_rows
+
+    want = os.environ.get("TRACE_FP4_DECODE", "ptx")
+    if want != "ptx":
+        return want
+    try:
+        w = moe.quantize_weights(torch.randn(8, 256, 256, device="cuda").bfloat16(),
+                                 shared_halves=False)  # fmt: skip
+        plan = moe.route_align(torch.randn(4, 8, device="cuda"), 2, moe.DECODE_BLOCK_M)
+        xq = moe.FP4Rows(*quantize_rows(torch.randn(4, 256, device="cuda").bfloat16(),
+                                        scale_2=None))  # fmt: skip
+        outs = [moe.moe_gemm(xq, w, plan, gated=False, a_div=2, mul_route_w=False, decode=d)
+                for d in ("bits", "ptx")]  # fmt: skip
+        if not torch.equal(outs[0], outs[1]):
+            raise RuntimeError("ptx and bits decodes disagree")
+    except Exception as exc:
+        print(f"FP4 ptx decode unusable here ({exc}); using 'bits'", flush=True)
+        os.environ["TRACE_FP4_DECODE"] = "bits"
+        return "bits"
+    return "ptx"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--steps", type=int, default=10, help="timed graph replays per config")
+    ap.add_argument(
+        "--budget-gib",
+        type=float,
+        default=120.0,
+        help="memory budget for weights + KV cache at the longest context",
+    )
+    ap.add_argument("--hf-layers", type=int, default=48)
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--hf-tokens", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="smoke: 1K context, batches 1 and 8")
+    ap.add_argument("--profile", action="store_true", help="kernel-time table per config")
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("rollout_gpu_out"))
+    args = ap.parse_args()
+    if args.quick:
+        args.contexts, args.batches = [1024], [1, 8]
+    decode = check_fp4_decode()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = EngineShape(num_layers=args.layers)
+    import triton
+
+    env = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda,
+        "command": " ".join(sys.argv), "fp4_decode": decode,
+    }  # fmt: skip
+    print(env, flush=True)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw:.2f} TB/s (read + write)", flush=True)
+    rows: list[Row] = []
+    if args.hf_batches:
+        t0 = time.perf_counter()
+        rows += transformers_baseline(shape, args.hf_layers, args.hf_batches, 1024, args.hf_tokens)
+        print(f"transformers baseline done in {time.perf_counter() - t0:.0f}s", flush=True)
+    t0 = time.perf_counter()
+    weights = EngineWeights.random(shape, "cuda")
+    print(f"random weights {weights.nbytes() / GIB:.1f} GiB in {time.perf_counter() - t0:.0f}s")
+    long_ctx = max(args.contexts)
+    budget = int(args.budget_gib * GIB)
+    guided = tuple(range(shape.num_layers // 2, shape.num_layers))  # the deeper half
+
+    def record(engine: str, ctx: int, b: int, guided_layers: tuple[int, ...] = ()) -> Row:
+        sec, nbytes = time_engine(shape, weights, batch=b, context=ctx, steps=args.steps,
+                                  guided=guided_layers, profile=args.profile)  # fmt: skip
+        r = Row(engine, ctx, b, b / sec, sec * 1e3, nbytes / 1e9, nbytes / sec / 1e12,
+                nbytes / sec / 1e12 / bw)  # fmt: skip
+        print(f"{engine:12s} ctx {ctx:6d} batch {b:4d}: {r.tok_s:9.1f} tok/s {r.ms_step:7.2f} "
+              f"ms/step {r.gb_step:6.2f} GB/step {r.bw_tb_s:5.2f} TB/s ({100 * r.bw_frac:.0f}% "
+              f"of copy)", flush=True)  # fmt: skip
+        rows.append(r)
+        return r
+
+    budget_rows = {}
+    for engine in ("bf16", "fp4"):
+        fp4 = engine == "fp4"
+        if fp4:
+            t0 = time.perf_counter()
+            weights.quantize_experts_()
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"quantized experts: {weights.nbytes() / GIB:.1f} GiB in "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+        wbytes = weights.nbytes()
+        for ctx in args.contexts:
+            for b in args.batches:
+                if not fits(wbytes, shape, fp4=fp4, batch=b, context=ctx):
+                    rows.append(Row(engine, ctx, b, None, None, note="does not fit in memory"))
+                    print(f"{engine:12s} ctx {ctx:6d} batch {b:4d}: does not fit", flush=True)
+                    continue
+                record(engine, ctx, b)
+        per_seq = kv_bytes_per_sequence(shape, fp4=fp4, tokens=long_ctx + STEP_MARGIN)
+        bmax = min(largest_batch(budget, wbytes, per_seq), MAX_FUSED_ROUTE_TOKENS)
+        if (
+            not args.quick
+            and bmax > 0
+            and fits(wbytes, shape, fp4=fp4, batch=bmax, context=long_ctx)
+        ):
+            budget_rows[engine] = record(engine, long_ctx, bmax)
+            budget_rows[engine].note = f"largest batch in a {args.budget_gib:.0f} GiB budget"
+        if fp4:
+            for ctx, b in ((min(args.contexts), max(1, min(32, max(args.batches)))),
+                           (min(args.contexts), 1)):  # fmt: skip
+                base = next(r for r in rows if (r.engine, r.context, r.batch) == ("fp4", ctx, b))
+                cap = record("fp4+capture", ctx, b, guided)
+                cap.note = (f"capture on layers {guided[0]}-{guided[-1]}: "
+                            f"{100 * (1 - cap.tok_s / base.tok_s):+.1f}% slowdown")  # fmt: skip
+    summarize(rows, budget_rows, env, bw, args)
+
+
+def summarize(rows: list[Row], budget_rows: dict, env: dict, bw: float, args) -> None:
+    def get(engine: str, ctx: int, b: int) -> Row | None:
+        return next((r for r in rows if (r.engine, r.context, r.batch) == (engine, ctx, b)), None)
+
+    print(
+        "\n| context | batch | BF16 tok/s | FP4 tok/s | FP4/BF16 | BF16 % copy BW | FP4 % copy BW |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for ctx in args.contexts:
+        for b in args.batches:
+            r16, r4 = get("bf16", ctx, b), get("fp4", ctx, b)
+
+            def fmt(r: Row | None, key: str, scale: float = 1.0, nd: int = 0) -> str:
+                v = None if r is None else getattr(r, key)
+                return "n/f" if v is None else f"{v * scale:.{nd}f}"
+
+            ratio = (f"{r4.tok_s / r16.tok_s:.2f}x" if r16 and r4 and r16.tok_s and r4.tok_s
+                     else "-")  # fmt: skip
+            print(f"| {ctx} | {b} | {fmt(r16, 'tok_s')} | {fmt(r4, 'tok_s')} | {ratio} | "
+                  f"{fmt(r16, 'bw_frac', 100)} | {fmt(r4, 'bw_frac', 100)} |")  # fmt: skip
+    for name, r in budget_rows.items():
+        print(f"budget {args.budget_gib:.0f} GiB, ctx {r.context}: {name} batch {r.batch} -> "
+              f"{r.tok_s:.0f} tok/s")  # fmt: skip
+    if len(budget_rows) == 2:
+        print(
+            f"FP4/BF16 at the same budget: {budget_rows['fp4'].tok_s / budget_rows['bf16'].tok_s:.2f}x"
+        )
+    for r in rows:
+        if r.engine in ("fp4+capture", "transformers"):
+            print(f"{r.engine} ctx {r.context} batch {r.batch}: "
+                  f"{'n/a' if r.tok_s is None else f'{r.tok_s:.1f} tok/s'} {r.note}")  # fmt: skip
+    out = {"env": env, "copy_bw_tb_s": bw, "rows": [asdict(r) for r in rows]}
+    (args.out / "rollout_gpu.json").write_text(json.dumps(out, indent=1))
+    plot(rows, args)
+
+
+def plot(rows: list[Row], args) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(args.contexts), figsize=(6 * len(args.contexts), 4))
+    axes = [axes] if len(args.contexts) == 1 else list(axes)
+    for ax, ctx in zip(axes, args.contexts, strict=True):
+        xs = list(range(len(args.batches)))
+        for off, engine in ((-0.2, "bf16"), (0.2, "fp4")):
+            vals = []
+            for b in args.batches:
+                r = next((r for r in rows if (r.engine, r.context, r.batch) == (engine, ctx, b)),
+                         None)  # fmt: skip
+                vals.append(0 if r is None or r.tok_s is None else r.tok_s)
+            ax.bar([x + off for x in xs], vals, width=0.4, label=engine.upper())
+        ax.set_xticks(xs, [str(b) for b in args.batches])
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{args.layers} layers, context {ctx} (0 = does not fit)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "rollout_gpu.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""GPU kernels vs the plain-PyTorch reference (run on a CUDA GPU; skipped elsewhere).
+
+Bit-exact (rtol=0, atol=0) where the algorithm is the same: NVFP4 quantize (codes, e4m3 block
+scales, fp32 row/tensor scales), the compact guidance record, the FP4 KV append, and the
+routing block layout. SQNR bounds (stated in each assertion) where accumulation order differs:
+grouped expert GEMMs and decode attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref = ref.double()
+    err = (ref - got.double()).pow(2).sum()
+    return float(10 * torch.log10(ref.pow(2).sum() / err.clamp_min(1e-300)))
+
+
+def _nasty(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows spanning 1e-12 .. 1e3 in magnitude, with zero blocks and a zero row."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=DEV)
+    mag = torch.logspace(-12, 3, shape[-1], device=DEV)[torch.randperm(shape[-1], device=DEV)]
+    x = (x * mag).to(dtype)
+    x[..., :16] = 0  # an all-zero block in every row
+    if x.ndim > 1 and x.shape[0] > 2:
+        x[1] = 0  # an all-zero row
+    return x
+
+
+# The reference is compared on the CPU: on CUDA, PyTorch divides a tensor by a Python scalar as
+# a multiplication by the reciprocal, so `nvfp4.scale_2_from_amax` (amax / 2688) can land one
+# ulp away from the IEEE quotient that ModelOpt's CPU path, the reference and the kernel compute.
+
+
+def _to_cpu(q):
+    from trace_common.fp4.nvfp4 import NVFP4Tensor
+
+    return NVFP4Tensor(q.qdata.cpu(), q.scale.cpu(), q.per_tensor_scale.cpu(), q.shape, q.dtype,
+                       q.scale_granularity)  # fmt: skip
+
+
+@pytest.mark.parametrize("gran", ["row", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 16), (33, 128), (5, 768), (64, 2048), (3, 4, 512)])
+def test_quantize_bit_exact(shape, dtype, gran):
+    from trace_common.fp4 import nvfp4
+    from trace_common.fp4.guided import make_record
+    from trace_common.kernels import quant
+
+    x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + len(gran))
+    ref = nvfp4.quantize(x.cpu(), scale_granularity=gran)  # on the CPU: see the note above _to_cpu
+    got, rec = quant.quantize_and_record(x, scale_granularity=gran)
+    got, rec = _to_cpu(got), rec.to("cpu")
+    assert torch.equal(got.qdata, ref.qdata), "packed E2M1 codes differ from the reference"
+    assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8)), "e4m3 scales"
+    torch.testing.assert_close(got.per_tensor_scale, ref.per_tensor_scale, rtol=0, atol=0)
+    want = make_record(ref, "compact")
+    assert torch.equal(rec.payload, want.payload), "mantissa bits differ"
+    assert torch.equal(rec.block_scales, want.block_scales)
+    torch.testing.assert_close(rec.row_scales, want.row_scales, rtol=0, atol=0)
+    torch.testing.assert_close(got.dequantize(), ref.dequantize(), rtol=0, atol=0)
+
+
+def test_quantize_scale_ties_and_subnormals():
+    """Block amaxes that land exactly on e4m3 rounding midpoints, subnormal scales included."""
+    from trace_common.fp4 import nvfp4
+    from trace_common.kernels import quant
+
+    # e4m3 grid values v and their midpoints; block amax = 6 * scale_2 * midpoint
+    grid = torch.tensor(
+        [i * 2.0**-9 for i in range(1, 8)] + [2.0**e * (1 + m / 8) for e in range(-6, 9)
+                                              for m in range(8)], device=DEV)  # fmt: skip
+    grid = grid[grid <= 448]
+    mids = (grid[:-1] + grid[1:]) / 2
+    rows = mids.numel()
+    x = torch.randn(rows, 64, device=DEV) * 0.01
+    g = torch.tensor(1.0 / 64, device=DEV)  # exact power of two: 6 * g * mid is exact
+    x[:, 0] = 6 * g * mids  # block 0 amax on a midpoint
+    x[:, 1:16] = x[:, 1:16].clamp(-1e-6, 1e-6)  # block 0 amax is x[:, 0]
+    ref = nvfp4.quantize(x.cpu(), scale_granularity="tensor", per_tensor_scale=g.cpu())
+    got = _to_cpu(quant.quantize(x, scale_granularity="tensor", per_tensor_scale=g))
+    assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+    assert torch.equal(got.qdata, ref.qdata)
+
+
+def test_quantize_given_row_scales():
+    from trace_common.fp4 import nvfp4
+    from trace_common.kernels import quant
+
+    x = _nasty((9, 256), torch.bfloat16, seed=3)
+    pts = torch.rand(9, 1, device=DEV) + 0.01
+    ref = nvfp4.quantize(x.cpu(), scale_granularity="row", per_tensor_scale=pts.cpu())
+    got = _to_cpu(quant.quantize(x, scale_granularity="row", per_tensor_scale=pts))
+    assert torch.equal(got.qdata, ref.qdata)
+    assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+
+
+def test_capture_matches_guided_capture():
+    from trace_common.fp4 import guided
+    from trace_common.kernels import quant
+
+    x = _nasty((17, 2048), torch.bfloat16, seed=5)
+    for mode in ("compact", "full"):
+        xq_ref, rec_ref = guided.capture(x.cpu(), "nvfp4", mode)
+        xq, rec = quant.capture(x, mode)
+        rec = rec.to("cpu")
+        torch.testing.assert_close(xq.cpu(), xq_ref, rtol=0, atol=0)
+        assert torch.equal(rec.payload, rec_ref.payload)
+        assert torch.equal(rec.block_scales, rec_ref.block_scales)
+
+
+def test_kv_append_fp4_exact_and_capture():
+    from trace_common.fp4 import nvfp4
+    from trace_common.fp4.guided import make_record
+    from trace_common.kernels import attention as attn
+    from trace_common.kernels.quant import CompactRecordBuffers
+
+    b, hkv, d, s = 3, 4, 128, 100
+    cache = attn.KVCacheGPU.allocate(fp4=True, batch=b, kv_heads=hkv, capacity=s, head_dim=d,
+                                     device=DEV)  # fmt: skip
+    cache.fill_random_()
+    kv_new = torch.randn(2, b, hkv * d, device=DEV).bfloat16()
+    pos = torch.tensor([0, 57, 99], dtype=torch.int32, device=DEV)
+    rec = CompactRecordBuffers.allocate(2 * b, hkv * d, DEV)
+    attn.kv_append(cache, kv_new, pos, rec)
+    ref = nvfp4.quantize(kv_new.cpu(), scale_granularity="row")  # [2, B, Hkv*D]
+    want = make_record(ref, "compact")
+    cache.codes, cache.scales, cache.row_scales = (
+        cache.codes.cpu(), cache.scales.cpu(), cache.row_scales.cpu())  # fmt: skip
+    rec = rec.__class__(rec.mbits.cpu(), rec.block_scales.cpu(), rec.row_scales.cpu())
+    for kv in range(2):
+        for i in range(b):
+            p = int(pos[i])
+            got_codes = cache.codes[kv, i, :, p].reshape(-1)
+            got_scales = cache.scales[kv, i, :, p].reshape(-1)
+            assert torch.equal(got_codes, ref.qdata[kv, i]), f"codes kv={kv} b={i}"
+            assert torch.equal(got_scales, ref.scale[kv, i].view(torch.uint8))
+            assert float(cache.row_scales[kv, i, p]) == float(ref.per_tensor_scale[kv, i, 0])
+    assert torch.equal(rec.mbits, want.payload)
+    assert torch.equal(rec.block_scales, want.block_scales)
+
+
+@pytest.mark.parametrize("t", [1, 8, 37, 128, 256])
+def test_route_align_matches_reference(t):
+    """fp32 logits (no ties): ids equal torch.topk's. bf16 logits tie often; there the chosen
+    probabilities (not the tie order) must equal the reference's. The block layout is checked
+    bit-exactly against align_reference of the kernel's own ids."""
+    from trace_common.kernels import moe
+
+    e, k = 128, 8
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(t, e, device=DEV).to(dtype)
+        plan = moe.route_align(logits, k, moe.DECODE_BLOCK_M)
+        ids, w = moe.route_reference(logits, k)
+        probs = torch.softmax(logits.float(), -1)
+        if dtype == torch.float32:
+            assert torch.equal(plan.topk_ids, ids), "top-k expert ids"
+        chosen = probs.gather(1, plan.topk_ids.long())
+        torch.testing.assert_close(chosen, probs.gather(1, ids.long()), rtol=0, atol=0)
+        torch.testing.assert_close(plan.topk_w, w, rtol=1e-5, atol=1e-6)
+        sp, be = moe.align_reference(plan.topk_ids, e, moe.DECODE_BLOCK_M)
+        assert torch.equal(plan.sorted_pair, sp), "pair layout"
+        assert torch.equal(plan.block_expert, be), "block -> expert map"
+
+
+def _moe_setup(t: int, seed: int, e: int = 16, h: int = 512, inter: int = 256, k: int = 4):
+    from trace_common.kernels import moe
+
+    torch.manual_seed(seed)
+    block_m = moe.DECODE_BLOCK_M if t <= 64 else moe.PREFILL_BLOCK_M
+    logits = torch.randn(t, e, device=DEV)
+    ids, w = moe.route_reference(logits, k)
+    sp, be = moe.align_reference(ids, e, block_m)
+    plan = moe.RoutePlan(ids, w, sp, be, block_m)
+    x = torch.randn(t, h, device=DEV).bfloat16()
+    wgu = (torch.randn(e, 2 * inter, h, device=DEV) * 0.05).bfloat16()
+    wd = (torch.randn(e, h, inter, device=DEV) * 0.05).bfloat16()
+    return plan, x, wgu, wd, k
+
+
+def _dequant_experts(ew) -> torch.Tensor:
+    from trace_common.fp4.nvfp4 import NVFP4Tensor, dequantize
+
+    out = []
+    for i in range(ew.codes.shape[0]):
+        q = NVFP4Tensor(ew.codes[i], ew.scales[i].view(torch.float8_e4m3fn), ew.scale_2[i],
+                        torch.Size((ew.n, ew.k)), torch.bfloat16)  # fmt: skip
+        out.append(dequantize(q))
+    return torch.stack(out)
+
+
+def _dequant_rows(rows) -> torch.Tensor:
+    """fp32 values of FP4Rows (codes [R, K/2], e4m3 bytes [R, K/16], scale_2 [R])."""
+    from trace_common.fp4.nvfp4 import NVFP4Tensor, dequantize
+
+    r, half = rows.codes.shape
+    q = NVFP4Tensor(rows.codes, rows.scales.view(torch.float8_e4m3fn), rows.scale_2[:, None],
+                    torch.Size((r, 2 * half)), torch.float32, "row")  # fmt: skip
+    return dequantize(q)
+
+
+@pytest.mark.parametrize("t", [1, 8, 64, 1024])
+def test_moe_gemm_bf16(t):
+    from trace_common.kernels import moe
+
+    plan, x, wgu, wd, k = _moe_setup(t, seed=t)
+    gu = moe.ExpertWeights(n=wgu.shape[1], k=wgu.shape[2], bf16=wgu)
+    dn = moe.ExpertWeights(n=wd.shape[1], k=wd.shape[2], bf16=wd)
+    act = moe.moe_gemm(x, gu, plan, gated=True, a_div=k, mul_route_w=False)
+    y = moe.moe_gemm(act, dn, plan, gated=False, a_div=1, mul_route_w=True)
+    ref = moe.moe_reference(x, plan.topk_ids, plan.topk_w, wgu.float(), wd.float(), False)
+    assert sqnr_db(ref, y) > 40, f"BF16 grouped GEMM SQNR {sqnr_db(ref, y):.1f} dB <= 40 dB"
+
+
+@pytest.mark.parametrize("decode", ["bits", "ptx"])
+@pytest.mark.parametrize("t", [1, 8, 64, 1024])
+def test_moe_gemm_fp4_w4a4(t, decode):
+    """Each stage on identical FP4 inputs: only accumulation order (and the bf16 output) differ
+    from fp32 math on the dequantized operands."""
+    from trace_common.kernels import moe, quant
+
+    plan, x, wgu, wd, k = _moe_setup(t, seed=100 + t)
+    gu = moe.quantize_weights(wgu, shared_halves=True)
+    dn = moe.quantize_weights(wd, shared_halves=False)
+    wgu_dq, wd_dq = _dequant_experts(gu), _dequant_experts(dn)
+    xq = moe.FP4Rows(*quant.quantize_rows(x, scale_2=None))
+    act = moe.moe_gemm(xq, gu, plan, gated=True, a_div=k, mul_route_w=False, decode=decode)
+    inter = wd.shape[2]
+    e_of = plan.topk_ids.reshape(-1).long()
+    x_dq = _dequant_rows(xq).repeat_interleave(k, 0)  # the codes the kernel consumed
+    gu_ref = torch.einsum("ph,pnh->pn", x_dq, wgu_dq[e_of].float())
+    act_ref = torch.nn.functional.silu(gu_ref[:, :inter]) * gu_ref[:, inter:]
+    assert sqnr_db(act_ref, act) > 40, f"FP4 gate_up SQNR {sqnr_db(act_ref, act):.1f} dB <= 40"
+    aq = moe.FP4Rows(*quant.quantize_rows(act, scale_2=None))
+    y = moe.moe_gemm(aq, dn, plan, gated=False, a_div=1, mul_route_w=True, decode=decode)
+    a_dq = _dequant_rows(aq)
+    y_ref = torch.einsum("pi,phi->ph", a_dq, wd_dq[e_of].float()) * plan.topk_w.reshape(-1, 1)
+    assert sqnr_db(y_ref, y) > 40, f"FP4 down SQNR {sqnr_db(y_ref, y):.1f} dB <= 40"
+    full_ref = moe.moe_reference(x, plan.topk_ids, plan.topk_w, wgu_dq, wd_dq, True)
+    assert sqnr_db(full_ref, y) > 25, f"W4A4 chain SQNR {sqnr_db(full_ref, y):.1f} dB <= 25"
+
+
+@pytest.mark.parametrize("fp4,decode", [(False, None), (True, "bits"), (True, "ptx")])
+@pytest.mark.parametrize("b,cap,lens", [(1, 1100, [1025]), (3, 5000, [1, 777, 5000]),
+                                        (4, 33000, [32769, 100, 20000, 4097])])  # fmt: skip
+def test_decode_attention(fp4, decode, b, cap, lens):
+    from trace_common.kernels import attention as attn
+
+    hq, hkv, d = 32, 4, 128
+    cache = attn.KVCacheGPU.allocate(fp4=fp4, batch=b, kv_heads=hkv, capacity=cap, head_dim=d,
+                                     device=DEV)  # fmt: skip
+    cache.fill_random_(torch.Generator(device=DEV).manual_seed(b))
+    q = torch.randn(b, hq, d, device=DEV).bfloat16()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    plan = attn.DecodeAttnPlan.make(batch=b, q_heads=hq, kv_heads=hkv, capacity=cap,
+                                    head_dim=d, context_hint=max(lens), device=DEV)  # fmt: skip
+    out = attn.decode_attention(q, cache, lens_t, plan, decode=decode)
+    ref = attn.attention_reference(q, attn.dequantize_cache(cache), lens_t)
+    assert sqnr_db(ref, out) > 35, f"decode attention SQNR {sqnr_db(ref, out):.1f} dB <= 35"
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_engine_graph_replay_equals_eager(fp4):
+    """A captured decode step replays to the same tokens and logits as the eager step."""
+    from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
+
+    shape = EngineShape(num_layers=3, hidden=512, num_experts=32, moe_inter=256, vocab=4096)
+    w = EngineWeights.random(shape, DEV, seed=1)
+    if fp4:
+        w.quantize_experts_()
+    eng = DecodeEngine(shape, w, batch=4, capacity=600, context=500,
+                       guided_layers=(2,) if fp4 else (), device=DEV)  # fmt: skip
+    eng.fill_context_()
+    eng.tokens.random_(0, shape.vocab)
+    eng.capture(warmup=1)
+    state = [eng.tokens.clone(), eng.pos.clone(), eng.lens.clone()]
+    caches = [(c.values if not fp4 else c.codes).clone() for c in eng.caches]
+    eng.replay()
+    torch.cuda.synchronize()
+    tok_graph, logits_graph = eng.tokens.clone(), eng.logits.clone()
+    eng.tokens.copy_(state[0])
+    eng.pos.copy_(state[1])
+    eng.lens.copy_(state[2])
+    for c, saved in zip(eng.caches, caches, strict=True):
+        (c.values if not fp4 else c.codes).copy_(saved)
+    eng.step()
+    torch.cuda.synchronize()
+    assert torch.isfinite(logits_graph.float()).all()
+    assert torch.equal(eng.logits, logits_graph), "graph replay and eager step differ"
+    assert torch.equal(eng.tokens, tok_graph)

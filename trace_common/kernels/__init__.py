@@ -1,0 +1,60 @@
+"""GPU fast path (Triton) for the FP4 rollout on Hopper: quantize + guidance capture, grouped
+routed-expert matmuls with packed NVFP4 weights, an FP4 KV cache with decode attention, and a
+CUDA-graph decode engine used by `bench/rollout_gpu.py`.
+
+Importing this package (and its API modules) needs no Triton and no GPU; the kernels are
+imported on first use, and a missing Triton raises ImportError with the install command.
+The plain-PyTorch reference in `trace_common.fp4` defines the numerics; every kernel here is
+tested against it (tests/unit/gpu/, marked `gpu`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Any
+
+torch_device_like = Any  # torch.device | str (torch is not imported here)
+
+TRITON_INSTALL_HINT = "pip install 'triton>=3.2' (it ships with CUDA builds of PyTorch)"
+
+
+def require_triton() -> ModuleType:
+    """Import and return `triton`, or raise ImportError saying how to install it."""
+    try:
+        return importlib.import_module("triton")
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            f"the TRACE GPU kernels need Triton, which is not installed: {TRITON_INSTALL_HINT}"
+        ) from exc
+
+
+# How FP4 codes are decoded in the GEMM/attention kernels: "ptx" (int32 words, inline PTX,
+# ~3 instructions per element; CUDA only) or "bits" (uint8 codes, plain Triton integer ops;
+# also runs under TRITON_INTERPRET=1). Override with TRACE_FP4_DECODE.
+FP4_DECODE_MODES = ("ptx", "bits")
+
+
+def fp4_decode_words(device: torch_device_like, mode: str | None = None) -> bool:
+    """True when the FP4 kernels should read codes as int32 words (the "ptx" decode)."""
+    mode = mode or os.environ.get("TRACE_FP4_DECODE", "ptx")
+    if mode not in FP4_DECODE_MODES:
+        raise ValueError(f"TRACE_FP4_DECODE={mode!r}; expected one of {FP4_DECODE_MODES}")
+    on_cuda = str(device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1"
+    return mode == "ptx" and on_cuda
+
+
+def load_kernels(name: str) -> ModuleType:
+    """Import the Triton kernel module `trace_common.kernels.<name>` (needs Triton)."""
+    require_triton()
+    return importlib.import_module(f"trace_common.kernels.{name}")
+
+
+__all__ = [
+    "FP4_DECODE_MODES",
+    "TRITON_INSTALL_HINT",
+    "fp4_decode_words",
+    "load_kernels",
+    "require_triton",
+]

@@ -1,0 +1,301 @@
+"""A standalone CUDA-graph decode engine for the Qwen3-MoE shape, BF16 or FP4, same code.
+
+One decode step for B sequences (every kernel on static buffers, so the whole step is one
+CUDA graph): embed -> per layer [add+RMSNorm, qkv GEMM, q/k norm + RoPE, KV append, split-KV
+attention, o GEMM, add+RMSNorm, router GEMM, route+align, (FP4: quantize x) gate_up GEMM with
+silu*mul, (FP4: quantize act) down GEMM * routing weight] -> add+RMSNorm -> LM head -> greedy.
+
+The BF16 and FP4 engines share everything except: expert weights (BF16 [E, N, K] vs packed
+NVFP4), expert activations (BF16 vs NVFP4 rows quantized per token), and the KV cache (BF16
+vs NVFP4 codes + scales). Attention projections, router, norms, embeddings and the LM head stay
+BF16 in both (the paper's sites). Guidance capture (FP4 only) writes the compact records of
+the `moe_in`, `k` and `v` sites of `guided_layers` from inside the quantize kernels.
+
+This is the benchmark's engine (bench/rollout_gpu.py); it is not wired to the policy's
+weights (random weights of the right shapes), so it measures speed, not model outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from trace_common.kernels import attention as attn
+from trace_common.kernels import moe
+from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
+
+WEIGHT_STD = 0.02
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EngineShape:
+    """Model shape (defaults: Qwen3-30B-A3B)."""
+
+    num_layers: int = 48
+    hidden: int = 2048
+    q_heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    num_experts: int = 128
+    top_k: int = 8
+    moe_inter: int = 768
+    vocab: int = 151936
+    eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+
+    def __post_init__(self) -> None:
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads={self.q_heads} not a multiple of kv_heads={self.kv_heads}")
+        if self.num_experts & (self.num_experts - 1):
+            raise ValueError(f"num_experts={self.num_experts} must be a power of two")
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    ln1: torch.Tensor  # [H]
+    ln2: torch.Tensor  # [H]
+    w_qkv: torch.Tensor  # [(HQ + 2 HKV) D, H]
+    w_o: torch.Tensor  # [H, HQ D]
+    norm_qk: torch.Tensor  # [2, D]
+    router: torch.Tensor  # [E, H]
+    gate_up: moe.ExpertWeights  # [E, 2I, H]
+    down: moe.ExpertWeights  # [E, H, I]
+
+
+@dataclass(slots=True)
+class EngineWeights:
+    embed: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    @classmethod
+    def random(cls, shape: EngineShape, device: str, seed: int = 0) -> EngineWeights:
+        """Random BF16 weights (normal, std 0.02; norms 1)."""
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def rnd(*size: int) -> torch.Tensor:
+            t = torch.empty(*size, dtype=torch.bfloat16, device=device)
+            return t.normal_(0.0, WEIGHT_STD, generator=g)
+
+        def ones(*size: int) -> torch.Tensor:
+            return torch.ones(*size, dtype=torch.bfloat16, device=device)
+
+        s = shape
+        d, h, e, i = s.head_dim, s.hidden, s.num_experts, s.moe_inter
+        w = cls(rnd(s.vocab, h), rnd(s.vocab, h), ones(h))
+        for _ in range(s.num_layers):
+            w.layers.append(
+                LayerWeights(
+                    ones(h),
+                    ones(h),
+                    rnd((s.q_heads + 2 * s.kv_heads) * d, h),
+                    rnd(h, s.q_heads * d),
+                    ones(2, d),
+                    rnd(e, h),
+                    moe.ExpertWeights(n=2 * i, k=h, bf16=rnd(e, 2 * i, h)),
+                    moe.ExpertWeights(n=h, k=i, bf16=rnd(e, h, i)),
+                )  # fmt: skip
+            )
+        return w
+
+    def quantize_experts_(self) -> None:
+        """Replace every BF16 expert weight by its NVFP4 quantization (GPU quantizer), layer
+        by layer, freeing the BF16 copy as it goes."""
+        for lw in self.layers:
+            if not lw.gate_up.is_fp4:
+                assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None
+                lw.gate_up = moe.quantize_weights(lw.gate_up.bf16, shared_halves=True)
+                lw.down = moe.quantize_weights(lw.down.bf16, shared_halves=False)
+
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in (self.embed, self.lm_head, self.final_norm))
+        for lw in self.layers:
+            n += sum(t.numel() * t.element_size() for t in
+                     (lw.ln1, lw.ln2, lw.w_qkv, lw.w_o, lw.norm_qk, lw.router))  # fmt: skip
+            n += lw.gate_up.nbytes() + lw.down.nbytes()
+        return n
+
+
+class DecodeEngine:
+    """Static-shape decode for `batch` sequences with caches of `capacity` tokens."""
+
+    def __init__(
+        self, shape: EngineShape, weights: EngineWeights, *, batch: int, capacity: int,
+        context: int, guided_layers: tuple[int, ...] = (), device: str = "cuda",
+    ) -> None:  # fmt: skip
+        s = self.shape = shape
+        self.w = weights
+        self.fp4 = weights.layers[0].gate_up.is_fp4
+        if not 0 < batch <= moe.MAX_FUSED_ROUTE_TOKENS:
+            raise ValueError(
+                f"batch={batch}: the graph-captured router handles 1..{moe.MAX_FUSED_ROUTE_TOKENS}"
+            )
+        if guided_layers and not self.fp4:
+            raise ValueError("guidance capture needs the FP4 engine (BF16 has no FP4 sites)")
+        self.batch, self.capacity, self.guided = batch, capacity, frozenset(guided_layers)
+        b, h, d = batch, s.hidden, s.head_dim
+        bf = dict(dtype=torch.bfloat16, device=device)
+        self.tokens = torch.zeros(b, dtype=torch.long, device=device)
+        self.pos = torch.full((b,), context, dtype=torch.int32, device=device)
+        self.lens = self.pos + 1
+        self.resid = torch.empty(b, h, **bf)
+        self.xn = torch.empty(b, h, **bf)
+        self.qkv = torch.empty(b, (s.q_heads + 2 * s.kv_heads) * d, **bf)
+        self.q = torch.empty(b, s.q_heads, d, **bf)
+        self.kv_new = torch.empty(2, b, s.kv_heads * d, **bf)
+        self.attn_out = torch.empty(b, s.q_heads * d, **bf)
+        self.o = torch.empty(b, h, **bf)
+        self.rlogits = torch.empty(b, s.num_experts, **bf)
+        self.act = torch.empty(b * s.top_k, s.moe_inter, **bf)
+        self.y = torch.empty(b * s.top_k, h, **bf)
+        self.logits = torch.empty(b, s.vocab, **bf)
+        self.inv_freq = 1.0 / (
+            s.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+        )
+        self.block_m = moe.DECODE_BLOCK_M
+        maxb = moe.max_blocks(b * s.top_k, s.num_experts, self.block_m)
+        self.rank = torch.empty(b, s.top_k, dtype=torch.int32, device=device)
+        self.plans = [
+            moe.RoutePlan(
+                torch.zeros(b, s.top_k, dtype=torch.int32, device=device),
+                torch.empty(b, s.top_k, dtype=torch.float32, device=device),
+                torch.empty(maxb * self.block_m, dtype=torch.int32, device=device),
+                torch.empty(maxb, dtype=torch.int32, device=device),
+                self.block_m,
+            )
+            for _ in range(s.num_layers)
+        ]
+        self.caches = [
+            attn.KVCacheGPU.allocate(
+                fp4=self.fp4,
+                batch=b,
+                kv_heads=s.kv_heads,
+                capacity=capacity,
+                head_dim=d,
+                device=device,
+            )  # fmt: skip
+            for _ in range(s.num_layers)
+        ]
+        self.attn_plan = attn.DecodeAttnPlan.make(
+            batch=b, q_heads=s.q_heads, kv_heads=s.kv_heads, capacity=capacity, head_dim=d,
+            context_hint=context, device=device,
+        )  # fmt: skip
+        if self.fp4:
+            u8 = dict(dtype=torch.uint8, device=device)
+            f32 = dict(dtype=torch.float32, device=device)
+            self.xq = moe.FP4Rows(torch.empty(b, h // 2, **u8), torch.empty(b, h // 16, **u8),
+                                  torch.empty(b, **f32))  # fmt: skip
+            n = b * s.top_k
+            i = s.moe_inter
+            self.actq = moe.FP4Rows(torch.empty(n, i // 2, **u8), torch.empty(n, i // 16, **u8),
+                                    torch.empty(n, **f32))  # fmt: skip
+            self.records = {
+                layer: (
+                    CompactRecordBuffers.allocate(b, h, device),  # moe_in
+                    CompactRecordBuffers.allocate(2 * b, s.kv_heads * d, device),  # k; v
+                )
+                for layer in self.guided
+            }
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def fill_context_(self, seed: int = 0) -> None:
+        """Random cache contents standing for `context` tokens already decoded."""
+        g = torch.Generator(device=self.tokens.device).manual_seed(seed)
+        for c in self.caches:
+            c.fill_random_(g)
+
+    def step(self) -> None:
+        """One decode step: reads self.tokens, writes the next greedy tokens into it."""
+        s, w = self.shape, self.w
+        torch.index_select(w.embed, 0, self.tokens, out=self.resid)
+        for li, lw in enumerate(w.layers):
+            prev = None if li == 0 else self.y
+            attn.add_rmsnorm(prev, self.resid, lw.ln1, self.xn, nsum=0 if li == 0 else s.top_k,
+                             eps=s.eps)  # fmt: skip
+            torch.mm(self.xn, lw.w_qkv.t(), out=self.qkv)
+            attn.qk_norm_rope(self.qkv, lw.norm_qk, self.pos, self.inv_freq, self.q, self.kv_new,
+                              q_heads=s.q_heads, kv_heads=s.kv_heads, eps=s.eps)  # fmt: skip
+            rec = self.records.get(li) if self.fp4 else None
+            attn.kv_append(self.caches[li], self.kv_new, self.pos, None if rec is None else rec[1])
+            attn.decode_attention(self.q, self.caches[li], self.lens, self.attn_plan,
+                                  out=self.attn_out)  # fmt: skip
+            torch.mm(self.attn_out, lw.w_o.t(), out=self.o)
+            attn.add_rmsnorm(self.o, self.resid, lw.ln2, self.xn, nsum=1, eps=s.eps)
+            torch.mm(self.xn, lw.router.t(), out=self.rlogits)
+            plan = self.plans[li]
+            moe.route_align_into(self.rlogits, plan, self.rank)
+            if self.fp4:
+                quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
+                              out=(self.xq.codes, self.xq.scales, self.xq.scale_2))  # fmt: skip
+                moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
+                             mul_route_w=False, out=self.act)  # fmt: skip
+                quantize_rows(self.act, scale_2=None,
+                              out=(self.actq.codes, self.actq.scales, self.actq.scale_2))  # fmt: skip
+                moe.moe_gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
+                             out=self.y)  # fmt: skip
+            else:
+                moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
+                             mul_route_w=False, out=self.act)  # fmt: skip
+                moe.moe_gemm(self.act, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
+                             out=self.y)  # fmt: skip
+        attn.add_rmsnorm(self.y, self.resid, w.final_norm, self.xn, nsum=s.top_k, eps=s.eps)
+        torch.mm(self.xn, w.lm_head.t(), out=self.logits)
+        torch.argmax(self.logits, dim=-1, out=self.tokens)
+        self.pos.add_(1)
+        self.lens.add_(1)
+
+    def capture(self, warmup: int = 2) -> None:
+        """Compile (eager warm-up steps on a side stream), then capture one step as a graph."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    def replay(self) -> None:
+        assert self.graph is not None, "call capture() first"
+        self.graph.replay()
+
+    def bytes_last_step(self, context: int) -> int:
+        """HBM bytes the last step had to read at least: every weight it used once (attention,
+        router, the experts its tokens chose, LM head, B embedding rows) plus the KV cache of
+        `context` tokens per sequence, counted from the routing it recorded."""
+        s, w = self.shape, self.w
+        total = w.lm_head.numel() * 2 + self.batch * s.hidden * 2
+        kv_tok = attn.KVCacheGPU.bytes_per_token(fp4=self.fp4, kv_heads=s.kv_heads,
+                                                 head_dim=s.head_dim)  # fmt: skip
+        for li, lw in enumerate(w.layers):
+            total += sum(t.numel() * t.element_size() for t in (lw.w_qkv, lw.w_o, lw.router))
+            used = int(torch.unique(self.plans[li].topk_ids).numel())
+            per_expert = (lw.gate_up.nbytes() + lw.down.nbytes()) / s.num_experts
+            total += int(used * per_expert)
+            total += self.batch * context * kv_tok
+        return total
+
+
+def kv_bytes_per_sequence(shape: EngineShape, *, fp4: bool, tokens: int) -> int:
+    """KV-cache bytes of one sequence of `tokens` over all layers."""
+    per = attn.KVCacheGPU.bytes_per_token(fp4=fp4, kv_heads=shape.kv_heads,
+                                          head_dim=shape.head_dim)  # fmt: skip
+    return shape.num_layers * tokens * per
+
+
+def largest_batch(budget_bytes: int, weight_bytes: int, per_seq_bytes: int) -> int:
+    """Largest batch whose KV cache fits the budget next to the weights."""
+    return max(0, math.floor((budget_bytes - weight_bytes) / per_seq_bytes))
+
+
+__all__ = [
+    "DecodeEngine",
+    "EngineShape",
+    "EngineWeights",
+    "kv_bytes_per_sequence",
+    "largest_batch",
+]
