@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import redis
@@ -38,6 +38,7 @@ TOKEN = "bench-token"
 KIB, MIB = 1 << 10, 1 << 20
 RECORD_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
 QC_BATCH_BYTES = 8 * MIB  # records per call: a batch of about this many bytes (at least one)
+QC_CHUNK = 4 * MIB  # message size of the service clients (DEFAULT_CHUNK_BYTES) and the echo
 RAW_CHUNK = 4 * MIB  # recv/send block for the raw socket copy
 console = Console(width=150)
 
@@ -49,6 +50,7 @@ class Row:
     service_mb_s: float
     raw_mb_s: float
     raw_batched_mb_s: float | None = None  # quant-cache only: redis-py pipelined/MGET
+    grpc_only_mb_s: float | None = None  # quant-cache only: the gRPC hop alone, no Redis
 
     @property
     def ratio(self) -> float:
@@ -104,6 +106,97 @@ def _qc_runs(
     return service, raw_single, raw_pipelined
 
 
+def _echo_server(ports_file: str) -> None:
+    """Subprocess: the gRPC hop alone. Put streams are read and dropped; Get streams back
+    `n` records of `size` bytes. Same message sizes and thread pool as a service, no Redis."""
+    import json
+    from concurrent import futures
+
+    import grpc
+
+    blobs: dict[int, bytes] = {}
+
+    def put(messages: Iterator[bytes], ctx: object) -> bytes:
+        for _ in messages:
+            pass
+        return b""
+
+    def get(req: bytes, ctx: object) -> Iterator[bytes]:
+        n, size = int.from_bytes(req[:8], "little"), int.from_bytes(req[8:], "little")
+        blob = blobs.setdefault(size, os.urandom(size))
+        for _ in range(n):
+            for off in range(0, size, QC_CHUNK):
+                yield blob[off : off + QC_CHUNK] if size > QC_CHUNK else blob
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo",
+        {
+            "Put": grpc.stream_unary_rpc_method_handler(put),
+            "Get": grpc.unary_stream_rpc_method_handler(get),
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(8), options=_ECHO_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    tmp = f"{ports_file}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"grpc": port}, f)
+    os.replace(tmp, ports_file)
+    server.wait_for_termination()
+
+
+_ECHO_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * MIB),
+    ("grpc.max_receive_message_length", 64 * MIB),
+]
+
+
+class Echo:
+    """Client of the echo subprocess: the same bytes over the gRPC hop only."""
+
+    def __init__(self) -> None:
+        import json
+        import tempfile
+
+        import grpc
+
+        self._dir = tempfile.TemporaryDirectory()
+        ports = os.path.join(self._dir.name, "ports.json")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--echo-server", ports])
+        while not os.path.exists(ports):
+            time.sleep(0.05)
+        with open(ports) as f:
+            port = json.load(f)["grpc"]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_ECHO_OPTIONS)
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.put = self.channel.stream_unary("/bench.Echo/Put")
+        self.get = self.channel.unary_stream("/bench.Echo/Get")
+
+    def run(self, groups: list[list[int]], size: int, blobs: list[bytes]) -> float:
+        """put+get of the same records through the gRPC hop only; MB/s."""
+
+        def messages(g: list[int]) -> Iterator[bytes]:
+            for i in g:
+                blob = blobs[i % len(blobs)]
+                for off in range(0, size, QC_CHUNK):
+                    yield blob[off : off + QC_CHUNK] if size > QC_CHUNK else blob
+
+        start = time.perf_counter()
+        for g in groups:
+            self.put(messages(g))
+        for g in groups:
+            request = len(g).to_bytes(8, "little") + size.to_bytes(8, "little")
+            assert sum(len(m) for m in self.get(request)) == len(g) * size
+        return mb_s(2 * sum(map(len, groups)) * size, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.kill()
+        self.proc.wait()
+        self._dir.cleanup()
+
+
 def bench_quant_cache(total_bytes: int, repeats: int, progress: Progress) -> list[Row]:
     rows = []
     with LocalRedis(LocalRedisConfig(maxmemory_bytes=4 * total_bytes + 256 * MIB)) as server:
@@ -115,24 +208,36 @@ def bench_quant_cache(total_bytes: int, repeats: int, progress: Progress) -> lis
         }
         with ServiceProcess("services.quant_cache", env) as svc:
             qc = QuantCacheClient(svc.grpc_address, TOKEN)
+            echo = Echo()
             task = progress.add_task("quant-cache", total=len(RECORD_SIZES))
             for size in RECORD_SIZES:
                 n = max(8, total_bytes // size)
                 blobs = [os.urandom(size) for _ in range(min(n, 8))]  # reused round-robin
                 service, single, pipelined = _qc_runs(qc, raw, size, n, blobs)
                 # Interleave the three so that load changes hit all of them alike.
-                results: dict[str, list[float]] = {"svc": [], "one": [], "pipe": []}
+                batch = max(1, QC_BATCH_BYTES // size)
+                groups = [list(range(i, min(n, i + batch))) for i in range(0, n, batch)]
+                results: dict[str, list[float]] = {"svc": [], "one": [], "pipe": [], "grpc": []}
                 for _ in range(repeats):
                     results["svc"].append(service())
                     results["one"].append(single())
                     results["pipe"].append(pipelined())
+                    results["grpc"].append(echo.run(groups, size, blobs))
                 best = {k: max(v) for k, v in results.items()}
                 rows.append(
-                    Row("quant-cache put+get", _size(size), best["svc"], best["one"], best["pipe"])
+                    Row(
+                        "quant-cache put+get",
+                        _size(size),
+                        best["svc"],
+                        best["one"],
+                        best["pipe"],
+                        best["grpc"],
+                    )
                 )
                 qc.delete("bench")
                 raw.flushdb()
                 progress.advance(task)
+            echo.close()
         raw.close()
     return rows
 
@@ -315,6 +420,7 @@ def print_table(rows: list[Row]) -> None:
         "service / raw",
         "raw batched MB/s",
         "service / batched",
+        "gRPC hop only MB/s",
     )
     for col in cols:
         table.add_column(col, justify="left" if col in ("path", "size") else "right")
@@ -325,8 +431,15 @@ def print_table(rows: list[Row]) -> None:
             if batched is None
             else (f"{batched:,.0f}", f"{r.service_mb_s / batched:.0%}")
         )
+        hop = "-" if r.grpc_only_mb_s is None else f"{r.grpc_only_mb_s:,.0f}"
         table.add_row(
-            r.name, r.size, f"{r.service_mb_s:,.0f}", f"{r.raw_mb_s:,.0f}", f"{r.ratio:.0%}", *extra
+            r.name,
+            r.size,
+            f"{r.service_mb_s:,.0f}",
+            f"{r.raw_mb_s:,.0f}",
+            f"{r.ratio:.0%}",
+            *extra,
+            hop,
         )
     console.print(table)
 
@@ -365,9 +478,13 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     parser.add_argument("--skip", choices=["qc", "ws"], default=None, help="leave one part out")
     parser.add_argument("--worker", choices=["grpc", "raw"], help=argparse.SUPPRESS)
+    parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--replica-id", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.echo_server:
+        _echo_server(args.echo_server)
+        return
     if args.worker:
         _worker(args.worker, args.address, args.replica_id)
         return
