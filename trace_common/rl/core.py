@@ -224,7 +224,12 @@ class TrainerCore:
         )  # [G, n]
         adv = grpo_advantages(rewards)  # [G, n]
         return [
-            TrainSample(rollout=s, reward=float(rewards[gi, j]), advantage=float(adv[gi, j]))
+            TrainSample(
+                rollout=s,
+                reward=float(rewards[gi, j]),
+                advantage=float(adv[gi, j]),
+                staleness=self.version - s.policy_version,
+            )
             for gi, g in enumerate(groups)
             for j, s in enumerate(g)
         ]

@@ -60,17 +60,18 @@ def plot_run(
         ax.legend(loc="lower right", fontsize=8)
 
     def disc_axes(ax) -> None:
-        for key, label in (
-            ("logp_abs_diff_mean", "mean |logp_train - logp_rollout|"),
-            ("k3_kl", "k3 KL(rollout || train)"),
-            ("d_act_mean", "D_act (guided sites)"),
-            ("code_flip_rate", "code flip rate"),
+        for key, label, style in (
+            ("logp_abs_diff_mean", "mean |logp_train - logp_rollout|", "-"),
+            ("k3_kl", "k3 KL(rollout || train)", "-"),
+            ("d_act_mean", "D_act (guided sites)", "-"),
+            ("code_flip_rate", "code flip rate (guided sites)", "-"),
+            ("logp_abs_diff_mean_stale", "mean |dlogp|, stale samples (policy drift)", "--"),
         ):
             ys = _series(rows, key)
             if any(math.isfinite(y) for y in ys):
-                ax.plot(steps, ys, lw=1.5, label=label)
+                ax.plot(steps, ys, style, lw=1.5, label=label)
         ax.set_xlabel("RL step")
-        ax.set_ylabel("train-rollout discrepancy")
+        ax.set_ylabel("discrepancy on fresh samples")
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
 

@@ -72,6 +72,7 @@ class TrainSample:
     reward: float
     advantage: float
     records: bytes | None = None  # this sample's SampleRecords blob (trace mode)
+    staleness: int = 0  # trainer version - the version that generated the sample
 
 
 @dataclass(kw_only=True, slots=True)
