@@ -6,7 +6,10 @@ NVFP4 ("row" scales) and MXFP4, then the record bytes per element for full and c
 guidance. Usage:
 
     .venv/bin/python bench/fp4_quant.py [--sizes 256x2048,4096x2048] [--repeats 5] [--threads N]
-                                        [--device cpu|cuda]
+                                        [--device cpu|cuda] [--clock wall|cpu]
+
+`--clock cpu` divides by the process's CPU time instead of wall time: on a shared, busy
+machine that is the better estimate of what an idle core would do (use with --threads 1).
 
 (`--device cuda` times the same plain-PyTorch reference on a GPU, for comparison with the
 fused kernels; it is not a kernel benchmark.)
@@ -45,18 +48,20 @@ class BenchConfig:
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     record_k: int = 2048  # hidden size for the record-size table
     device: str = "cpu"  # where the reference runs
+    clock: str = "wall"  # "wall" (perf_counter) or "cpu" (process CPU time, CPU device only)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, device: str) -> float:
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+def _median_seconds(fn: Callable[[], object], cfg: BenchConfig) -> float:
+    sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else (lambda: None)
+    clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
     fn()  # warm-up
     sync()
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    for _ in range(cfg.repeats):
+        t0 = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -64,7 +69,8 @@ def run(cfg: BenchConfig, console: Console) -> None:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     where = cfg.device if cfg.device != "cpu" else f"CPU, {torch.get_num_threads()} threads"
-    table = Table(title=f"FP4 reference ({where}), GB/s of input, median of {cfg.repeats}")
+    per = "CPU-second" if cfg.clock == "cpu" else "second"
+    table = Table(title=f"FP4 reference ({where}), GB of input per {per}, median of {cfg.repeats}")
     for col in ("format", "input", "shape", "quantize", "dequantize", "guided (compact)"):
         table.add_column(col, justify="left" if col in ("format", "input", "shape") else "right")
     cells = [(f, d, s) for f in FORMATS for d in cfg.dtypes for s in cfg.sizes]
@@ -79,9 +85,9 @@ def run(cfg: BenchConfig, console: Console) -> None:
             rec = make_record(q, "compact")
             x_train = x * 1.001
             gb = x.numel() * x.element_size() / BYTES_PER_GB
-            t_q = _median_seconds(lambda: spec.quantize(x, **kw), cfg.repeats, cfg.device)  # noqa: B023
-            t_d = _median_seconds(lambda: spec.dequantize(q, x.dtype), cfg.repeats, cfg.device)  # noqa: B023
-            t_g = _median_seconds(lambda: guided_quantize(x_train, rec), cfg.repeats, cfg.device)  # noqa: B023
+            t_q = _median_seconds(lambda: spec.quantize(x, **kw), cfg)  # noqa: B023
+            t_d = _median_seconds(lambda: spec.dequantize(q, x.dtype), cfg)  # noqa: B023
+            t_g = _median_seconds(lambda: guided_quantize(x_train, rec), cfg)  # noqa: B023
             table.add_row(
                 fmt, dname, f"{rows}x{k}", f"{gb / t_q:.2f}", f"{gb / t_d:.2f}", f"{gb / t_g:.2f}"
             )
@@ -116,8 +122,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args()
-    cfg = BenchConfig(repeats=args.repeats, threads=args.threads, device=args.device)
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu measures host CPU time; use it with --device cpu")
+    cfg = BenchConfig(
+        repeats=args.repeats, threads=args.threads, device=args.device, clock=args.clock
+    )
     if args.sizes:
         try:
             cfg.sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]  # type: ignore[misc]
