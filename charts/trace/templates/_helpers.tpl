@@ -40,6 +40,12 @@ app.kubernetes.io/instance: {{ $root.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
+{{/* Labels of a component's pods: the common labels plus the component. Call with (list $ "rollout"). */}}
+{{- define "trace.podLabels" -}}
+{{ include "trace.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
 {{- define "trace.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}

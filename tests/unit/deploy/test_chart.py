@@ -1,5 +1,6 @@
-"""The Helm chart without a helm binary: values against values.schema.json, the schema's
-hardening constraints, template structure, references to values, and the embedded files."""
+"""The Helm chart's sources: values against values.schema.json, the schema's hardening
+constraints, template structure, references to values, and the files the chart embeds.
+test_chart_render.py checks what `helm template` makes of them."""
 
 from __future__ import annotations
 
@@ -117,36 +118,6 @@ def test_templates_reference_existing_values(values: dict, path: pathlib.Path) -
     assert not missing, f"{path.name} references values that do not exist: {missing}"
 
 
-def test_every_component_has_a_workload() -> None:
-    for comp, name in COMPONENTS.items():
-        text = (TEMPLATES / f"{name}.yaml").read_text()
-        assert f".Values.{comp}" in text
-        assert f'"trace.container" (list . "{name}"' in text, name
-    assert "kind: StatefulSet" in (TEMPLATES / "trainer.yaml").read_text()
-    assert "volumeClaimTemplates" in (TEMPLATES / "trainer.yaml").read_text()
-    rollout = (TEMPLATES / "rollout.yaml").read_text()
-    assert "clusterIP: None" in rollout and "HorizontalPodAutoscaler" in rollout
-
-
-def test_probes_and_hardening() -> None:
-    """Readiness is the gRPC health service; startup/liveness the HTTP /healthz (the gRPC
-    status is NOT_SERVING until ready, which must not restart a replica waiting for weights)."""
-    helpers = (TEMPLATES / "_helpers.tpl").read_text()
-
-    def probe(name: str) -> str:
-        return helpers.split(f"  {name}:\n", 1)[1].split("\n", 1)[0].strip()
-
-    assert probe("readinessProbe").startswith("grpc: {port: {{ $c.grpcPort }}}")
-    assert probe("livenessProbe") == "httpGet: {path: /healthz, port: http}"
-    assert probe("startupProbe") == "httpGet: {path: /healthz, port: http}"
-    assert "toYaml $v.securityContext" in helpers
-    assert "toYaml $root.Values.podSecurityContext" in helpers
-    # kubelet probes carry no token: the services let grpc.health.v1 through without one.
-    from trace_common.service.config import ServiceSettings
-
-    assert ServiceSettings.model_fields["auth_exempt_health"].default is True
-
-
 def _dashboard_module():
     spec = importlib.util.spec_from_file_location(
         "trace_dashboard", ROOT / "deploy/grafana/dashboard.py"
@@ -182,64 +153,3 @@ def test_chart_metadata() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2" and chart["name"] == "trace"
     assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
-
-
-# Which helper's TRACE_* variables reach which component (see _helpers.tpl and the workloads).
-_ENV_HELPERS = {
-    "trace.container": set(COMPONENTS.values()),
-    "trace.commonEnv": set(COMPONENTS.values()),
-    "trace.redisEnv": {"quant-cache"},
-    "trace.storeEnv": {"trainer", "rollout"},
-    "trace.rolloutEnv": {"rollout"},
-    "trace.trainerEnv": {"trainer"},
-}
-
-
-def _trace_vars_by_component(values: dict) -> dict[str, set[str]]:
-    helpers = (TEMPLATES / "_helpers.tpl").read_text()
-    by_component: dict[str, set[str]] = {
-        name: set(values["config"]) for name in COMPONENTS.values()
-    }
-    defines = {}
-    for block in re.split(r"(?=\{\{-?\s*define\s)", helpers):
-        m = re.match(r'\{\{-?\s*define\s+"([^"]+)"', block)
-        if m:
-            defines[m.group(1)] = block
-    for define, components in _ENV_HELPERS.items():
-        assert define in defines, define
-        names = set(re.findall(r"- name: (TRACE_[A-Z0-9_]+)", defines[define]))
-        for comp in components:
-            by_component[comp] |= names
-    for comp_key, name in COMPONENTS.items():
-        by_component[name] |= {k for k in values[comp_key]["env"] if k.startswith("TRACE_")}
-    return by_component
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "quant-cache",
-        "weight-sync",
-        "trainer",
-        "rollout",
-    ],
-)
-def test_every_trace_variable_is_a_real_setting(values: dict, name: str) -> None:
-    """Each TRACE_* variable the chart gives a component is a field of its settings (a typo
-    would be ignored silently by pydantic-settings)."""
-    from trace_common import cli
-    from trace_common.service.config import ServiceSettings
-
-    assert name in cli.SERVICES, f"`trace-rl serve {name}` does not exist"
-    config = importlib.import_module(cli.SERVICES[name].rsplit(".", 1)[0] + ".config")
-    (settings,) = [
-        c
-        for c in vars(config).values()
-        if isinstance(c, type) and issubclass(c, ServiceSettings) and c is not ServiceSettings
-    ]
-    names = _trace_vars_by_component(values)[name]
-    assert "TRACE_AUTH_TOKEN_FILE" in names and "TRACE_GRPC_PORT" in names
-    unknown = sorted(
-        v for v in names if v.removeprefix("TRACE_").lower() not in settings.model_fields
-    )
-    assert not unknown, f"{name}: not settings of {settings.__name__}: {unknown}"

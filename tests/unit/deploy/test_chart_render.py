@@ -1,0 +1,311 @@
+"""The Helm chart rendered by a real `helm template` (helm v3.17.1, installed by
+deploy/tools/install-helm.sh; .ci/run does it) under several value sets. Every manifest is
+parsed strictly (no duplicate keys), validated against the Kubernetes 1.30 JSON schemas
+(kubernetes-validate, strict: unknown fields fail), and checked for what the chart promises:
+real `trace-rl serve` targets with real settings, hardening, GPUs, probes, discovery, the
+embedded dashboard and rules. No cluster is needed; installing into one is not tested here."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+import shutil
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from trace_common import cli
+from trace_common.service.config import ServiceSettings
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts/trace"
+HELM_LOCAL = ROOT / ".tmp/tools/bin/helm"
+K8S_VERSION = "1.30.0"  # the oldest version the chart targets with headroom (kubeVersion >= 1.27)
+HELM_TIMEOUT_S = 60
+TOKEN = "0123456789abcdef0123456789abcdef"
+TRACE = ("quant-cache", "weight-sync", "trainer", "rollout")
+GPU = ("trainer", "rollout")
+
+VALUE_SETS: dict[str, list[str]] = {
+    # helm install with inline secrets, everything else default (GPU cluster).
+    "defaults": ["--set", f"auth.token={TOKEN}", "--set", f"redis.password={TOKEN}"],
+    # Existing secrets, external Redis, autoscaled rollout, operator objects, no PVC, CPU only.
+    "all-options": [
+        "--set", "auth.existingSecret=my-token",
+        "--set", "redis.enabled=false",
+        "--set", "redis.external.existingSecret=my-redis-url",
+        "--set", "rollout.autoscaling.enabled=true",
+        "--set", "metrics.serviceMonitor.enabled=true",
+        "--set", "metrics.podMonitor.enabled=true",
+        "--set", "metrics.prometheusRule.enabled=true",
+        "--set", "trainer.persistence.enabled=false",
+        "--set", "trainer.gpus=0",
+        "--set", "rollout.gpus=0",
+        "--set", "image.tag=cpu",
+        "--set-json", 'rollout.env={"TRACE_TORCH_THREADS":"4"}',
+        "--set-json", 'rollout.nodeSelector={"nvidia.com/gpu.product":"NVIDIA-H200"}',
+    ],
+}  # fmt: skip
+
+
+def helm() -> str:
+    """helm on PATH or from deploy/tools/install-helm.sh; missing fails, it never skips."""
+    path = shutil.which("helm") or (str(HELM_LOCAL) if HELM_LOCAL.exists() else None)
+    if path is None:
+        pytest.fail("helm not found: run `bash deploy/tools/install-helm.sh` (.ci/run does)")
+    return path
+
+
+def helm_template(*args: str, release: str = "trace") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [helm(), "template", release, str(CHART), "--namespace", "trace", *args],
+        capture_output=True,
+        text=True,
+        timeout=HELM_TIMEOUT_S,
+    )
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """Rejects duplicate mapping keys (which the API server's decoder rejects too)."""
+
+
+def _mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r} at {key_node.start_mark}")
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
+    res = helm_template(*VALUE_SETS[request.param])
+    assert res.returncode == 0, res.stderr
+    docs = [d for d in yaml.load_all(res.stdout, Loader=_StrictLoader) if d]
+    return request.param, docs
+
+
+def _by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _component(obj: dict) -> str:
+    return obj["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def _trace_container(workload: dict) -> dict:
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_manifests_validate_against_kubernetes_schemas(rendered: tuple[str, list[dict]]) -> None:
+    _, docs = rendered
+    checked = 0
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # operator CRDs: no bundled schema; checked below
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 10
+
+
+def test_schema_validation_can_fail() -> None:
+    """The validation above rejects what the API server would (strict: unknown fields)."""
+    bad = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": {"portz": []}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_every_component_is_deployed(rendered: tuple[str, list[dict]]) -> None:
+    name, docs = rendered
+    kinds = {_component(w): w["kind"] for w in _workloads(docs)}
+    assert kinds["trainer"] == "StatefulSet"
+    assert all(kinds[c] == "Deployment" for c in ("quant-cache", "weight-sync", "rollout"))
+    assert ("redis" in kinds) == (name == "defaults")
+    for w in _workloads(docs):  # selectors select their own pods
+        selector = w["spec"]["selector"]["matchLabels"]
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), w["metadata"]["name"]
+
+
+def test_containers_run_real_services_with_real_settings(rendered: tuple[str, list[dict]]) -> None:
+    """`trace-rl serve X` for X in the CLI's table; every TRACE_* variable (env and ConfigMap)
+    is a field of X's settings, so none is silently ignored."""
+    _, docs = rendered
+    configmap = next(
+        d for d in docs if d["kind"] == "ConfigMap" and "-config" in d["metadata"]["name"]
+    )
+    for w in _workloads(docs):
+        comp = _component(w)
+        if comp not in TRACE:
+            continue
+        c = _trace_container(w)
+        assert c["args"] == ["serve", comp] and comp in cli.SERVICES, c["args"]
+        config = importlib.import_module(cli.SERVICES[comp].rsplit(".", 1)[0] + ".config")
+        (settings,) = [
+            v
+            for v in vars(config).values()
+            if isinstance(v, type) and issubclass(v, ServiceSettings) and v is not ServiceSettings
+        ]
+        names = {e["name"] for e in c["env"]} | set(configmap["data"])
+        unknown = sorted(
+            n
+            for n in names
+            if n.startswith("TRACE_")
+            and n.removeprefix("TRACE_").lower() not in settings.model_fields
+        )
+        assert not unknown, f"{comp}: not settings of {settings.__name__}: {unknown}"
+        assert {"TRACE_AUTH_TOKEN_FILE", "TRACE_GRPC_PORT", "TRACE_HTTP_PORT"} <= names
+
+
+def test_pods_are_hardened(rendered: tuple[str, list[dict]]) -> None:
+    _, docs = rendered
+    for w in _workloads(docs):
+        pod = w["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+
+
+def test_probes_ports_and_gpus(rendered: tuple[str, list[dict]]) -> None:
+    name, docs = rendered
+    for w in _workloads(docs):
+        comp = _component(w)
+        if comp not in TRACE:
+            continue
+        c = _trace_container(w)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert c["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+        assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+        gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+        if comp in GPU and name == "defaults":
+            assert gpus == 1, comp
+        else:
+            assert gpus is None, (comp, gpus)
+
+
+def test_rollout_discovery_and_scaling(rendered: tuple[str, list[dict]]) -> None:
+    name, docs = rendered
+    services = _by_kind(docs, "Service")
+    (rollout_svc,) = [s for s in services.values() if _component(s) == "rollout"]
+    assert rollout_svc["spec"]["clusterIP"] == "None"
+    (rollout,) = [w for w in _workloads(docs) if _component(w) == "rollout"]
+    env = {e["name"]: e.get("value") for e in _trace_container(rollout)["env"]}
+    assert env["TRACE_ADVERTISE_HOST"] == "$(POD_IP)" and env["TRACE_REPLICA_ID"] == "$(POD_NAME)"
+    hpas = _by_kind(docs, "HorizontalPodAutoscaler")
+    if name == "all-options":
+        (hpa,) = hpas.values()
+        assert hpa["spec"]["scaleTargetRef"]["name"] == rollout["metadata"]["name"]
+        assert "replicas" not in rollout["spec"], "the HPA owns the replica count"
+        assert env["TRACE_TORCH_THREADS"] == "4"
+        assert rollout["spec"]["template"]["spec"]["nodeSelector"] == {
+            "nvidia.com/gpu.product": "NVIDIA-H200"
+        }
+    else:
+        assert not hpas and rollout["spec"]["replicas"] == 2
+
+
+def test_secrets_and_redis(rendered: tuple[str, list[dict]]) -> None:
+    name, docs = rendered
+    secrets = _by_kind(docs, "Secret")
+    (qc,) = [w for w in _workloads(docs) if _component(w) == "quant-cache"]
+    env = {e["name"]: e for e in _trace_container(qc)["env"]}
+    token_volume = next(
+        v for v in qc["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth-token"
+    )
+    if name == "defaults":
+        assert token_volume["secret"]["secretName"] in secrets
+        redis = next(w for w in _workloads(docs) if _component(w) == "redis")
+        cmd = " ".join(_trace_container(redis)["args"])
+        assert "--maxmemory 4gb" in cmd and "--maxmemory-policy volatile-ttl" in cmd
+        assert env["TRACE_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@trace-redis:6379/0"
+    else:
+        assert not secrets, "existing secrets: the chart must not create its own"
+        assert token_volume["secret"]["secretName"] == "my-token"
+        ref = env["TRACE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "my-redis-url", "key": "redis-url"}
+    (trainer,) = [w for w in _workloads(docs) if _component(w) == "trainer"]
+    assert bool(trainer["spec"].get("volumeClaimTemplates")) == (name == "defaults")
+
+
+def test_dashboard_configmap_embeds_the_dashboard(rendered: tuple[str, list[dict]]) -> None:
+    _, docs = rendered
+    (cm,) = [
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")
+    ]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    embedded = json.loads(cm["data"]["trace-rl.json"])
+    assert embedded == json.loads((ROOT / "deploy/grafana/dashboards/trace-rl.json").read_text())
+
+
+def test_operator_objects(rendered: tuple[str, list[dict]], tmp_path: pathlib.Path) -> None:
+    """ServiceMonitor selects the TRACE Services on a port they have; PodMonitor likewise;
+    the PrometheusRule's groups are the rules file's and pass `promtool check rules`."""
+    name, docs = rendered
+    monitors = [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    if name != "all-options":
+        assert not monitors
+        return
+    kinds = {d["kind"]: d for d in monitors}
+    assert set(kinds) == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    sm = kinds["ServiceMonitor"]
+    selected = [
+        s
+        for s in _by_kind(docs, "Service").values()
+        if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+        and _component(s) in sm["spec"]["selector"]["matchExpressions"][0]["values"]
+    ]
+    assert {_component(s) for s in selected} == set(TRACE)
+    for s in selected:
+        assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in s["spec"]["ports"]}
+    rules = kinds["PrometheusRule"]["spec"]
+    assert rules == yaml.safe_load((ROOT / "deploy/prometheus/rules/trace.rules.yml").read_text())
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found: `apt-get install -y prometheus`")
+    path = tmp_path / "rule.yml"
+    path.write_text(yaml.safe_dump(rules))
+    res = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "auth.token must be set"),
+        (["--set", f"auth.token={TOKEN}"], "redis.password must be set"),
+        (
+            ["--set", f"auth.token={TOKEN}", "--set", "redis.enabled=false"],
+            "set redis.external.url or redis.external.existingSecret",
+        ),
+        (
+            [
+                "--set", f"auth.token={TOKEN}", "--set", f"redis.password={TOKEN}",
+                "--set", "securityContext.readOnlyRootFilesystem=false",
+            ],
+            "readOnlyRootFilesystem",
+        ),
+        (
+            ["--set", f"auth.token={TOKEN}", "--set", f"redis.password={TOKEN}", "--set", "rollout.replicas=-1"],
+            "replicas",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_values_fail_with_a_clear_message(args: list[str], message: str) -> None:
+    res = helm_template(*args)
+    assert res.returncode != 0, "helm accepted bad values"
+    assert message in res.stderr, res.stderr
