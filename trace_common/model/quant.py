@@ -188,7 +188,7 @@ def load_quantized_state_dict(
                 ex.quantized[name] = qs
         if quantized_w:
             _refresh_dequant(ex, fmt.name)
-    leftover = sorted(set(tensors) - _consumed(tensors, native, cfg, model))
+    leftover = sorted(set(tensors) - _consumed(tensors, cfg, model))
     if leftover:
         raise ValueError(f"quantized state dict has unexpected tensors {leftover[:8]}")
     load_native_state_dict(model, native, source="quantized state dict")
@@ -210,7 +210,6 @@ def _expect(t: torch.Tensor, key: str, shape: tuple[int, ...], dtype: torch.dtyp
 
 def _consumed(
     tensors: dict[str, torch.Tensor],
-    native: dict[str, torch.Tensor],
     cfg: ModelConfig,
     model: MoECausalLM,
 ) -> set[str]:
