@@ -20,6 +20,7 @@ from trace_common.model import (
     generate,
     get_config,
     load_quantized_state_dict,
+    quantize_policy,
 )
 from trace_common.model.discrepancy import activation_discrepancy, rollout_reference
 
@@ -198,3 +199,31 @@ def test_quant_and_guidance_config_errors():
         GuidanceConfig().resolve(get_config("debug"), QuantConfig(sites=frozenset({"expert_acts"})))
     with pytest.raises(ValueError, match=r"guided layer\(s\) \[7\]"):
         GuidanceConfig(layers=(7,)).resolve(get_config("debug"), QuantConfig())
+
+
+def test_mxfp4_trace_reproduces_rollout_exactly(hp_model):
+    model = MoECausalLM(hp_model.cfg).eval()
+    model.load_state_dict(hp_model.state_dict())
+    quantize_policy(model, QuantConfig(format="mxfp4"))
+    out = generate(
+        model,
+        PROMPTS[:2],
+        SamplingParams(max_new_tokens=6, seed=5),
+        guidance=GuidanceConfig(layers=ALL_LAYERS, mode="full"),
+    )
+    assert out.records[0].fmt == "mxfp4"
+    # mxfp4 compact: hidden bits + hidden/32 E8M0 scale bytes, no per-token scale.
+    h, kv = model.cfg.hidden_size, model.cfg.kv_width
+    compact = [r.select(mode="compact") for r in out.records]
+    per_token = (h // 8 + h // 32) + 2 * (kv // 8 + kv // 32)
+    assert compact[0].guidance_nbytes == compact[0].num_rows * len(ALL_LAYERS) * per_token
+    disc = discrepancies(model, seqs_of(out), compact, out.records, "trace", True)
+    assert disc and all(d.d_act == 0.0 and d.flip_rate == 0.0 for d in disc.values())
+
+
+def test_generate_without_records(debug_model):
+    out = generate(debug_model, PROMPTS[:2], SamplingParams(max_new_tokens=3), record_routing=False)
+    assert out.records is None
+    routing_only = generate(debug_model, PROMPTS[:2], SamplingParams(max_new_tokens=3))
+    assert all(r.guidance == {} and r.routing is not None for r in routing_only.records)
+    assert SampleRecords.from_bytes(routing_only.records[0].to_bytes()).mode == ""
