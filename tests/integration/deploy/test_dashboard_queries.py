@@ -15,6 +15,7 @@ metric a panel names must be exported by a service.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -330,6 +331,7 @@ class Run:
     exported: set[str]
     counts: dict[str, int]
     trainer_status: dict
+    http_ports: dict[str, int]  # a running process per service name
 
 
 @pytest.fixture(scope="module")
@@ -379,7 +381,11 @@ def run() -> Iterator[Run]:
                     for expr in panel.exprs
                 }
                 yield Run(
-                    results, prom.metric_names(), {**probe.counts, "evicted": evicted}, status
+                    results,
+                    prom.metric_names(),
+                    {**probe.counts, "evicted": evicted},
+                    status,
+                    {p.name: p.http_port for p in procs},
                 )
             finally:
                 prom.stop()
@@ -457,3 +463,35 @@ def test_the_numbers_moved(run: Run) -> None:
     phases = run.results[by_title["Step time split"][0]]
     assert {s["metric"]["phase"] for s in phases} == {"rollout", "records", "train", "push"}
     assert run.results[by_title["D_act per layer"][0]], "full records: D_act per layer"
+
+
+def test_compose_commands_work(run: Run) -> None:
+    """The commands docker-compose.yml runs inside the containers, run here against the live
+    services: the /readyz healthcheck (exit 0 on a ready service, non-zero on a dead port) and
+    the rollout entrypoint wrapper (sets TRACE_ADVERTISE_HOST, then execs trace-rl)."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    bin_dir = str(pathlib.Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    for name in ("quant-cache", "weight-sync", "trainer", "rollout"):
+        check = compose["services"][name]["healthcheck"]["test"]
+        assert check[0] == "CMD" and check[1] == "python", check
+        argv = [sys.executable, *check[2:]]
+        ok = subprocess.run(
+            argv, env={**env, "TRACE_HTTP_PORT": str(run.http_ports[name])}, timeout=30
+        )
+        assert ok.returncode == 0, f"{name}: healthcheck failed on a ready service"
+    dead = subprocess.run(
+        argv, env={**env, "TRACE_HTTP_PORT": str(free_port())}, capture_output=True, timeout=30
+    )
+    assert dead.returncode != 0, "the healthcheck passed on a port nobody listens on"
+    entrypoint = compose["services"]["rollout"]["entrypoint"]
+    script = entrypoint[2].replace("$$", "$")  # compose's escape for a literal `$`
+    res = subprocess.run(
+        [*entrypoint[:2], script, *entrypoint[3:], "version"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    want = importlib.metadata.version("trace-rl")
+    assert res.returncode == 0 and res.stdout.strip() == want, res.stdout + res.stderr
