@@ -1,4 +1,4 @@
-"""`make demo` until the RL loop exists: rollout-guided rounding vs plain round-to-nearest.
+"""`trace-rl numerics-demo`: rollout-guided rounding vs plain round-to-nearest on one layer.
 
 A rollout and a trainer compute the same activation x = h @ W in BF16 but with different
 kernels: the rollout accumulates split-K partial sums in BF16 (as a decode kernel might),
@@ -99,8 +99,8 @@ def run_demo(cfg: DemoConfig | None = None, console: Console | None = None) -> N
     cfg = cfg or DemoConfig()
     console = console or Console()
     console.print(
-        "[bold]TRACE FP4 numerics demo[/bold] (the RL loop is not wired into `make demo` yet; "
-        "this shows the numerics it is built on)"
+        "[bold]TRACE FP4 numerics demo[/bold]: one activation computed by two kernels, "
+        "quantized by the rollout and re-quantized by the trainer"
     )
     h, w, _ = make_activations(cfg)
     x_rollout = rollout_gemm(h, w, cfg.split_k)  # [T, K] bf16
