@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import grpc
@@ -152,3 +154,23 @@ def test_memory_bound_noeviction_rejects_puts(
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "memory bound" in err.value.details()
         assert stored and qc.get_records("run", 0, stored) == dict.fromkeys(stored, blob)
+
+
+def test_missing_setting_stops_start_up_naming_it(local_redis: LocalRedis) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACE_")}
+    env["TRACE_REDIS_URL"] = local_redis.url
+    done = subprocess.run(
+        [sys.executable, "-m", QC], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "TRACE_AUTH_TOKEN" in done.stderr and "TRACE_AUTH_TOKEN_FILE" in done.stderr
+
+
+def test_reflection_lists_the_service(local_redis: LocalRedis) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with _service(local_redis.url) as svc, grpc.insecure_channel(svc.grpc_address) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "trace.quantcache.v1.QuantCache" in services and "grpc.health.v1.Health" in services
