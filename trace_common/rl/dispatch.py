@@ -91,8 +91,9 @@ class DispatchConfig:
 
     prompts_per_unit: int = 4  # prompts per generate call; smaller = finer load balancing
     wait_for_replicas_s: float = 60.0  # give up when no replica is usable for this long
-    retry_failed_after_s: float = 2.0  # a failed replica is not used again for this long
-    max_attempts: int = 5  # a unit failing this many times aborts the step
+    retry_failed_after_s: float = 2.0  # a failed replica rests this long, doubling per failure
+    max_retry_after_s: float = 60.0  # cap of that doubling
+    max_attempts: int = 20  # a unit failing this many times aborts the step
 
     def __post_init__(self) -> None:
         if self.prompts_per_unit < 1:
@@ -171,7 +172,8 @@ class Dispatcher:
         pending = collections.deque(self.make_units(prompts))
         done: dict[int, list[RolloutSample]] = {}
         inflight: dict[Future[list[RolloutSample]], tuple[str, GenerateCall, float]] = {}
-        failed_at: dict[str, float] = {}
+        failed_at: dict[str, float] = {}  # replica -> when it may be used again
+        failures: dict[str, int] = {}  # consecutive failures per replica
         stats = DispatchStats()
         n_units = len(pending)
         idle_since = time.monotonic()
@@ -195,8 +197,7 @@ class Dispatcher:
             usable = [
                 r
                 for r in self.directory.replicas()
-                if r.replica_id not in busy
-                and now - failed_at.get(r.replica_id, -1e18) >= cfg.retry_failed_after_s
+                if r.replica_id not in busy and now >= failed_at.get(r.replica_id, -1e18)
             ]
             for replica in usable:
                 if not pending:
@@ -227,7 +228,7 @@ class Dispatcher:
                 except ReplicaBehind as exc:
                     log.info("replica %s behind: %s", rid, exc)
                     self._on_event(f"behind unit={unit.unit_id} replica={rid}")
-                    failed_at[rid] = time.monotonic() - cfg.retry_failed_after_s + POLL_SECONDS
+                    failed_at[rid] = time.monotonic() + POLL_SECONDS
                     pending.appendleft(unit)
                     continue
                 except Exception as exc:  # any failure of the replica: re-dispatch the unit
@@ -235,7 +236,9 @@ class Dispatcher:
                     self._on_event(
                         f"failed unit={unit.unit_id} attempt={unit.attempt} replica={rid}"
                     )
-                    failed_at[rid] = time.monotonic()
+                    failures[rid] = failures.get(rid, 0) + 1
+                    rest = cfg.retry_failed_after_s * 2 ** (failures[rid] - 1)
+                    failed_at[rid] = time.monotonic() + min(rest, cfg.max_retry_after_s)
                     if rid not in stats.failed_replicas:
                         stats.failed_replicas.append(rid)
                     unit.attempt += 1
@@ -246,6 +249,7 @@ class Dispatcher:
                         ) from exc
                     pending.appendleft(unit)
                     continue
+                failures.pop(rid, None)
                 for s in samples:
                     s.replica_id = s.replica_id or rid
                 done[unit.unit_id] = samples

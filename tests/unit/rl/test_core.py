@@ -165,3 +165,30 @@ def test_min_version_never_reaches_before_this_runs_first_publish() -> None:
     core.step()
     core.step()
     assert core.version_floor == 7 and seen == [7, 7]
+
+
+def test_dead_replica_backs_off_exponentially() -> None:
+    import time as _time
+
+    store: dict = {}
+
+    class Slow(FakeReplica):
+        def generate(self, call):
+            _time.sleep(0.05)
+            return super().generate(call)
+
+    dead = FakeReplica("dead", store=store, fail_on_calls=range(1, 1000))
+    good = Slow("good", store=store)
+    disp = Dispatcher(
+        StaticDirectory([dead, good]),
+        DispatchConfig(prompts_per_unit=1, retry_failed_after_s=0.05),
+    )
+    stream = PromptStream(make_task("reverse", 1), TOK, seed=0)
+    samples, stats = disp.run(
+        stream.next_batch(10), run_id="r", step=0, group_size=2,
+        sampling=SamplingConfig(max_new_tokens=2), min_policy_version=0, write_records=False,
+    )  # fmt: skip
+    assert len(samples) == 20 and stats.failed_replicas == ["dead"]
+    # ~0.5 s of work; rests of 0.05, 0.1, 0.2, 0.4 s allow at most ~5 calls to the dead one
+    assert 1 <= dead.calls <= 5, dead.calls
+    assert stats.redispatched_units == dead.calls
