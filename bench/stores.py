@@ -453,14 +453,15 @@ def plot(rows: list[Row], path: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 4.5))
     labels = [f"{r.name}\n{r.size}" for r in rows]
     x = list(range(len(rows)))
-    ax.bar(
-        [i - 0.27 for i in x],
-        [r.raw_mb_s for r in rows],
-        0.27,
-        label="raw: redis-py SET/GET, TCP socket",
-    )
-    ax.bar(x, [r.raw_batched_mb_s or 0 for r in rows], 0.27, label="raw: redis-py pipelined")
-    ax.bar([i + 0.27 for i in x], [r.service_mb_s for r in rows], 0.27, label="TRACE service")
+    w = 0.2
+    series = [
+        ("raw: redis-py SET/GET, TCP socket copy", [r.raw_mb_s for r in rows]),
+        ("raw: redis-py pipelined", [r.raw_batched_mb_s or 0 for r in rows]),
+        ("gRPC hop only (no Redis)", [r.grpc_only_mb_s or 0 for r in rows]),
+        ("TRACE service", [r.service_mb_s for r in rows]),
+    ]
+    for k, (label, values) in enumerate(series):
+        ax.bar([i + (k - 1.5) * w for i in x], values, w, label=label)
     ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("MB/s")
     ax.set_title("quant-cache vs redis-py, weight-sync vs raw TCP (loopback)")
