@@ -94,6 +94,7 @@ class TrainerApp:
             LearnerConfig(
                 mode=s.mode, lr=s.lr, minibatches=s.minibatches, clip_eps=s.clip_eps,
                 tis_cap=s.tis_cap, routing_replay=s.routing_replay, temperature=s.temperature,
+                measure_records=s.measure_records,
             ),
             quant=QuantConfig(format=s.quant_format),
             guidance=guidance_of(s, model.cfg.num_layers),
@@ -108,6 +109,7 @@ class TrainerApp:
                 tis_cap=s.tis_cap, clip_eps=s.clip_eps,
                 sampling=SamplingConfig(temperature=s.temperature, max_new_tokens=max_new,
                                         seed=s.seed),
+                measure_records=s.measure_records,
             ),
             prompts=PromptStream(self.task, tok, seed=s.seed),
             dispatcher=Dispatcher(

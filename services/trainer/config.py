@@ -50,6 +50,9 @@ class TrainerSettings(ServiceSettings):
     )
     guidance_mode: Literal["compact", "full"] = "compact"
     routing_replay: bool = True
+    measure_records: bool = Field(
+        False, description="non-trace modes: rollouts record guidance too, to measure D_act"
+    )
 
     checkpoint_dir: pathlib.Path | None = Field(None, description="where checkpoints go")
     checkpoint_every: int = Field(10, ge=1)

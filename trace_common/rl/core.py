@@ -72,6 +72,7 @@ class TrainerConfig:
     tis_cap: float = DEFAULT_TIS_CAP
     clip_eps: float = DEFAULT_CLIP_EPS
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    measure_records: bool = False  # rollouts write records in every mode (for D_act metrics)
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:
@@ -83,8 +84,8 @@ class TrainerConfig:
 
     @property
     def writes_records(self) -> bool:
-        """Only TRACE consumes guidance and routing records."""
-        return self.mode == "trace"
+        """TRACE consumes guidance and routing records; other modes only to measure."""
+        return self.mode == "trace" or self.measure_records
 
 
 class TrainerCore:

@@ -151,6 +151,8 @@ class LearnerConfig:
     tis_cap: float = 5.0
     routing_replay: bool = True  # trace mode: replay the rollout's expert choices
     temperature: float = 1.0  # the rollout's sampling temperature (log-probs are tempered)
+    measure_records: bool = False  # non-trace FP4 modes: have the rollout record guidance too,
+    # used only to measure D_act / flip rate, never to steer training
 
     def __post_init__(self) -> None:
         if self.mode not in QAT_OF_MODE:
@@ -177,7 +179,8 @@ class ModelLearner:
         self.config = config
         # bf16 mode: everything high precision, on both sides.
         self.quant = QuantConfig.none() if config.mode == "bf16" else quant
-        self.guidance = guidance if config.mode == "trace" else None
+        wants = config.mode == "trace" or (config.measure_records and config.mode != "bf16")
+        self.guidance = guidance if wants else None
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.optimizer = torch.optim.AdamW(
@@ -222,11 +225,12 @@ class ModelLearner:
             logp_rollout[i, p - 1 : p - 1 + n] = torch.tensor(ts.rollout.logprobs)
             comp_mask[i, p - 1 : p - 1 + n] = True
         adv = torch.tensor([ts.advantage for ts in samples])  # [B]
-        records = None
-        if cfg.mode == "trace":
-            if any(ts.records is None for ts in samples):
-                raise ValueError("trace mode needs every sample's records")
-            records = [SampleRecords.from_bytes(ts.records) for ts in samples]  # type: ignore[arg-type]
+        if cfg.mode == "trace" and any(ts.records is None for ts in samples):
+            raise ValueError("trace mode needs every sample's records")
+        measured = None  # records for the discrepancy metrics (any mode, when present)
+        if all(ts.records is not None for ts in samples):
+            measured = [SampleRecords.from_bytes(ts.records) for ts in samples]  # type: ignore[arg-type]
+        records = measured if cfg.mode == "trace" else None  # records that steer training
         replay = cfg.mode == "trace" and cfg.routing_replay
         kw = dict(qat_mode=qat, routing_replay=replay, temperature=cfg.temperature)
 
@@ -236,7 +240,7 @@ class ModelLearner:
                 self.model, tokens, lengths=lengths, records=records, collect=True, **kw
             )
         fresh = [i for i, ts in enumerate(samples) if ts.staleness == 0]
-        metrics = self._discrepancy(ref, logp_rollout, comp_mask, records, fresh or None, lengths)
+        metrics = self._discrepancy(ref, logp_rollout, comp_mask, measured, fresh or None, lengths)
         stale = [i for i, ts in enumerate(samples) if ts.staleness > 0]
         metrics["fresh_fraction"] = len(fresh) / b
         if stale:
