@@ -11,7 +11,7 @@ from services.quant_cache.servicer import QuantCacheServicer
 from services.quant_cache.store import RecordStore
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc
 from trace_common.redis_local import LocalRedis, LocalRedisConfig
-from trace_common.service import ServiceRuntime, load_settings
+from trace_common.service import ServiceError, ServiceRuntime, load_settings
 
 log = logging.getLogger("services.quant_cache")
 
@@ -54,7 +54,10 @@ def main() -> None:
 
 
 def _stats(store: RecordStore) -> dict[str, object]:
-    info = store.info()
+    try:
+        info = store.info()
+    except ServiceError as err:  # Redis down: /status still answers, saying so
+        return {"ttl_seconds": store.ttl_seconds, "redis_error": err.message}
     keys = ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys", "expired_keys", "keys")
     return {"ttl_seconds": store.ttl_seconds, "redis": {k: info.get(k) for k in keys}}
 
