@@ -100,7 +100,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 if msg.WhichOneof("kind") != "chunk":
                     raise invalid("a second header in one PushVersion stream")
                 pending.add(msg.chunk)
-            stored = pending.finish()
+            stored = pending.finish(self.chunk_bytes)
             dropped = self.versions.publish(stored)
         except BaseException:
             self.versions.abort_push(header.version)
@@ -131,15 +131,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         stored = self.versions.get(version)  # NOT_FOUND if unknown or none yet
         start = time.perf_counter()
         yield pb.PullChunk(header=stored.header)
-        step = self.chunk_bytes
-        for index, buf in enumerate(stored.buffers):
-            view = memoryview(buf)
-            for offset in range(0, len(view), step):
-                yield pb.PullChunk(
-                    chunk=pb.TensorChunk(
-                        tensor_index=index, offset=offset, data=bytes(view[offset : offset + step])
-                    )
-                )
+        yield from stored.chunks
         self.pull_bytes.labels(request.replica_id or "-").inc(stored.header.total_bytes)
         self.pull_seconds.observe(time.perf_counter() - start)
 

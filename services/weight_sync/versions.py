@@ -32,7 +32,9 @@ from trace_common.tensor_wire import expected_nbytes
 @dataclass(slots=True)
 class StoredVersion:
     header: pb.VersionHeader
-    buffers: list[bytearray]  # one per tensor, manifest order
+    # The PullVersion messages after the header, built once at publish and shared by every
+    # puller (no per-pull copies); they hold the only copy of the bytes.
+    chunks: list[pb.PullChunk]
     published_at: float = field(default_factory=time.time)
 
     @property
@@ -126,14 +128,24 @@ class PendingVersion:
         self._received += n
         self._skip_empty()
 
-    def finish(self) -> StoredVersion:
+    def finish(self, chunk_bytes: int) -> StoredVersion:
+        """Check completeness; cut the verified bytes into PullVersion chunks of `chunk_bytes`."""
         specs = self.header.tensors
         if self._index < len(specs):
             spec = specs[self._index]
             raise invalid(
                 f"version {self.header.version}: stream ended in tensor {self._index} of {len(specs)} ({spec.name!r}, {self._received} of {spec.nbytes} bytes); not published"
             )
-        return StoredVersion(self.header, self.buffers)
+        chunks = []
+        for index, buf in enumerate(self.buffers):
+            view = memoryview(buf)
+            for offset in range(0, len(view), chunk_bytes):
+                data = bytes(view[offset : offset + chunk_bytes])
+                chunks.append(
+                    pb.PullChunk(chunk=pb.TensorChunk(tensor_index=index, offset=offset, data=data))
+                )
+            self.buffers[index] = bytearray()  # free as we go: peak memory ~ one copy + a tensor
+        return StoredVersion(self.header, chunks)
 
 
 class VersionStore:
