@@ -99,8 +99,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             for msg in messages:
                 if msg.WhichOneof("kind") != "chunk":
                     raise invalid("a second header in one PushVersion stream")
-                pending.add(msg.chunk)
-            stored = pending.finish(self.chunk_bytes)
+                pending.add(msg.chunk, self.chunk_bytes)
+            stored = pending.finish()
             dropped = self.versions.publish(stored)
         except BaseException:
             self.versions.abort_push(header.version)

@@ -89,9 +89,12 @@ class PendingVersion:
                 f"version {header.version} is {total} bytes, over max_version_bytes={max_version_bytes}"
             )
         self.header = header
-        self.buffers = [bytearray(spec.nbytes) for spec in header.tensors]
+        # Received chunks become the PullVersion messages as they are (one copy each, no
+        # reassembly); the CRC-32 of each tensor runs over its chunks.
+        self.chunks: list[pb.PullChunk] = []
         self._index = 0
         self._received = 0
+        self._crc = 0
         self._skip_empty()
 
     def _skip_empty(self) -> None:
@@ -100,17 +103,18 @@ class PendingVersion:
             self._verify(self._index)
             self._index += 1
             self._received = 0
+            self._crc = 0
 
     def _verify(self, index: int) -> None:
         spec = self.header.tensors[index]
-        crc = zlib.crc32(self.buffers[index])
-        if crc != spec.crc32:
+        if self._crc != spec.crc32:
             raise ServiceError(
                 grpc.StatusCode.DATA_LOSS,
-                f"tensor {spec.name!r}: crc32 {crc:#010x} of received bytes != declared {spec.crc32:#010x}",
+                f"tensor {spec.name!r}: crc32 {self._crc:#010x} of received bytes != declared {spec.crc32:#010x}",
             )
 
-    def add(self, chunk: pb.TensorChunk) -> None:
+    def add(self, chunk: pb.TensorChunk, chunk_bytes: int) -> None:
+        """Check and keep one chunk (re-cut to at most `chunk_bytes` for pulls)."""
         specs = self.header.tensors
         if self._index >= len(specs):
             raise invalid(
@@ -120,32 +124,34 @@ class PendingVersion:
             raise invalid(
                 f"out-of-order chunk: tensor_index={chunk.tensor_index} offset={chunk.offset}, expected tensor {self._index} offset {self._received}"
             )
-        n = len(chunk.data)
+        data = chunk.data
+        n = len(data)
         spec = specs[self._index]
         if self._received + n > spec.nbytes:
             raise invalid(f"tensor {spec.name!r}: chunk overruns nbytes={spec.nbytes}")
-        self.buffers[self._index][self._received : self._received + n] = chunk.data
+        self._crc = zlib.crc32(data, self._crc)
+        if n:
+            for off in range(0, n, chunk_bytes):
+                piece = data if n <= chunk_bytes else data[off : off + chunk_bytes]
+                self.chunks.append(
+                    pb.PullChunk(
+                        chunk=pb.TensorChunk(
+                            tensor_index=self._index, offset=self._received + off, data=piece
+                        )
+                    )
+                )
         self._received += n
         self._skip_empty()
 
-    def finish(self, chunk_bytes: int) -> StoredVersion:
-        """Check completeness; cut the verified bytes into PullVersion chunks of `chunk_bytes`."""
+    def finish(self) -> StoredVersion:
+        """The complete, verified version (INVALID_ARGUMENT if the stream stopped early)."""
         specs = self.header.tensors
         if self._index < len(specs):
             spec = specs[self._index]
             raise invalid(
                 f"version {self.header.version}: stream ended in tensor {self._index} of {len(specs)} ({spec.name!r}, {self._received} of {spec.nbytes} bytes); not published"
             )
-        chunks = []
-        for index, buf in enumerate(self.buffers):
-            view = memoryview(buf)
-            for offset in range(0, len(view), chunk_bytes):
-                data = bytes(view[offset : offset + chunk_bytes])
-                chunks.append(
-                    pb.PullChunk(chunk=pb.TensorChunk(tensor_index=index, offset=offset, data=data))
-                )
-            self.buffers[index] = bytearray()  # free as we go: peak memory ~ one copy + a tensor
-        return StoredVersion(self.header, chunks)
+        return StoredVersion(self.header, self.chunks)
 
 
 class VersionStore:
