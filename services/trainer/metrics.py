@@ -10,6 +10,7 @@ Documented series (all gauges unless noted; every one is set on every step where
 - ``trace_trainer_d_act{layer}``, ``trace_trainer_code_flip_rate`` (full guidance records)
 - ``trace_trainer_staleness_mean``, ``trace_trainer_staleness_max``
 - ``trace_trainer_samples_total``, ``trace_trainer_samples_dropped_stale_total``,
+  ``trace_trainer_samples_dropped_records_total`` (records missing/corrupt in quant-cache),
   ``trace_trainer_redispatched_units_total`` (counters)
 - ``trace_trainer_rollout_tokens_per_second{replica}``
 - ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica}``
@@ -62,6 +63,9 @@ class TrainerMetrics:
         self.d_act = metrics.gauge("d_act", "max D_act at guided sites, by layer", ("layer",))
         self.samples = metrics.counter("samples", "samples received from rollout")
         self.dropped = metrics.counter("samples_dropped_stale", "samples dropped as too stale")
+        self.dropped_records = metrics.counter(
+            "samples_dropped_records", "samples dropped: records missing or corrupt in quant-cache"
+        )
         self.redispatched = metrics.counter("redispatched_units", "work units re-dispatched")
         self.tps = metrics.gauge(
             "rollout_tokens_per_second", "rollout tokens/s by replica", ("replica",)
@@ -86,6 +90,7 @@ class TrainerMetrics:
                 self.d_act.labels(str(layer)).set(v)
             self.samples.inc(m.get("samples", 0))
             self.dropped.inc(m.get("samples_dropped_stale", 0))
+            self.dropped_records.inc(m.get("samples_dropped_records", 0))
             self.redispatched.inc(m.get("redispatched_units", 0))
             for r, v in (m.get("rollout_tokens_per_s_per_replica") or {}).items():
                 self.tps.labels(r).set(v)

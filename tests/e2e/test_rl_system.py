@@ -122,6 +122,7 @@ def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["samples"] == 16 and r["samples_trained"] == 16, r
+        assert r["samples_dropped_records"] == 0 and r["samples_dropped_stale"] == 0
         # all layers guided, routing replayed, same version: the trainer reproduces the rollout
         assert r["d_act_mean"] == 0.0 and r["d_act_max"] == 0.0 and r["code_flip_rate"] == 0.0
         assert r["routing_mismatch"] == 0.0

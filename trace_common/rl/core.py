@@ -36,7 +36,8 @@ class RecordStore(Protocol):
     def fetch(
         self, run_id: str, policy_version: int, sample_ids: Sequence[str]
     ) -> dict[str, bytes]:
-        """Blob of every requested sample; raises if any is missing or corrupt."""
+        """Blobs of the requested samples that exist and verify; missing or corrupt ones are
+        left out (the caller drops their groups)."""
         ...
 
 
@@ -156,8 +157,9 @@ class TrainerCore:
         train_samples = self._score(kept_groups, by_id)
         self._on_event(f"score groups={len(kept_groups)}")
 
+        dropped_records = 0
         if cfg.writes_records and train_samples:
-            self._attach_records(train_samples)
+            train_samples, dropped_records = self._attach_records(train_samples)
             self._on_event("records")
         t_records = time.perf_counter()
 
@@ -180,6 +182,7 @@ class TrainerCore:
             "samples": len(samples),
             "samples_trained": len(train_samples),
             "samples_dropped_stale": dropped,
+            "samples_dropped_records": dropped_records,
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness_max": max(staleness) if staleness else 0,
             "completion_tokens": n_completion,
@@ -235,18 +238,24 @@ class TrainerCore:
             for j, s in enumerate(g)
         ]
 
-    def _attach_records(self, samples: Sequence[TrainSample]) -> None:
+    def _attach_records(self, samples: Sequence[TrainSample]) -> tuple[list[TrainSample], int]:
+        """Attach each sample's record blob; a group with any record missing or corrupt (TTL,
+        eviction at the memory bound, a bad checksum) is dropped whole and counted, since its
+        advantages were normalized together. Returns (kept samples, samples dropped)."""
         by_version: dict[int, list[TrainSample]] = {}
         for ts in samples:
             by_version.setdefault(ts.rollout.policy_version, []).append(ts)
+        lacking: set[int] = set()  # prompt ids of groups with a record missing
         for version, group in sorted(by_version.items()):
             blobs = self.records.fetch(
                 self.config.run_id, version, [ts.rollout.sample_id for ts in group]
             )
             for ts in group:
-                if ts.rollout.sample_id not in blobs:
-                    raise RuntimeError(
-                        f"quant-cache returned no record for sample {ts.rollout.sample_id} "
-                        f"(version {version})"
-                    )
-                ts.records = blobs[ts.rollout.sample_id]
+                blob = blobs.get(ts.rollout.sample_id)
+                if blob is None:
+                    log.warning("no usable record for sample %s (version %d): group dropped",
+                                ts.rollout.sample_id, version)  # fmt: skip
+                    lacking.add(ts.rollout.prompt_id)
+                ts.records = blob
+        kept = [ts for ts in samples if ts.rollout.prompt_id not in lacking]
+        return kept, len(samples) - len(kept)

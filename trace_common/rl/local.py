@@ -28,12 +28,11 @@ class MemoryRecordStore:
         self, run_id: str, policy_version: int, sample_ids: Sequence[str]
     ) -> dict[str, bytes]:
         with self._lock:
-            missing = [s for s in sample_ids if (run_id, policy_version, s) not in self.blobs]
-            if missing:
-                raise KeyError(
-                    f"no records for {missing[:5]} (run {run_id}, version {policy_version})"
-                )
-            return {s: self.blobs[(run_id, policy_version, s)] for s in sample_ids}
+            return {
+                s: self.blobs[(run_id, policy_version, s)]
+                for s in sample_ids
+                if (run_id, policy_version, s) in self.blobs
+            }
 
 
 EngineFactory = Callable[[dict[str, torch.Tensor], dict[str, str]], RolloutEngine]

@@ -192,3 +192,21 @@ def test_dead_replica_backs_off_exponentially() -> None:
     # ~0.5 s of work; rests of 0.05, 0.1, 0.2, 0.4 s allow at most ~5 calls to the dead one
     assert 1 <= dead.calls <= 5, dead.calls
     assert stats.redispatched_units == dead.calls
+
+
+def test_group_with_a_missing_record_is_dropped_and_counted() -> None:
+    log, store = EventLog(), {}
+    core, learner, _ = make_core([FakeReplica("a", store=store)], log, store, units=4)
+
+    class Evicting(FakeRecordStore):
+        def fetch(self, run_id, policy_version, sample_ids):
+            got = super().fetch(run_id, policy_version, sample_ids)
+            got.pop(sample_ids[3])  # e.g. evicted at quant-cache's memory bound
+            return got
+
+    core.records = Evicting(store, log)
+    core.publish()
+    m = core.step()
+    assert m["samples_dropped_records"] == 2  # the whole group of that sample (group_size 2)
+    assert m["samples_trained"] == 6 and len(learner.seen[0]) == 6
+    assert all(ts.records is not None for ts in learner.seen[0])
