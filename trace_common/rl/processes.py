@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 PORTS_FILE_ENV = "TRACE_PORTS_FILE"
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 120.0  # generous: a loaded 2-core box imports torch slowly
 POLL_S = 0.05
 
 
