@@ -59,22 +59,22 @@ def bench_moe(bw: float) -> None:
         act = torch.randn(t * TOPK, INTER, device="cuda").bfloat16()
         xq = moe.FP4Rows(*quantize_rows(x, scale_2=None))
         aq = moe.FP4Rows(*quantize_rows(act, scale_2=None))
-        for variant in ("bf16", "fp4-bits", "fp4-ptx"):
+        for variant, dec, bk in (("bf16", None, 128), ("fp4-bits", "bits", 128),
+                                 ("fp4-ptx", "ptx", 128), ("fp4-ptx-bk256", "ptx", 256)):  # fmt: skip
             fp4 = variant != "bf16"
             wg, wdn = w4 if fp4 else w16
             a_in, a_mid = (xq, aq) if fp4 else (x, act)
-            dec = variant.split("-")[1] if fp4 else None
             i = [0]
 
-            def gate_up(wg=wg, a_in=a_in, dec=dec, i=i) -> None:
+            def gate_up(wg=wg, a_in=a_in, dec=dec, i=i, bk=bk) -> None:
                 i[0] += 1
                 moe.moe_gemm(a_in, wg, plans[i[0] % N_PLANS], gated=True, a_div=TOPK,
-                             mul_route_w=False, decode=dec)  # fmt: skip
+                             mul_route_w=False, decode=dec, block_k=bk)  # fmt: skip
 
-            def down(wdn=wdn, a_mid=a_mid, dec=dec, i=i) -> None:
+            def down(wdn=wdn, a_mid=a_mid, dec=dec, i=i, bk=bk) -> None:
                 i[0] += 1
                 moe.moe_gemm(a_mid, wdn, plans[i[0] % N_PLANS], gated=False, a_div=1,
-                             mul_route_w=True, decode=dec)  # fmt: skip
+                             mul_route_w=True, decode=dec, block_k=bk)  # fmt: skip
 
             us_gu = triton.testing.do_bench(gate_up, warmup=25, rep=200, return_mode="median") * 1e3
             us_dn = triton.testing.do_bench(down, warmup=25, rep=200, return_mode="median") * 1e3

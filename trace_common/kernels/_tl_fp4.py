@@ -287,5 +287,7 @@ def load_fp4_tile(
         c = tl.load(codes_ptr + c_off)
         s = tl.load(scale_ptr + s_off)
     if WORDS:
-        return dequant_words_f16(c, s, R, BK)
-    return dequant_tile_f16(c, s, R, BK)
+        v = dequant_words_f16(c, s, R, BK)
+    else:
+        v = dequant_tile_f16(c, s, R, BK)
+    return v

@@ -12,72 +12,85 @@ from trace_common.kernels._tl_fp4 import FP16_DECODE_GAIN, load_fp4_tile
 
 
 @triton.jit
-def route_align_kernel(
+def route_topk_kernel(
     logits_ptr,  # [T, E] router logits (any float dtype)
-    ids_ptr,  # int32 out [T, TOPK]
+    ids_ptr,  # int32 out [T, TOPK], by decreasing probability
     w_ptr,  # fp32 out [T, TOPK]: softmax probabilities of the chosen experts (renormalized)
-    rank_ptr,  # int32 scratch [T, TOPK]: rank of each pair among its expert's pairs
-    sorted_pair_ptr,  # int32 out [MAXB * BM]: pair id t*TOPK+k, or n_pairs for padding
-    block_expert_ptr,  # int32 out [MAXB]: expert of each BM-row block, -1 past the end
-    T,
     E: tl.constexpr,
     TOPK: tl.constexpr,
-    BM: tl.constexpr,
-    MAXB: tl.constexpr,
-    BT: tl.constexpr,  # next power of two >= T
-    BB: tl.constexpr,  # next power of two >= MAXB
     NORM_TOPK: tl.constexpr,
 ):
-    """Single program: softmax top-k of every token, then each expert's pairs laid out in
-    BM-row blocks (pairs ordered by (k, t) within an expert, as `moe.align_reference`)."""
-    rows = tl.arange(0, BT)
+    """Program t: softmax over E experts and the top-k of token t (ties: lowest index)."""
+    t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, E)
-    rmask = rows < T
-    lg = tl.load(
-        logits_ptr + rows[:, None] * E + cols[None, :], mask=rmask[:, None], other=float("-inf")
-    ).to(tl.float32)  # [BT, E]
-    row_max = tl.max(lg, axis=1)
-    denom = tl.sum(tl.exp(lg - row_max[:, None]), axis=1)
-    cnt = tl.zeros([E], tl.int32)
-    wsum = tl.zeros([BT], tl.float32)
+    lg = tl.load(logits_ptr + t * E + cols).to(tl.float32)
+    row_max = tl.max(lg, axis=0)
+    denom = tl.sum(tl.exp(lg - row_max), axis=0)
+    kk = tl.arange(0, TOPK)
+    ids = tl.zeros([TOPK], tl.int32)
+    w = tl.zeros([TOPK], tl.float32)
     cur = lg
     for k in tl.static_range(TOPK):
-        mx = tl.max(cur, axis=1)  # [BT]
-        idx = tl.argmax(cur, axis=1)  # [BT] first index of the max
-        onehot = (cols[None, :] == idx[:, None]) & rmask[:, None]  # [BT, E]
-        oh = onehot.to(tl.int32)
-        excl = tl.cumsum(oh, axis=0) - oh  # earlier tokens picking the same expert at this k
-        rank = tl.sum((excl + cnt[None, :]) * oh, axis=1)  # [BT]
-        cnt += tl.sum(oh, axis=0)
-        p = tl.exp(mx - row_max) / denom
-        wsum += p
-        tl.store(ids_ptr + rows * TOPK + k, idx.to(tl.int32), mask=rmask)
-        tl.store(rank_ptr + rows * TOPK + k, rank, mask=rmask)
-        tl.store(w_ptr + rows * TOPK + k, p, mask=rmask)
-        cur = tl.where(onehot, float("-inf"), cur)
-    nblk = (cnt + BM - 1) // BM  # [E]
+        mx = tl.max(cur, axis=0)
+        idx = tl.argmax(cur, axis=0)
+        ids = tl.where(kk == k, idx, ids)
+        w = tl.where(kk == k, tl.exp(mx - row_max) / denom, w)
+        cur = tl.where(cols == idx, float("-inf"), cur)
+    if NORM_TOPK:
+        w = w / tl.sum(w, axis=0)
+    tl.store(ids_ptr + t * TOPK + kk, ids)
+    tl.store(w_ptr + t * TOPK + kk, w)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def align_kernel(
+    ids_ptr,  # int32 [P] expert of each pair (pair p = t * TOPK + j)
+    cnt_ptr,  # int32 scratch [E], all zero on entry and on exit
+    start_ptr,  # int32 scratch [E]
+    sorted_pair_ptr,  # int32 out [MAXB * BM]: pair ids, n_pairs for padding
+    block_expert_ptr,  # int32 out [MAXB]: expert of each BM-row block, -1 past the end
+    n_pairs,
+    E: tl.constexpr,
+    BM: tl.constexpr,
+    MAXB: tl.constexpr,
+    BP: tl.constexpr,  # next power of two >= n_pairs
+    BB: tl.constexpr,  # next power of two >= MAXB
+):
+    """Single program: each expert's pairs in BM-row blocks, experts in ascending order.
+
+    A pair's slot within its expert comes from an atomic counter, so the order of the pairs
+    inside an expert's blocks is arbitrary (each output row is computed independently, so the
+    GEMM results do not depend on it)."""
+    offs = tl.arange(0, BP)
+    pm = offs < n_pairs
+    ids = tl.load(ids_ptr + offs, mask=pm, other=0)
+    rank = tl.atomic_add(cnt_ptr + ids, 1, mask=pm)  # old count = slot within the expert
+    cols = tl.arange(0, E)
+    b = tl.arange(0, BB)
+    tl.store(block_expert_ptr + b, tl.full([BB], -1, tl.int32), mask=b < MAXB)
+    for s0 in range(0, MAXB * BM, 1024):
+        so = s0 + tl.arange(0, 1024)
+        tl.store(sorted_pair_ptr + so, tl.zeros([1024], tl.int32) + n_pairs, mask=so < MAXB * BM)
+    tl.debug_barrier()
+    cnt = tl.load(cnt_ptr + cols, cache_modifier=".cg")  # [E] after all increments
+    nblk = (cnt + BM - 1) // BM
     blk_end = tl.cumsum(nblk, axis=0)
     blk_start = blk_end - nblk
     total = tl.sum(nblk, axis=0)
-    b = tl.arange(0, BB)
-    eb = tl.sum((b[:, None] >= blk_end[None, :]).to(tl.int32), axis=1)
-    eb = tl.where(b < total, eb, -1)
-    tl.store(block_expert_ptr + b, eb, mask=b < MAXB)
-    n_pairs = T * TOPK
-    for s0 in range(0, MAXB * BM, 1024):
-        offs = s0 + tl.arange(0, 1024)
-        tl.store(
-            sorted_pair_ptr + offs, tl.zeros([1024], tl.int32) + n_pairs, mask=offs < MAXB * BM
-        )
-    tl.debug_barrier()  # the scatter below overwrites the padding; ids/ranks are re-read
-    for k in tl.static_range(TOPK):
-        idx = tl.load(ids_ptr + rows * TOPK + k, mask=rmask, other=0)
-        rank = tl.load(rank_ptr + rows * TOPK + k, mask=rmask, other=0)
-        start = tl.sum(tl.where(cols[None, :] == idx[:, None], blk_start[None, :], 0), axis=1)
-        tl.store(sorted_pair_ptr + start * BM + rank, rows * TOPK + k, mask=rmask)
-        if NORM_TOPK:
-            p = tl.load(w_ptr + rows * TOPK + k, mask=rmask, other=0.0)
-            tl.store(w_ptr + rows * TOPK + k, p / wsum, mask=rmask)
+    tl.store(start_ptr + cols, blk_start)
+    tl.store(block_expert_ptr + blk_start, cols, mask=nblk > 0)  # first block of each expert
+    tl.debug_barrier()
+    first = tl.load(block_expert_ptr + b, mask=b < MAXB, other=-1, cache_modifier=".cg")
+    eb = tl.associative_scan(first, 0, _max_combine)  # running max fills the later blocks
+    tl.store(block_expert_ptr + b, tl.where(b < total, eb, -1), mask=b < MAXB)
+    start = tl.load(start_ptr + ids, mask=pm, other=0, cache_modifier=".cg")
+    tl.store(sorted_pair_ptr + start * BM + rank, offs, mask=pm)
+    tl.store(cnt_ptr + cols, tl.zeros([E], tl.int32))  # ready for the next launch
 
 
 @triton.jit

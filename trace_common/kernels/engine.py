@@ -156,16 +156,8 @@ class DecodeEngine:
             s.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
         )
         self.block_m = moe.DECODE_BLOCK_M
-        maxb = moe.max_blocks(b * s.top_k, s.num_experts, self.block_m)
-        self.rank = torch.empty(b, s.top_k, dtype=torch.int32, device=device)
         self.plans = [
-            moe.RoutePlan(
-                torch.zeros(b, s.top_k, dtype=torch.int32, device=device),
-                torch.empty(b, s.top_k, dtype=torch.float32, device=device),
-                torch.empty(maxb * self.block_m, dtype=torch.int32, device=device),
-                torch.empty(maxb, dtype=torch.int32, device=device),
-                self.block_m,
-            )
+            moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
         ]
         self.caches = [
@@ -226,7 +218,7 @@ class DecodeEngine:
             attn.add_rmsnorm(self.o, self.resid, lw.ln2, self.xn, nsum=1, eps=s.eps)
             torch.mm(self.xn, lw.router.t(), out=self.rlogits)
             plan = self.plans[li]
-            moe.route_align_into(self.rlogits, plan, self.rank)
+            moe.route_align_into(self.rlogits, plan)
             if self.fp4:
                 quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
                               out=(self.xq.codes, self.xq.scales, self.xq.scale_2))  # fmt: skip

@@ -35,17 +35,35 @@ class RoutePlan:
 
     topk_ids [T, k] int32, topk_w [T, k] fp32,
     sorted_pair [MAXB * BM] int32 (pair id, or T*k for padding), block_expert [MAXB] int32
-    (-1 past the last block)."""
+    (-1 past the last block). Within an expert's blocks the pair order is arbitrary on the
+    Triton path (atomic slots); `align_reference` orders them by (j, t)."""
 
     topk_ids: torch.Tensor
     topk_w: torch.Tensor
     sorted_pair: torch.Tensor
     block_expert: torch.Tensor
     block_m: int
+    scratch: torch.Tensor | None = None  # int32 [2, E]: per-expert counters (zero) and starts
 
     @property
     def n_pairs(self) -> int:
         return self.topk_ids.numel()
+
+    @classmethod
+    def allocate(
+        cls, t: int, num_experts: int, top_k: int, block_m: int, device: torch.device | str
+    ) -> RoutePlan:
+        """Buffers for T tokens (the Triton route path)."""
+        maxb = max_blocks(t * top_k, num_experts, block_m)
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            torch.zeros(t, top_k, **i32),
+            torch.zeros(t, top_k, dtype=torch.float32, device=device),
+            torch.empty(maxb * block_m, **i32),
+            torch.empty(maxb, **i32),
+            block_m,
+            torch.zeros(2, num_experts, **i32),
+        )
 
 
 @dataclass(slots=True)
@@ -123,35 +141,32 @@ def route_reference(logits: torch.Tensor, top_k: int, norm_topk: bool = True) ->
 def route_align(
     logits: torch.Tensor, top_k: int, block_m: int, *, norm_topk: bool = True
 ) -> RoutePlan:
-    """Route T tokens and lay the pairs out for the grouped GEMM, in one launch (T <= 256),
-    or with the PyTorch reference for more tokens (prefill)."""
+    """Route T tokens and lay the pairs out for the grouped GEMM: two launches (top-k per
+    token, then the single-program alignment), or the PyTorch reference for T > 256."""
     t, e = logits.shape
     if t > MAX_FUSED_ROUTE_TOKENS or e & (e - 1):
         ids, w = route_reference(logits, top_k, norm_topk)
         sp, be = align_reference(ids, e, block_m)
         return RoutePlan(ids, w, sp, be, block_m)
-    maxb = max_blocks(t * top_k, e, block_m)
-    dev = logits.device
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
-    w = torch.empty(t, top_k, dtype=torch.float32, device=dev)
-    rank = torch.empty(t, top_k, dtype=torch.int32, device=dev)
-    sp = torch.empty(maxb * block_m, dtype=torch.int32, device=dev)
-    be = torch.empty(maxb, dtype=torch.int32, device=dev)
-    plan = RoutePlan(ids, w, sp, be, block_m)
-    route_align_into(logits, plan, rank)
+    plan = RoutePlan.allocate(t, e, top_k, block_m, logits.device)
+    route_align_into(logits, plan, norm_topk=norm_topk)
     return plan
 
 
-def route_align_into(logits: torch.Tensor, plan: RoutePlan, rank: torch.Tensor) -> None:
-    """route_align writing into preallocated buffers (CUDA-graph friendly)."""
+def route_align_into(logits: torch.Tensor, plan: RoutePlan, *, norm_topk: bool = True) -> None:
+    """route_align writing into the plan's preallocated buffers (CUDA-graph friendly)."""
     k_mod = load_kernels("_tl_moe")
     t, e = logits.shape
     top_k = plan.topk_ids.shape[1]
     maxb = plan.block_expert.numel()
-    k_mod.route_align_kernel[(1,)](
-        logits, plan.topk_ids, plan.topk_w, rank, plan.sorted_pair, plan.block_expert, t,
-        E=e, TOPK=top_k, BM=plan.block_m, MAXB=maxb, BT=max(16, _next_pow2(t)),
-        BB=max(16, _next_pow2(maxb)), NORM_TOPK=True, num_warps=8 if t > 64 else 4,
+    k_mod.route_topk_kernel[(t,)](
+        logits, plan.topk_ids, plan.topk_w, E=e, TOPK=top_k, NORM_TOPK=norm_topk, num_warps=1
+    )
+    assert plan.scratch is not None
+    k_mod.align_kernel[(1,)](
+        plan.topk_ids, plan.scratch[0], plan.scratch[1], plan.sorted_pair, plan.block_expert,
+        t * top_k, E=e, BM=plan.block_m, MAXB=maxb, BP=max(16, _next_pow2(t * top_k)),
+        BB=max(16, _next_pow2(maxb)), num_warps=4 if t * top_k <= 512 else 8,
     )  # fmt: skip
 
 
