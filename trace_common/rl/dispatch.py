@@ -94,6 +94,7 @@ class DispatchConfig:
     retry_failed_after_s: float = 2.0  # a failed replica rests this long, doubling per failure
     max_retry_after_s: float = 60.0  # cap of that doubling
     max_attempts: int = 20  # a unit failing this many times aborts the step
+    abandon_grace_s: float = 1.0  # in-flight work of a replica no longer listed is re-queued
 
     def __post_init__(self) -> None:
         if self.prompts_per_unit < 1:
@@ -191,12 +192,37 @@ class Dispatcher:
                 write_records=write_records,
             )
 
+        def fail(rid: str, unit: WorkUnit, reason: object) -> None:
+            """Replica ``rid`` lost ``unit``: rest the replica, queue the unit's next attempt."""
+            log.warning("replica %s failed unit %d: %s", rid, unit.unit_id, reason)
+            self._on_event(f"failed unit={unit.unit_id} attempt={unit.attempt} replica={rid}")
+            failures[rid] = failures.get(rid, 0) + 1
+            rest = cfg.retry_failed_after_s * 2 ** (failures[rid] - 1)
+            failed_at[rid] = time.monotonic() + min(rest, cfg.max_retry_after_s)
+            if rid not in stats.failed_replicas:
+                stats.failed_replicas.append(rid)
+            stats.redispatched_units += 1
+            retry = dataclasses.replace(unit, attempt=unit.attempt + 1)  # new sample ids
+            if retry.attempt >= cfg.max_attempts:
+                raise RuntimeError(
+                    f"work unit {unit.unit_id} failed {retry.attempt} times; last: {reason}"
+                )
+            pending.appendleft(retry)
+
         while len(done) < n_units:
             now = time.monotonic()
+            listed = list(self.directory.replicas())
+            live = {r.replica_id for r in listed}
+            # A replica the directory no longer lists (heartbeats stopped: hung or gone) loses
+            # its in-flight unit; whatever it answers later is ignored.
+            for fut, (rid, call, t0) in list(inflight.items()):
+                if rid not in live and now - t0 > cfg.abandon_grace_s:
+                    del inflight[fut]
+                    fail(rid, call.unit, "replica no longer listed as alive")
             busy = {rid for rid, _, _ in inflight.values()}
             usable = [
                 r
-                for r in self.directory.replicas()
+                for r in listed
                 if r.replica_id not in busy and now >= failed_at.get(r.replica_id, -1e18)
             ]
             for replica in usable:
@@ -213,7 +239,7 @@ class Dispatcher:
                 if now - idle_since > cfg.wait_for_replicas_s:
                     raise RuntimeError(
                         f"no usable rollout replica for {cfg.wait_for_replicas_s:.0f}s with "
-                        f"{len(pending)} work unit(s) left (failed: {sorted(failed_at)})"
+                        f"{len(pending)} work unit(s) left (failed: {sorted(failures)})"
                     )
                 time.sleep(POLL_SECONDS)
                 continue
@@ -229,25 +255,10 @@ class Dispatcher:
                     log.info("replica %s behind: %s", rid, exc)
                     self._on_event(f"behind unit={unit.unit_id} replica={rid}")
                     failed_at[rid] = time.monotonic() + POLL_SECONDS
-                    pending.appendleft(unit)
+                    pending.appendleft(unit)  # nothing was generated: same attempt
                     continue
                 except Exception as exc:  # any failure of the replica: re-dispatch the unit
-                    log.warning("replica %s failed unit %d: %s", rid, unit.unit_id, exc)
-                    self._on_event(
-                        f"failed unit={unit.unit_id} attempt={unit.attempt} replica={rid}"
-                    )
-                    failures[rid] = failures.get(rid, 0) + 1
-                    rest = cfg.retry_failed_after_s * 2 ** (failures[rid] - 1)
-                    failed_at[rid] = time.monotonic() + min(rest, cfg.max_retry_after_s)
-                    if rid not in stats.failed_replicas:
-                        stats.failed_replicas.append(rid)
-                    unit.attempt += 1
-                    stats.redispatched_units += 1
-                    if unit.attempt >= cfg.max_attempts:
-                        raise RuntimeError(
-                            f"work unit {unit.unit_id} failed {unit.attempt} times; last: {exc}"
-                        ) from exc
-                    pending.appendleft(unit)
+                    fail(rid, unit, exc)
                     continue
                 failures.pop(rid, None)
                 for s in samples:

@@ -210,3 +210,41 @@ def test_group_with_a_missing_record_is_dropped_and_counted() -> None:
     assert m["samples_dropped_records"] == 2  # the whole group of that sample (group_size 2)
     assert m["samples_trained"] == 6 and len(learner.seen[0]) == 6
     assert all(ts.records is not None for ts in learner.seen[0])
+
+
+def test_hung_replica_dropped_from_directory_loses_its_unit_to_another() -> None:
+    import threading
+
+    store: dict = {}
+    release = threading.Event()
+
+    class Hung(FakeReplica):
+        def generate(self, call):
+            release.wait(10)  # hangs (e.g. SIGSTOP) until the test releases it
+            return super().generate(call)
+
+    class Directory:
+        def __init__(self) -> None:
+            self.listed = [hung, good]
+            self.t0 = None
+
+        def replicas(self):
+            return list(self.listed)
+
+    hung, good = Hung("hung", store=store), FakeReplica("good", store=store)
+    directory = Directory()
+    disp = Dispatcher(directory, DispatchConfig(prompts_per_unit=1, abandon_grace_s=0.1))
+    stream = PromptStream(make_task("reverse", 1), TOK, seed=0)
+    timer = threading.Timer(0.5, lambda: directory.listed.remove(hung))  # heartbeats stop
+    timer.start()
+    samples, stats = disp.run(
+        stream.next_batch(3), run_id="r", step=0, group_size=2,
+        sampling=SamplingConfig(max_new_tokens=2), min_policy_version=0, write_records=True,
+    )  # fmt: skip
+    release.set()
+    assert sorted((s.prompt_id, s.group_index) for s in samples) == [
+        (p, j) for p in range(3) for j in range(2)
+    ]
+    assert {s.replica_id for s in samples} == {"good"}
+    assert stats.failed_replicas == ["hung"] and stats.redispatched_units == 1
+    assert any("-a1-" in s.sample_id for s in samples)  # the lost unit's next attempt
