@@ -237,12 +237,39 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
         "plots": [str(p) for p in plots],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.md").write_text(summary_markdown(summary, cfg))
     console.print(
         f"[bold green]done[/] in {rl_seconds:.0f}s of RL: eval reward "
         f"{warm['eval_reward']:.3f} (warm start) -> {final_reward:.3f} (after {len(rows)} steps); "
         f"mean |dlogp| {summary['logp_abs_diff_mean']:.4f}; plots and checkpoint in {out}"
     )
     return out
+
+
+def summary_markdown(s: dict[str, Any], cfg: DemoConfig) -> str:
+    """The run in a few lines, for people."""
+    w = s["warm_start"]
+    return "\n".join(
+        [
+            f"# TRACE demo: {cfg.task} ({cfg.difficulty}), mode {cfg.mode}",
+            "",
+            f"- warm start: {w['steps']} supervised steps, greedy accuracy "
+            f"{w['greedy_accuracy']:.3f}, {w['seconds']:.0f} s",
+            f"- RL: {s['steps']} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} "
+            f"completions, {cfg.replicas} rollout replicas, {s['rl_seconds']:.0f} s",
+            f"- held-out reward (FP4 rollout path, {cfg.eval_prompts} prompts, temperature "
+            f"{cfg.temperature}): {s['eval_reward_warm_start']:.3f} after the warm start -> "
+            f"{s['eval_reward_final']:.3f} after RL",
+            f"- per-step sampled reward: {s['reward_first_5_steps']:.3f} (steps 1-5) -> "
+            f"{s['reward_last_5_steps']:.3f} (last 5)",
+            f"- train-rollout |dlogp| on fresh samples: {s['logp_abs_diff_mean']:.2e} (mean); "
+            f"D_act at guided sites: {s['d_act_mean']:.2e}",
+            f"- samples dropped as stale: {s['samples_dropped_stale']}",
+            f"- final checkpoint: {s['final_checkpoint']}",
+            "- plots: reward.png, discrepancy.png, overview.png; per-step metrics: metrics.jsonl",
+            "",
+        ]
+    )
 
 
 def _mean(xs: list[float]) -> float:
