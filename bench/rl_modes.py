@@ -3,6 +3,7 @@
 discrepancy measured is the train-vs-rollout *path* difference only).
 
     .venv/bin/python bench/rl_modes.py --steps 40 --out docs/rl_modes.png
+    .venv/bin/python bench/rl_modes.py --steps 40 --rollout-dtype bfloat16 --out docs/rl_modes_bf16.png
 
 Rollouts record full guidance (deeper half) and routing in every FP4 mode so D_act, the code
 flip rate and the routing mismatch are measured for all of them; only `trace` uses them.
@@ -12,6 +13,7 @@ Prints one table; writes a PNG of reward and |dlogp| per step for each mode.
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import time
 
@@ -53,7 +55,10 @@ def run_mode(mode: str, init: dict[str, torch.Tensor], args: argparse.Namespace)
                               DispatchConfig(prompts_per_unit=args.prompts)),
         scorer=lambda s, p: exact_match_reward(s.completion_tokens, p.answer, tok),
         records=store, learner=learner,
-        publisher=LocalPublisher([holder], NativeEngine.from_weights),
+        publisher=LocalPublisher(
+            [holder],
+            functools.partial(NativeEngine.from_weights, dtype=getattr(torch, args.rollout_dtype)),
+        ),
     )  # fmt: skip
     core.publish()
     rows = []
@@ -90,6 +95,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default=",".join(TRAIN_MODES))
     ap.add_argument("--out", type=pathlib.Path, default=None, help="PNG of the curves")
+    ap.add_argument(
+        "--rollout-dtype", default="float32", choices=("float32", "bfloat16"),
+        help="rollout engine compute dtype (trainer stays fp32): bfloat16 makes the paths differ",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = CharTokenizer()
@@ -129,7 +138,10 @@ def main() -> None:
         for a in (a1, a2):
             a.grid(alpha=0.3)
             a.legend()
-        fig.suptitle(f"{args.task} ({args.difficulty}), same warm start, in-process, no staleness")
+        fig.suptitle(
+            f"{args.task} ({args.difficulty}), same warm start, in-process, no staleness, "
+            f"rollout {args.rollout_dtype} / trainer float32"
+        )
         fig.tight_layout()
         fig.savefig(args.out, dpi=110)
         print(f"wrote {args.out}")

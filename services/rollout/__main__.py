@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -51,7 +52,7 @@ def main() -> None:
     follower = WeightFollower(
         weight_sync,
         holder,
-        NativeEngine.from_weights,
+        functools.partial(NativeEngine.from_weights, dtype=getattr(torch, settings.engine_dtype)),
         replica_id=settings.replica_id,
         address=lambda: f"{settings.advertise_host}:{rt.grpc.port}",
         heartbeat_interval_s=settings.heartbeat_interval_seconds,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import socket
+from typing import Literal
 
 from pydantic import Field
 
@@ -26,6 +27,9 @@ class RolloutSettings(ServiceSettings):
     heartbeat_interval_seconds: float = Field(1.0, gt=0)
     engine: str = Field("native", description="rollout engine: native (vLLM later)")
     torch_threads: int = Field(1, ge=1, description="intra-op threads of the native engine")
+    engine_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype of the native engine (non-FP4 parts)"
+    )
     record_audit_file: pathlib.Path | None = Field(
         None, description="append a sha256 line per record blob written (tests, debugging)"
     )

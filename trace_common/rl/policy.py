@@ -82,13 +82,20 @@ class NativeEngine:
 
     @classmethod
     def from_weights(
-        cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+        cls,
+        tensors: dict[str, torch.Tensor],
+        metadata: dict[str, str],
+        *,
+        dtype: torch.dtype = torch.float32,
     ) -> NativeEngine:
-        """Build from a pushed policy version: codes used as stored, never re-quantized."""
+        """Build from a pushed policy version: codes used as stored, never re-quantized.
+
+        ``dtype`` is the engine's compute precision for everything that is not FP4 (a real
+        rollout engine runs bf16 while the trainer keeps fp32 master weights)."""
         for key in (META_GUIDANCE, META_TOKENS):
             if key not in metadata:
                 raise ValueError(f"policy metadata lacks {key!r}; got keys {sorted(metadata)}")
-        model = load_quantized_state_dict(tensors, metadata)
+        model = load_quantized_state_dict(tensors, metadata, dtype=dtype)
         special = json.loads(metadata[META_TOKENS])
         return cls(
             model,
