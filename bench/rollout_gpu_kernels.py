@@ -66,12 +66,12 @@ def bench_moe(bw: float) -> None:
             a_in, a_mid = (xq, aq) if fp4 else (x, act)
             i = [0]
 
-            def gate_up(wg=wg, a_in=a_in, dec=dec, i=i, bk=bk) -> None:
+            def gate_up(wg=wg, a_in=a_in, dec=dec, i=i, bk=bk, plans=plans) -> None:
                 i[0] += 1
                 moe.moe_gemm(a_in, wg, plans[i[0] % N_PLANS], gated=True, a_div=TOPK,
                              mul_route_w=False, decode=dec, block_k=bk)  # fmt: skip
 
-            def down(wdn=wdn, a_mid=a_mid, dec=dec, i=i, bk=bk) -> None:
+            def down(wdn=wdn, a_mid=a_mid, dec=dec, i=i, bk=bk, plans=plans) -> None:
                 i[0] += 1
                 moe.moe_gemm(a_mid, wdn, plans[i[0] % N_PLANS], gated=False, a_div=1,
                              mul_route_w=True, decode=dec, block_k=bk)  # fmt: skip

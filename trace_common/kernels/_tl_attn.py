@@ -85,7 +85,7 @@ def qk_norm_rope_kernel(
         s = tl.sin(ang).to(tl.bfloat16).to(tl.float32)
         o1 = (y1 * c - y2 * s).to(tl.bfloat16)
         o2 = (y2 * c + y1 * s).to(tl.bfloat16)
-        if is_q:
+        if is_q:  # noqa: SIM108 - a runtime branch over pointers
             dst = q_out_ptr + (b * HQ + h) * D
         else:
             dst = kv_out_ptr + b * HKV * D + (h - HQ) * D

@@ -286,7 +286,7 @@ def load_fp4_tile(
     else:
         c = tl.load(codes_ptr + c_off)
         s = tl.load(scale_ptr + s_off)
-    if WORDS:
+    if WORDS:  # noqa: SIM108 - constexpr branch, one side compiled
         v = dequant_words_f16(c, s, R, BK)
     else:
         v = dequant_tile_f16(c, s, R, BK)

@@ -45,7 +45,7 @@ class KVCacheGPU:
             codes=torch.empty(*shape, head_dim // 2, dtype=torch.uint8, device=device),
             scales=torch.empty(
                 *shape, head_dim // NVFP4_BLOCK_SIZE, dtype=torch.uint8, device=device
-            ),  # fmt: skip
+            ),
             row_scales=torch.empty(2, batch, capacity, dtype=torch.float32, device=device),
         )
 

@@ -97,7 +97,7 @@ class EngineWeights:
                     rnd(e, h),
                     moe.ExpertWeights(n=2 * i, k=h, bf16=rnd(e, 2 * i, h)),
                     moe.ExpertWeights(n=h, k=i, bf16=rnd(e, h, i)),
-                )  # fmt: skip
+                )
             )
         return w
 
@@ -168,7 +168,7 @@ class DecodeEngine:
                 capacity=capacity,
                 head_dim=d,
                 device=device,
-            )  # fmt: skip
+            )
             for _ in range(s.num_layers)
         ]
         self.attn_plan = attn.DecodeAttnPlan.make(

@@ -249,7 +249,7 @@ def moe_reference(
     expert inputs (x and the down_proj input) as the rollout's W4A4 path."""
     from trace_common.fp4.fake import fake_quantize
 
-    t, k = ids.shape
+    k = ids.shape[1]
     inter = w_down.shape[2]
     xq = fake_quantize(x.float(), "nvfp4", scale_granularity="row") if act_quant else x.float()
     rows = xq.repeat_interleave(k, dim=0)  # [T*k, H]

@@ -161,10 +161,8 @@ def _quantize(
     bufs = CompactRecordBuffers.allocate(r, k, x.device) if capture else None
     codes, scale, g_out = quantize_rows(x2d, scale_2=scale_2, capture=bufs)
     lead = tuple(x.shape[:-1])
-    if scale_granularity == "row":
-        pts = g_out.reshape(*lead, 1)
-    else:
-        pts = scale_2.reshape(())  # type: ignore[union-attr]
+    per_row = scale_granularity == "row"
+    pts = g_out.reshape(*lead, 1) if per_row else scale_2.reshape(())  # type: ignore[union-attr]
     q = NVFP4Tensor(
         qdata=codes.reshape(*lead, k // 2),
         scale=scale.view(torch.float8_e4m3fn).reshape(*lead, k // NVFP4_BLOCK_SIZE),

@@ -1,0 +1,116 @@
+"""CPU tests of the GPU fast path's plain-Python parts (layouts, sizes, configs, lazy import),
+and, where Triton is installed, its quantize kernel under Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from trace_common.kernels import attention as attn
+from trace_common.kernels import engine, moe
+
+
+def test_align_reference_layout_by_hand():
+    # 2 tokens, top-2, 4 experts, blocks of 2: pairs p = t*2 + j
+    ids = torch.tensor([[0, 1], [1, 3]], dtype=torch.int32)  # pair 0->e0, 1->e1, 2->e1, 3->e3
+    sp, be = moe.align_reference(ids, num_experts=4, block_m=2)
+    assert moe.max_blocks(4, 4, 2) == 2 + 4
+    # e0: [0, pad], e1: pairs ordered by (j, t): pair 2 (t=1, j=0) then pair 1 (t=0, j=1); e3: [3, pad]
+    assert sp.tolist() == [0, 4, 2, 1, 3, 4, 4, 4, 4, 4, 4, 4]
+    assert be.tolist() == [0, 1, 3, -1, -1, -1]
+
+
+@pytest.mark.parametrize("t,e,k,bm", [(1, 128, 8, 16), (37, 16, 4, 16), (300, 8, 2, 64)])
+def test_align_reference_is_a_padded_permutation(t, e, k, bm):
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int()
+    sp, be = moe.align_reference(ids, e, bm)
+    n = t * k
+    real = sp[sp < n]
+    assert sorted(real.tolist()) == list(range(n)), "every pair exactly once"
+    rows = sp.view(-1, bm)
+    for b, expert in enumerate(be.tolist()):
+        pairs = rows[b][rows[b] < n]
+        if expert < 0:
+            assert pairs.numel() == 0
+        else:
+            assert (ids.reshape(-1)[pairs.long()] == expert).all(), f"block {b} mixes experts"
+
+
+def test_cache_and_budget_arithmetic():
+    assert attn.KVCacheGPU.bytes_per_token(fp4=False, kv_heads=4, head_dim=128) == 2 * 512 * 2
+    # FP4: per K and V, 512 codes / 2 + 512 / 16 e4m3 scales + one fp32 per-token scale
+    assert attn.KVCacheGPU.bytes_per_token(fp4=True, kv_heads=4, head_dim=128) == 2 * (256 + 32 + 4)
+    shape = engine.EngineShape()
+    per = engine.kv_bytes_per_sequence(shape, fp4=False, tokens=1000)
+    assert per == 48 * 1000 * 2048
+    assert engine.largest_batch(10 * per + 5, 5, per) == 10
+    assert engine.largest_batch(3, 5, per) == 0
+
+
+def test_engine_shape_validation():
+    with pytest.raises(ValueError, match="q_heads=30"):
+        engine.EngineShape(q_heads=30, kv_heads=4)
+    with pytest.raises(ValueError, match="num_experts=96"):
+        engine.EngineShape(num_experts=96)
+
+
+def test_decode_mode_validation(monkeypatch):
+    from trace_common.kernels import fp4_decode_words
+
+    monkeypatch.setenv("TRACE_FP4_DECODE", "fast")
+    with pytest.raises(ValueError, match="'fast'"):
+        fp4_decode_words("cuda")
+    monkeypatch.setenv("TRACE_FP4_DECODE", "ptx")
+    assert fp4_decode_words("cuda") is True
+    assert fp4_decode_words("cpu") is False  # inline PTX never on CPU
+    assert fp4_decode_words("cuda", "bits") is False
+
+
+def test_missing_triton_names_the_install_command(monkeypatch):
+    import trace_common.kernels as kernels
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    with pytest.raises(ImportError, match="pip install"):
+        kernels.load_kernels("_tl_fp4")
+
+
+_INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    from trace_common.fp4 import nvfp4
+    from trace_common.fp4.guided import make_record
+    from trace_common.kernels import quant
+    torch.manual_seed(0)
+    for shape, gran, dt in [((6, 64), "row", torch.float32), ((3, 48), "tensor", torch.bfloat16),
+                            ((2, 512), "row", torch.bfloat16)]:
+        x = torch.randn(shape, dtype=torch.float32) * torch.logspace(-12, 3, shape[-1])
+        x = x.to(dt)
+        x[0, :16] = 0
+        ref = nvfp4.quantize(x, scale_granularity=gran)
+        got, rec = quant.quantize_and_record(x, scale_granularity=gran)
+        want = make_record(ref, "compact")
+        assert torch.equal(ref.qdata, got.qdata), shape
+        assert torch.equal(ref.scale.view(torch.uint8), got.scale.view(torch.uint8)), shape
+        assert torch.equal(ref.per_tensor_scale, got.per_tensor_scale), shape
+        assert torch.equal(want.payload, rec.payload), shape
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="Triton is not installed (pip install 'trace-rl[gpu]'); the interpreter test needs it",
+)
+def test_quantize_kernel_bit_exact_under_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
