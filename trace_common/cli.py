@@ -24,6 +24,9 @@ def demo(
     group_size: int = typer.Option(8, min=2, help="completions per prompt (GRPO group)"),
     lr: float = typer.Option(1e-3, min=0.0),
     warmstart_target: float = typer.Option(0.3, help="stop the warm start at this greedy accuracy"),
+    rollout_dtype: str = typer.Option(
+        "float32", help="rollout engine compute dtype: float32 | bfloat16 (trainer: float32)"
+    ),
     seed: int = typer.Option(0),
 ) -> None:
     """Run TRACE end to end on this machine: warm start, then RL of the tiny MoE with a local
@@ -33,11 +36,13 @@ def demo(
 
     if mode not in TRAIN_MODES:
         raise typer.BadParameter(f"unknown mode {mode!r}; choose from {TRAIN_MODES}")
+    if rollout_dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"unknown rollout dtype {rollout_dtype!r}: float32 | bfloat16")
     run_demo(
         DemoConfig(
             out=out, mode=mode, steps=steps, task=task, difficulty=difficulty, replicas=replicas,
             prompts_per_step=prompts_per_step, group_size=group_size, lr=lr,
-            warmstart_target=warmstart_target, seed=seed,
+            warmstart_target=warmstart_target, seed=seed, rollout_dtype=rollout_dtype,
         )
     )  # fmt: skip
 

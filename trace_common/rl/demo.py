@@ -45,6 +45,7 @@ class DemoConfig:
     warmstart_target: float = 0.3
     warmstart_max_steps: int = 300
     eval_prompts: int = 256
+    rollout_dtype: str = "float32"  # bfloat16: a bf16 engine against the fp32 trainer
     seed: int = 0
 
 
@@ -77,7 +78,9 @@ def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> fl
         model, LearnerConfig(mode=cfg.mode), quant=QuantConfig(), guidance=None,
         eos_id=tok.eos_id, pad_id=tok.pad_id,
     )  # fmt: skip
-    engine = NativeEngine.from_weights(*learner.export_weights())
+    engine = NativeEngine.from_weights(
+        *learner.export_weights(), dtype=getattr(torch, cfg.rollout_dtype)
+    )
     stream = PromptStream(task, tok, seed=cfg.seed + EVAL_SEED_OFFSET)
     prompts = stream.next_batch(cfg.eval_prompts)
     out = engine.generate(
@@ -204,7 +207,11 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
         f"starting Redis, quant-cache, weight-sync, trainer, {cfg.replicas} rollout replicas"
     )
     cluster = LocalCluster(
-        ClusterConfig(replicas=cfg.replicas, trainer_env=trainer_env(cfg, out, warm["weights"])),
+        ClusterConfig(
+            replicas=cfg.replicas,
+            trainer_env=trainer_env(cfg, out, warm["weights"]),
+            rollout_env={"TRACE_ENGINE_DTYPE": cfg.rollout_dtype},
+        ),
         out / "logs",
     )
     t0 = time.perf_counter()
