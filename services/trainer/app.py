@@ -49,6 +49,11 @@ def build_model(settings: TrainerSettings, vocab_size: int) -> MoECausalLM:
         from trace_common.model import load_hf_checkpoint
 
         model = load_hf_checkpoint(path)
+        if vocab_size > model.cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer {settings.tokenizer!r} has {vocab_size} tokens but the checkpoint "
+                f"{settings.model!r} has vocab_size={model.cfg.vocab_size}"
+            )
     else:
         model = MoECausalLM(get_config(settings.model).replace(vocab_size=vocab_size))
         model.init_weights(settings.seed)

@@ -73,3 +73,12 @@ def test_hf_checkpoint_and_tokenizer_run_an_rl_step(hf_dir: Path) -> None:
     m = core.step()
     assert m["samples_trained"] == 4 and holder.version == 1
     assert m["logp_abs_diff_max"] < 1e-4  # fresh samples, guided + replayed: paths agree
+
+
+def test_tokenizer_larger_than_the_checkpoint_vocab_is_a_clear_error(hf_dir: Path) -> None:
+    settings = TrainerSettings(
+        weight_sync_address="127.0.0.1:1", quant_cache_address="127.0.0.1:2", auth_token="t",
+        model=str(hf_dir),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="has 99 tokens but the checkpoint"):
+        build_model(settings, 99)
