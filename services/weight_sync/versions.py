@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
 
+from trace_common.checksum import crc32
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.service import (
@@ -129,7 +129,7 @@ class PendingVersion:
         spec = specs[self._index]
         if self._received + n > spec.nbytes:
             raise invalid(f"tensor {spec.name!r}: chunk overruns nbytes={spec.nbytes}")
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = crc32(data, self._crc)
         if n:
             for off in range(0, n, chunk_bytes):
                 piece = data if n <= chunk_bytes else data[off : off + chunk_bytes]

@@ -8,9 +8,9 @@ qc.delete("run1", version=3)
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
+from trace_common.checksum import crc32
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
 from trace_common.service.grpc_client import GrpcClient
@@ -75,7 +75,7 @@ class QuantCacheClient(GrpcClient):
         step = self.chunk_bytes
         first = view if len(view) <= step else view[:step]
         yield pb.PutRecordsChunk(
-            key=key, total_bytes=len(view), crc32=zlib.crc32(view), data=bytes(first)
+            key=key, total_bytes=len(view), crc32=crc32(view), data=bytes(first)
         )
         for offset in range(step, len(view), step):
             yield pb.PutRecordsChunk(data=bytes(view[offset : offset + step]))
@@ -101,7 +101,7 @@ class QuantCacheClient(GrpcClient):
             data = parts[0] if len(parts) == 1 else b"".join(parts)
             if len(data) != total:
                 corrupt[sid] = f"received {len(data)} of {total} bytes"
-            elif zlib.crc32(data) != crc:
+            elif crc32(data) != crc:
                 corrupt[sid] = "checksum mismatch after transfer"
             else:
                 records[sid] = data

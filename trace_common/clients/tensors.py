@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import torch
 
+from trace_common.checksum import crc32
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.tensor_wire import DTYPE_ITEMSIZE, expected_nbytes
 
@@ -31,7 +30,7 @@ def tensor_to_wire(name: str, tensor: torch.Tensor) -> tuple[common_pb2.TensorSp
         dtype=dtype_name(t.dtype),
         shape=list(t.shape),
         nbytes=len(view),
-        crc32=zlib.crc32(view),
+        crc32=crc32(view),
     )
     return spec, view
 
@@ -68,7 +67,7 @@ class TensorAssembler:
             raise ValueError(
                 f"tensor {self.spec.name!r}: got {self.received} of {self.spec.nbytes} bytes"
             )
-        crc = zlib.crc32(memoryview(self._np))
+        crc = crc32(memoryview(self._np))
         if crc != self.spec.crc32:
             raise ValueError(
                 f"tensor {self.spec.name!r}: crc32 {crc:#010x} != expected {self.spec.crc32:#010x}"
