@@ -8,7 +8,7 @@ import redis
 
 from services.quant_cache.config import LOCAL_MAXMEMORY_BYTES, QuantCacheSettings
 from services.quant_cache.servicer import QuantCacheServicer
-from services.quant_cache.store import RecordStore
+from services.quant_cache.store import SOCKET_READ_BYTES, RecordStore
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc
 from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.service import ServiceError, ServiceRuntime, load_settings
@@ -34,7 +34,9 @@ def main() -> None:
             "started a local redis-server", extra={"redis_url": url, "maxmemory_bytes": maxmemory}
         )
     store = RecordStore(
-        redis.Redis.from_url(url, socket_timeout=30), settings.key_prefix, settings.ttl_seconds
+        redis.Redis.from_url(url, socket_timeout=30, socket_read_size=SOCKET_READ_BYTES),
+        settings.key_prefix,
+        settings.ttl_seconds,
     )
     if local is None and settings.redis_maxmemory_bytes is not None:
         store.configure_memory(settings.redis_maxmemory_bytes, settings.redis_maxmemory_policy)

@@ -26,7 +26,9 @@ class QuantCacheSettings(ServiceSettings):
     ttl_seconds: int = Field(3600, gt=0, description="records expire this long after their put")
     max_record_bytes: int = Field(256 << 20, gt=0, description="larger puts: RESOURCE_EXHAUSTED")
     max_batch: int = Field(4096, gt=0, description="most sample_ids in one GetRecords")
-    chunk_bytes: int = Field(4 << 20, gt=0, description="GetRecords chunk size")
+    chunk_bytes: int = Field(
+        1 << 20, gt=0, description="GetRecords message size (and Redis GETRANGE piece size)"
+    )
     key_prefix: str = Field("trace:qc", description="Redis key namespace")
 
 

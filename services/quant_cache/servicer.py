@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.quant_cache.store import HEADER_BYTES, Found, Lookup, RecordStore, encode_header
+from trace_common.checksum import crc32
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
 from trace_common.service import (
@@ -188,11 +188,11 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
             start = time.perf_counter()
             batch = ids[i : i + group]
             keys = [self.store.key(request.run_id, request.policy_version, sid) for sid in batch]
-            founds = self._redis(lambda keys=keys: self.store.get_many(keys))
+            founds = self._redis(lambda keys=keys: self.store.get_many(keys, self.chunk_bytes))
             nbytes = 0
             for sid, found in zip(batch, founds, strict=True):
                 yield from self._send(request, sid, found)
-                nbytes += len(found.blob) if found.blob is not None else 0
+                nbytes += found.nbytes
             self.get_seconds.observe(time.perf_counter() - start)
             i += len(batch)
             group = max(1, min(GET_MAX_GROUP, GET_GROUP_BYTES // max(1, nbytes // len(batch))))
@@ -216,22 +216,21 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
                 sample_id=sid, status=_STATUS[found.status], detail=found.detail
             )
             return
-        blob = found.blob
-        assert blob is not None
-        total = len(blob)
-        step = self.chunk_bytes
+        parts = found.parts
+        assert parts is not None  # get_many reads records as pieces of <= chunk_bytes
+        total = found.nbytes
         yield pb.GetRecordsChunk(
             sample_id=sid,
             status=pb.RECORD_STATUS_OK,
             total_bytes=total,
             crc32=found.crc32,
             offset=0,
-            data=bytes(blob[:step]),
+            data=bytes(parts[0]),
         )
-        for offset in range(step, total, step):
-            yield pb.GetRecordsChunk(
-                sample_id=sid, offset=offset, data=bytes(blob[offset : offset + step])
-            )
+        offset = len(parts[0])
+        for part in parts[1:]:
+            yield pb.GetRecordsChunk(sample_id=sid, offset=offset, data=part)
+            offset += len(part)
         self.hits.inc()
         self.records_out.inc()
         self.bytes_out.inc(total)
@@ -311,7 +310,7 @@ class _Assembly:
             raise invalid(
                 f"record {sid!r}: stream ended after {self.received} of total_bytes={self.total}"
             )
-        actual = zlib.crc32(self.value[HEADER_BYTES:])
+        actual = crc32(self.value[HEADER_BYTES:])
         if actual != self.crc32:
             raise ServiceError(
                 grpc.StatusCode.DATA_LOSS,

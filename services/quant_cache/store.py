@@ -20,19 +20,24 @@ An evicted record reads as MISSING. With `noeviction` a put at the bound fails i
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from enum import Enum
 
 import grpc
 import redis
 
+from trace_common.checksum import crc32
 from trace_common.service.errors import ServiceError, exhausted
 
 MAGIC = b"TQC1"
 HEADER = struct.Struct("<4sIQ")  # magic, crc32, length
 HEADER_BYTES = HEADER.size  # 16
 DELETE_BATCH = 500  # keys per UNLINK while deleting a run or version
+DEFAULT_PIECE_BYTES = 1 << 20  # GETRANGE size of get_many (a GetRecords message each)
+READ_ATTEMPTS = 3  # get_many re-reads a key whose length changed between its two round trips
+# redis-py socket read size for the service: 1 MiB replies read in 64 KiB recv() calls (the
+# default) ran at about half the speed (956 vs 1,853-2,093 MB/s measured here).
+SOCKET_READ_BYTES = 1 << 20
 
 
 class Lookup(Enum):
@@ -44,9 +49,16 @@ class Lookup(Enum):
 @dataclass(slots=True)
 class Found:
     status: Lookup
-    blob: memoryview | None = None
+    blob: memoryview | None = None  # the whole blob (decode), or None when read in parts
     crc32: int = 0
     detail: str = ""
+    parts: list[bytes | memoryview] | None = None  # get_many: the blob in <= piece_bytes pieces
+
+    @property
+    def nbytes(self) -> int:
+        if self.parts is not None:
+            return sum(len(p) for p in self.parts)
+        return 0 if self.blob is None else len(self.blob)
 
 
 MISSING = Found(Lookup.MISSING, detail="not found (never written, expired or evicted)")
@@ -70,13 +82,39 @@ def decode(value: bytes) -> Found:
         return Found(
             Lookup.CORRUPT, detail=f"truncated: header says {length} bytes, stored {len(blob)}"
         )
-    actual = zlib.crc32(blob)
+    actual = crc32(blob)
     if actual != crc:
         return Found(
             Lookup.CORRUPT,
             detail=f"checksum mismatch: stored crc32 {crc:#010x}, data {actual:#010x}",
         )
     return Found(Lookup.OK, blob=blob, crc32=crc)
+
+
+def decode_parts(pieces: list[bytes]) -> Found:
+    """Check a stored value read as GETRANGE pieces (the first one holds the header and
+    the blob's first piece); OK only if magic, length and CRC all agree. No joining copy:
+    the blob comes back as `parts`, the pieces themselves (the first one as a view)."""
+    if not pieces or len(pieces[0]) < HEADER_BYTES:
+        return decode(b"".join(pieces))  # too short for a header: decode names the problem
+    magic, crc, length = HEADER.unpack_from(pieces[0])
+    if magic != MAGIC:
+        return Found(Lookup.CORRUPT, detail=f"bad magic {magic!r}")
+    parts: list[bytes | memoryview] = [memoryview(pieces[0])[HEADER_BYTES:], *pieces[1:]]
+    stored = sum(len(p) for p in parts)
+    if stored != length:
+        return Found(
+            Lookup.CORRUPT, detail=f"truncated: header says {length} bytes, stored {stored}"
+        )
+    actual = 0
+    for part in parts:
+        actual = crc32(part, actual)
+    if actual != crc:
+        return Found(
+            Lookup.CORRUPT,
+            detail=f"checksum mismatch: stored crc32 {crc:#010x}, data {actual:#010x}",
+        )
+    return Found(Lookup.OK, parts=[p for p in parts if len(p)] or [parts[0]], crc32=crc)
 
 
 def redis_errors(exc: redis.RedisError) -> ServiceError:
@@ -122,13 +160,52 @@ class RecordStore:
     def get(self, key: str) -> Found:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: list[str]) -> list[Found]:
-        """One MGET; each value checked."""
+    def get_many(self, keys: list[str], piece_bytes: int = DEFAULT_PIECE_BYTES) -> list[Found]:
+        """Read and check the values of `keys`, each as pieces of at most `piece_bytes`.
+
+        redis-py reads a multi-MiB bulk reply much slower than the same bytes as ~1 MiB
+        replies (4 MiB value: GET 330-420 MB/s, four 1 MiB GETRANGEs 950-2,090 MB/s, measured
+        here), and the pieces are the GetRecords messages as they are. Two round trips: the
+        lengths (STRLEN), then one MULTI/EXEC with each key's GETRANGEs and its STRLEN again,
+        so a record's pieces all come from one write; a key rewritten with another length in
+        between is read again (at most READ_ATTEMPTS times, then reported as it was read).
+        """
+        if piece_bytes <= 0:
+            raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
+        found: dict[str, Found] = {}
+        todo = list(dict.fromkeys(keys))
         try:
-            values = self.client.mget(keys) if len(keys) > 1 else [self.client.get(keys[0])]
+            for attempt in range(READ_ATTEMPTS):
+                pipe = self.client.pipeline(transaction=False)
+                for key in todo:
+                    pipe.strlen(key)
+                lengths = pipe.execute()
+                pipe = self.client.pipeline(transaction=True)
+                cuts: list[list[int]] = []
+                for key, n in zip(todo, lengths, strict=True):
+                    starts = [0, *range(HEADER_BYTES + piece_bytes, n, piece_bytes)] if n else []
+                    cuts.append(starts)
+                    pipe.strlen(key)
+                    for i, start in enumerate(starts):
+                        end = starts[i + 1] if i + 1 < len(starts) else n
+                        pipe.getrange(key, start, end - 1)
+                replies = iter(pipe.execute())
+                retry = []
+                for key, n, starts in zip(todo, lengths, cuts, strict=True):
+                    now = next(replies)
+                    pieces = [next(replies) for _ in starts]
+                    if now != n and attempt + 1 < READ_ATTEMPTS:
+                        retry.append(key)  # rewritten or expired since STRLEN: read it again
+                    elif now == 0:
+                        found[key] = MISSING
+                    else:
+                        found[key] = decode_parts(pieces)
+                todo = retry
+                if not todo:
+                    break
         except redis.RedisError as exc:
             raise redis_errors(exc) from exc
-        return [MISSING if v is None else decode(v) for v in values]
+        return [found[key] for key in keys]
 
     def delete(self, run_id: str, version: int | None) -> int:
         """Delete a run's records, or one version's; returns how many were deleted."""
