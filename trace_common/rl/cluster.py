@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from trace_common.redis_local import LocalRedis, LocalRedisConfig
-from trace_common.rl.processes import LocalService
+from trace_common.service.process import LocalService
 
 STATUS_TIMEOUT_S = 5.0
 

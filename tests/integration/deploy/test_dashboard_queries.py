@@ -22,7 +22,6 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import yaml
 from trace_common.clients import QuantCacheClient
 from trace_common.clients.quant_cache import CorruptRecordError
 from trace_common.redis_local import LocalRedis, LocalRedisConfig, free_port
-from trace_common.service.runtime import PORTS_FILE_ENV
+from trace_common.service.process import LocalService
 
 pytestmark = pytest.mark.slow
 
@@ -80,65 +79,25 @@ PANELS = dashboard_panels()
 
 
 # -- processes ----------------------------------------------------------------------------
-class Served:
-    """`trace-rl serve <name>` as a subprocess on OS-chosen loopback ports."""
+class Served(LocalService):
+    """`trace-rl serve <name>` (the console script containers run) on loopback ports."""
 
     def __init__(
         self, name: str, env: dict[str, str], workdir: pathlib.Path, *, label: str = ""
     ) -> None:
-        self.name = name
-        label = label or name
-        self.ports_file = workdir / f"{label}.ports.json"
-        self.log_file = workdir / f"{label}.log"
-        base = {k: v for k, v in os.environ.items() if not k.startswith("TRACE_")}
-        self.env = {
-            **base,
-            "TRACE_AUTH_TOKEN": TOKEN,
-            "TRACE_GRPC_HOST": "127.0.0.1",
-            "TRACE_HTTP_HOST": "127.0.0.1",
-            "TRACE_GRPC_PORT": "0",
-            "TRACE_HTTP_PORT": "0",
-            PORTS_FILE_ENV: str(self.ports_file),
-            **env,
-        }
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.grpc_port = self.http_port = 0
-
-    def start(self) -> Served:
         exe = pathlib.Path(sys.executable).with_name("trace-rl")
         assert exe.exists(), f"console script {exe} missing: pip install -e ."
-        with open(self.log_file, "wb") as log:
-            self.proc = subprocess.Popen(
-                [str(exe), "serve", self.name], env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.ports_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"trace-rl serve {self.name} did not start:\n{self.log()}")
-            time.sleep(0.05)
-        ports = json.loads(self.ports_file.read_text())
-        self.grpc_port, self.http_port = ports["grpc"], ports["http"]
-        return self
+        env = {"TRACE_AUTH_TOKEN": TOKEN, **env}
+        self.service = name  # the serve target; `name` (the label) names its log file
+        super().__init__(label or name, name, env, workdir, argv=[str(exe), "serve", name])
 
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+    def start(self) -> Served:  # ports only: a rollout is not SERVING before its first weights
+        super().start(serving=False, timeout=START_TIMEOUT_S)
+        return self
 
     @property
     def http_target(self) -> str:
         return f"127.0.0.1:{self.http_port}"
-
-    def log(self) -> str:
-        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class Prometheus:
@@ -385,7 +344,7 @@ def run() -> Iterator[Run]:
                     prom.metric_names(),
                     {**probe.counts, "evicted": evicted},
                     status,
-                    {p.name: p.http_port for p in procs},
+                    {p.service: p.http_port for p in procs},
                 )
             finally:
                 prom.stop()
