@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.weight_sync.config import WeightSyncSettings
 from services.weight_sync.registry import ReplicaRegistry
-from services.weight_sync.servicer import WeightSyncServicer
+from services.weight_sync.servicer import CODECS, WeightSyncServicer
 from services.weight_sync.versions import VersionStore
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc
 from trace_common.service import ServiceRuntime, load_settings
@@ -26,6 +26,7 @@ def main() -> None:
         weightsync_pb2_grpc.add_WeightSyncServicer_to_server,
         servicer,
         "trace.weightsync.v1.WeightSync",
+        codecs=CODECS,
     )
     rt.before_drain.append(servicer.shutdown)
 

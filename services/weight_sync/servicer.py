@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from services.weight_sync.registry import ReplicaRegistry
 from services.weight_sync.versions import PendingVersion, StoredVersion, VersionStore
+from trace_common.chunk_wire import ChunkView, chunk_codec
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
@@ -49,6 +50,16 @@ class _ReplicaCollector:
         )
         latest_g.add_metric([], latest)
         yield from (alive, lag, latest_g)
+
+
+PUSH_DESERIALIZE, _ = chunk_codec(pb.PushChunk)
+_, PULL_SERIALIZE = chunk_codec(pb.PullChunk)
+# PushVersion chunks arrive as ChunkViews (no protobuf copies) and PullVersion sends the
+# stored wire bytes as they are (no serialization per pull): GrpcServer.add(codecs=CODECS).
+CODECS = {
+    "PushVersion": {"request_deserializer": PUSH_DESERIALIZE},
+    "PullVersion": {"response_serializer": PULL_SERIALIZE},
+}
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServicer):
@@ -89,7 +100,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         start = time.perf_counter()
         messages = iter(request_iterator)
         first = next(messages, None)
-        if first is None or first.WhichOneof("kind") != "header":
+        if first is None or isinstance(first, ChunkView) or first.WhichOneof("kind") != "header":
             self.push_failed.inc()
             raise invalid("the first PushVersion message must be a header (manifest)")
         header = first.header
@@ -97,9 +108,12 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self.versions.begin_push(header.version)
         try:
             for msg in messages:
-                if msg.WhichOneof("kind") != "chunk":
+                if isinstance(msg, ChunkView):
+                    pending.add(msg, self.chunk_bytes)
+                elif msg.WhichOneof("kind") != "chunk":
                     raise invalid("a second header in one PushVersion stream")
-                pending.add(msg.chunk, self.chunk_bytes)
+                else:
+                    pending.add(msg.chunk, self.chunk_bytes)
             stored = pending.finish()
             dropped = self.versions.publish(stored)
         except BaseException:
@@ -122,7 +136,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
 
     def PullVersion(
         self, request: pb.PullVersionRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.PullChunk]:
+    ) -> Iterator[pb.PullChunk | bytes]:
         if request.replica_id:
             check_id("replica_id", request.replica_id)
         version = request.version if request.HasField("version") else None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from trace_common.checksum import crc32
+from trace_common.chunk_wire import ChunkView, encode_chunk
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.service import (
@@ -32,9 +33,10 @@ from trace_common.tensor_wire import expected_nbytes
 @dataclass(slots=True)
 class StoredVersion:
     header: pb.VersionHeader
-    # The PullVersion messages after the header, built once at publish and shared by every
-    # puller (no per-pull copies); they hold the only copy of the bytes.
-    chunks: list[pb.PullChunk]
+    # The PullVersion messages after the header, serialized (PullChunk wire bytes), built
+    # once at push and shared by every puller: no per-pull copies or serialization; they
+    # hold the only copy of the bytes.
+    chunks: list[bytes]
     published_at: float = field(default_factory=time.time)
 
     @property
@@ -89,9 +91,9 @@ class PendingVersion:
                 f"version {header.version} is {total} bytes, over max_version_bytes={max_version_bytes}"
             )
         self.header = header
-        # Received chunks become the PullVersion messages as they are (one copy each, no
-        # reassembly); the CRC-32 of each tensor runs over its chunks.
-        self.chunks: list[pb.PullChunk] = []
+        # Received chunks become the PullVersion messages as they are (a pushed chunk's wire
+        # bytes are a valid PullChunk: chunk_wire); the CRC-32 of each tensor runs over its chunks.
+        self.chunks: list[bytes] = []
         self._index = 0
         self._received = 0
         self._crc = 0
@@ -113,8 +115,11 @@ class PendingVersion:
                 f"tensor {spec.name!r}: crc32 {self._crc:#010x} of received bytes != declared {spec.crc32:#010x}",
             )
 
-    def add(self, chunk: pb.TensorChunk, chunk_bytes: int) -> None:
-        """Check and keep one chunk (re-cut to at most `chunk_bytes` for pulls)."""
+    def add(self, chunk: pb.TensorChunk | ChunkView, chunk_bytes: int) -> None:
+        """Check and keep one chunk (re-cut to at most `chunk_bytes` for pulls).
+
+        A ChunkView (chunk_wire's PushVersion deserializer) of at most `chunk_bytes` is
+        kept as the bytes it arrived in, without a copy."""
         specs = self.header.tensors
         if self._index >= len(specs):
             raise invalid(
@@ -130,16 +135,12 @@ class PendingVersion:
         if self._received + n > spec.nbytes:
             raise invalid(f"tensor {spec.name!r}: chunk overruns nbytes={spec.nbytes}")
         self._crc = crc32(data, self._crc)
-        if n:
+        if n and n <= chunk_bytes and isinstance(chunk, ChunkView):
+            self.chunks.append(chunk.raw)
+        elif n:
             for off in range(0, n, chunk_bytes):
                 piece = data if n <= chunk_bytes else data[off : off + chunk_bytes]
-                self.chunks.append(
-                    pb.PullChunk(
-                        chunk=pb.TensorChunk(
-                            tensor_index=self._index, offset=self._received + off, data=piece
-                        )
-                    )
-                )
+                self.chunks.append(encode_chunk(self._index, self._received + off, piece))
         self._received += n
         self._skip_empty()
 

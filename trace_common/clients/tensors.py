@@ -49,7 +49,7 @@ class TensorAssembler:
         self._np = self.buffer.numpy()
         self.received = 0
 
-    def add(self, offset: int, data: bytes) -> None:
+    def add(self, offset: int, data: bytes | memoryview) -> None:
         if offset != self.received or offset + len(data) > self.spec.nbytes:
             raise ValueError(
                 f"tensor {self.spec.name!r}: chunk at offset {offset} (+{len(data)}) after {self.received} of {self.spec.nbytes} bytes"

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import torch
 
+from trace_common.chunk_wire import ChunkView, chunk_codec, encode_chunk
 from trace_common.clients.tensors import TensorAssembler, tensor_to_wire
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
@@ -58,6 +59,20 @@ class WeightSyncClient(GrpcClient):
         self.chunk_bytes = chunk_bytes
         self.transfer_timeout = transfer_timeout
         self._stub = pb_grpc.WeightSyncStub(self.channel)
+        # The two bulk RPCs with chunk_wire's codecs: chunks are written and read without
+        # protobuf's copies of their data (same bytes on the wire as the generated stub).
+        _, push_serialize = chunk_codec(pb.PushChunk)
+        pull_deserialize, _ = chunk_codec(pb.PullChunk)
+        self._push = self.channel.stream_unary(
+            f"/{self.SERVICE}/PushVersion",
+            request_serializer=push_serialize,
+            response_deserializer=pb.PushVersionResponse.FromString,
+        )
+        self._pull = self.channel.unary_stream(
+            f"/{self.SERVICE}/PullVersion",
+            request_serializer=pb.PullVersionRequest.SerializeToString,
+            response_deserializer=pull_deserialize,
+        )
 
     # -- trainer side -----------------------------------------------------------------------
     def push_version(
@@ -78,18 +93,13 @@ class WeightSyncClient(GrpcClient):
         )
         step = self.chunk_bytes
 
-        def messages() -> Iterator[pb.PushChunk]:
+        def messages() -> Iterator[pb.PushChunk | bytes]:
             yield pb.PushChunk(header=header)
             for index, (_, view) in enumerate(wire):
                 for offset in range(0, len(view), step):
-                    data = bytes(view[offset : offset + step])
-                    yield pb.PushChunk(
-                        chunk=pb.TensorChunk(tensor_index=index, offset=offset, data=data)
-                    )
+                    yield encode_chunk(index, offset, view[offset : offset + step])
 
-        response = self._stub.PushVersion(
-            messages(), metadata=self.metadata, timeout=self.transfer_timeout
-        )
+        response = self._push(messages(), metadata=self.metadata, timeout=self.transfer_timeout)
         return response.published
 
     # -- replica side -----------------------------------------------------------------------
@@ -102,19 +112,25 @@ class WeightSyncClient(GrpcClient):
         request = pb.PullVersionRequest(replica_id=replica_id)
         if version is not None:
             request.version = version
-        stream = self._stub.PullVersion(
-            request, metadata=self.metadata, timeout=self.transfer_timeout
-        )
+        stream = self._pull(request, metadata=self.metadata, timeout=self.transfer_timeout)
         header: pb.VersionHeader | None = None
         parts: list[TensorAssembler] = []
         for msg in stream:
-            if msg.WhichOneof("kind") == "header":
+            if isinstance(msg, ChunkView):
+                if header is None:
+                    raise ValueError("PullVersion stream sent data before its header")
+                if msg.tensor_index >= len(parts):
+                    raise ValueError(
+                        f"PullVersion chunk for tensor {msg.tensor_index} of {len(parts)}"
+                    )
+                parts[msg.tensor_index].add(msg.offset, msg.data)
+            elif msg.WhichOneof("kind") == "header":
                 header = msg.header
                 parts = [TensorAssembler(spec) for spec in header.tensors]
             else:
-                if header is None:
-                    raise ValueError("PullVersion stream sent data before its header")
-                parts[msg.chunk.tensor_index].add(msg.chunk.offset, msg.chunk.data)
+                raise ValueError(
+                    "PullVersion stream sent a message that is neither header nor chunk"
+                )
         if header is None:
             raise ValueError("PullVersion stream ended without a header")
         tensors = {p.spec.name: p.tensor() for p in parts}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -79,6 +79,31 @@ def _replace_behavior(
         handler.request_deserializer,
         handler.response_serializer,
     )
+
+
+class _CodecServer:
+    """Stands in for the grpc.Server during a generated `add_*_to_server`: registers its
+    method handlers with some (de)serializers replaced."""
+
+    def __init__(
+        self, server: grpc.Server, codecs: Mapping[str, Mapping[str, Callable[[Any], Any]]]
+    ) -> None:
+        self._server = server
+        self._codecs = codecs
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # registered in add_registered_method_handlers, with the codecs applied
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        unknown = set(self._codecs) - set(handlers)
+        if unknown:
+            raise ValueError(f"codecs for unknown methods of {service}: {sorted(unknown)}")
+        handlers = {m: h._replace(**self._codecs.get(m, {})) for m, h in handlers.items()}
+        generic = grpc.method_handlers_generic_handler(service, handlers)
+        self._server.add_generic_rpc_handlers((generic,))
+        self._server.add_registered_method_handlers(service, handlers)
 
 
 class ServiceInterceptor(grpc.ServerInterceptor):
@@ -203,10 +228,18 @@ class GrpcServer:
         self.port = 0
 
     def add(
-        self, register: Callable[[Any, grpc.Server], None], servicer: Any, full_name: str
+        self,
+        register: Callable[[Any, grpc.Server], None],
+        servicer: Any,
+        full_name: str,
+        codecs: Mapping[str, Mapping[str, Callable[[Any], Any]]] | None = None,
     ) -> None:
-        """Register a servicer, e.g. `add(add_QuantCacheServicer_to_server, s, "trace.quantcache.v1.QuantCache")`."""
-        register(servicer, self.server)
+        """Register a servicer, e.g. `add(add_QuantCacheServicer_to_server, s, "trace.quantcache.v1.QuantCache")`.
+
+        `codecs` replaces some methods' `request_deserializer` / `response_serializer`, e.g.
+        `{"PullVersion": {"response_serializer": f}}`, for messages coded by hand without
+        protobuf's copies (trace_common.chunk_wire); the bytes on the wire stay the same."""
+        register(servicer, _CodecServer(self.server, codecs) if codecs else self.server)
         self._service_names.append(full_name)
 
     def set_serving(self, serving: bool) -> None:

@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from services.weight_sync.registry import ReplicaRegistry
-from services.weight_sync.servicer import WeightSyncServicer
+from services.weight_sync.servicer import PULL_SERIALIZE, PUSH_DESERIALIZE, WeightSyncServicer
 from services.weight_sync.versions import VersionStore
+from trace_common.chunk_wire import ChunkView
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.service import Metrics, ServiceError
@@ -82,11 +83,36 @@ def code_of(fn) -> tuple[grpc.StatusCode, str]:
 TENSORS = {"a": b"abcdefg", "empty": b"", "b": b"\x00\x01\x02"}
 
 
+def pull(s: WeightSyncServicer, request: pb.PullVersionRequest) -> list[pb.PullChunk]:
+    """PullVersion's messages, parsed: chunks come as PullChunk wire bytes (chunk_wire)."""
+    return [
+        pb.PullChunk.FromString(m) if isinstance(m, bytes) else m
+        for m in s.PullVersion(request, Ctx())
+    ]
+
+
+def test_pushed_chunk_views_are_kept_as_pull_messages() -> None:
+    """Chunks decoded by the service's PushVersion codec are stored as their wire bytes."""
+    s = make()
+    wire = [pb.PushChunk(header=header(2, {"a": b"abc", "b": b"de"}))]
+    wire += [
+        pb.PushChunk(chunk=pb.TensorChunk(tensor_index=i, offset=0, data=d))
+        for i, d in enumerate((b"abc", b"de"))
+    ]
+    raw = [m.SerializeToString() for m in wire]
+    decoded = [PUSH_DESERIALIZE(r) for r in raw]
+    assert isinstance(decoded[1], ChunkView) and bytes(decoded[1].data) == b"abc"
+    s.PushVersion(iter(decoded), Ctx())
+    sent = list(s.PullVersion(pb.PullVersionRequest(), Ctx()))
+    assert sent[1] is raw[1] and sent[2] is raw[2]  # the received bytes, no copy
+    assert [PULL_SERIALIZE(m) for m in sent[1:]] == raw[1:]
+
+
 def test_push_then_pull_in_chunks() -> None:
     s = make()
     response = s.PushVersion(iter(messages(5, TENSORS)), Ctx())
     assert response.published.version == 5 and response.published.num_tensors == 3
-    pulled = list(s.PullVersion(pb.PullVersionRequest(), Ctx()))
+    pulled = pull(s, pb.PullVersionRequest())
     assert pulled[0].header.version == 5
     data: dict[int, bytes] = {}
     for m in pulled[1:]:
@@ -100,7 +126,7 @@ def test_push_then_pull_in_chunks() -> None:
         pb.PushChunk(chunk=pb.TensorChunk(tensor_index=0, data=b"abcdefg")),
     ]
     s.PushVersion(iter(big), Ctx())
-    pulled = list(s.PullVersion(pb.PullVersionRequest(version=6), Ctx()))[1:]
+    pulled = pull(s, pb.PullVersionRequest(version=6))[1:]
     assert [(m.chunk.offset, m.chunk.data) for m in pulled] == [(0, b"abc"), (3, b"def"), (6, b"g")]
 
 
