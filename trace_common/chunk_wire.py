@@ -1,5 +1,8 @@
 """Protobuf wire encoding of the big chunk messages, without protobuf's copies of the data.
 
+Two helpers: chunk_codec for weight-sync's chunks (below), bytes_field_codec /
+with_bytes_field for any message with one big `bytes` field (quant-cache's record chunks).
+
 Python protobuf copies a `bytes` field three times on the way out (into the message, into
 the serialized string, and `bytes(view)` before that) and twice on the way in (parse, then
 `.data`). For the weight-sync chunks that is most of the CPU a transfer costs besides gRPC
@@ -55,18 +58,18 @@ def read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise ValueError("varint longer than 10 bytes")
 
 
-def fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
-    """(field number, wire type, value) of each field: an int for varints, a zero-copy view
-    for length-delimited and fixed-width fields. ValueError on malformed input."""
+def _spans(buf: memoryview) -> Iterator[tuple[int, int, int, int | memoryview, int]]:
+    """(field number, wire type, start of its key, value, end) of each field."""
     pos = 0
     while pos < len(buf):
+        start = pos
         key, pos = read_varint(buf, pos)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise ValueError("field number 0")
         if wire == WIRE_VARINT:
             value, pos = read_varint(buf, pos)
-            yield number, wire, value
+            yield number, wire, start, value, pos
             continue
         if wire == WIRE_LEN:
             size, pos = read_varint(buf, pos)
@@ -76,8 +79,65 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
             raise ValueError(f"unsupported wire type {wire} (field {number})")
         if pos + size > len(buf):
             raise ValueError(f"field {number} runs past the end of the message")
-        yield number, wire, buf[pos : pos + size]
+        yield number, wire, start, buf[pos : pos + size], pos + size
         pos += size
+
+
+def fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of each field: an int for varints, a zero-copy view
+    for length-delimited and fixed-width fields. ValueError on malformed input."""
+    for number, wire, _, value, _ in _spans(buf):
+        yield number, wire, value
+
+
+def with_bytes_field(prefix: bytes, number: int, data: bytes | memoryview) -> bytes:
+    """`prefix` (a message serialized without its big field) + field `number` = `data`:
+    equal to protobuf's own bytes when `number` is the highest field set. One copy."""
+    if not len(data):
+        return prefix
+    return b"".join((prefix, varint(number << 3 | WIRE_LEN), varint(len(data)), data))
+
+
+class WithData:
+    """A message parsed without its big bytes field, plus that field as a view into the
+    received bytes; reads like the message (`.key`, `.HasField(...)`, `.data`)."""
+
+    __slots__ = ("data", "message")
+
+    def __init__(self, message: Any, data: memoryview) -> None:
+        self.message = message
+        self.data = data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.message, name)
+
+    def HasField(self, name: str) -> bool:
+        return self.message.HasField(name)
+
+
+def bytes_field_codec(
+    message_type: Any, number: int
+) -> tuple[Callable[[bytes], WithData], Callable[[Any], bytes]]:
+    """(deserializer, serializer) for messages whose field `number` is big bytes: the
+    deserializer parses the other fields with protobuf and returns the big one as a view
+    (WithData); the serializer passes bytes (from with_bytes_field) through."""
+
+    def deserialize(raw: bytes) -> WithData:
+        view = memoryview(raw)
+        data = view[0:0]
+        rest: list[memoryview] = []
+        for field, wire, start, value, end in _spans(view):
+            if field == number and wire == WIRE_LEN:
+                assert isinstance(value, memoryview)
+                data = value  # the last one wins, as in protobuf
+            else:
+                rest.append(view[start:end])
+        return WithData(message_type.FromString(b"".join(rest)), data)
+
+    def serialize(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else message.SerializeToString()
+
+    return deserialize, serialize
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import logging
 import redis
 
 from services.quant_cache.config import LOCAL_MAXMEMORY_BYTES, QuantCacheSettings
-from services.quant_cache.servicer import QuantCacheServicer
+from services.quant_cache.servicer import CODECS, QuantCacheServicer
 from services.quant_cache.store import SOCKET_READ_BYTES, RecordStore
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc
 from trace_common.redis_local import LocalRedis, LocalRedisConfig
@@ -51,6 +51,7 @@ def main() -> None:
         quantcache_pb2_grpc.add_QuantCacheServicer_to_server,
         servicer,
         "trace.quantcache.v1.QuantCache",
+        codecs=CODECS,
     )
     rt.run(ready=store.ping, status=lambda: {"redis_url": _redact(url), **_stats(store)})
 

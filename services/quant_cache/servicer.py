@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.quant_cache.store import HEADER_BYTES, Found, Lookup, RecordStore, encode_header
 from trace_common.checksum import crc32
+from trace_common.chunk_wire import bytes_field_codec, with_bytes_field
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
 from trace_common.service import (
@@ -29,6 +30,17 @@ log = logging.getLogger(__name__)
 PUT_FLUSH_BYTES = 8 << 20  # write complete records to Redis in pipelines of about this size
 GET_GROUP_BYTES = 8 << 20  # read records with one MGET per about this many bytes
 GET_MAX_GROUP = 64  # most keys in one MGET
+
+PUT_DATA_FIELD = pb.PutRecordsChunk.DESCRIPTOR.fields_by_name["data"].number  # 4
+GET_DATA_FIELD = pb.GetRecordsChunk.DESCRIPTOR.fields_by_name["data"].number  # 6
+PUT_DESERIALIZE, _ = bytes_field_codec(pb.PutRecordsChunk, PUT_DATA_FIELD)
+_, GET_SERIALIZE = bytes_field_codec(pb.GetRecordsChunk, GET_DATA_FIELD)
+# PutRecords data arrives as a view into the received message (no protobuf copies) and
+# GetRecords sends messages serialized by _send: GrpcServer.add(codecs=CODECS).
+CODECS = {
+    "PutRecords": {"request_deserializer": PUT_DESERIALIZE},
+    "GetRecords": {"response_serializer": GET_SERIALIZE},
+}
 
 _STATUS = {
     Lookup.OK: pb.RECORD_STATUS_OK,
@@ -167,7 +179,7 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
     # -- GetRecords ---------------------------------------------------------------------
     def GetRecords(
         self, request: pb.GetRecordsRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GetRecordsChunk]:
+    ) -> Iterator[pb.GetRecordsChunk | bytes]:
         self._check_key(request.run_id, request.policy_version)
         ids = list(request.sample_ids)
         if not ids:
@@ -199,7 +211,7 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
 
     def _send(
         self, request: pb.GetRecordsRequest, sid: str, found: Found
-    ) -> Iterator[pb.GetRecordsChunk]:
+    ) -> Iterator[pb.GetRecordsChunk | bytes]:
         if found.status is not Lookup.OK:
             (self.misses if found.status is Lookup.MISSING else self.corrupt).inc()
             if found.status is Lookup.CORRUPT:
@@ -219,17 +231,16 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
         parts = found.parts
         assert parts is not None  # get_many reads records as pieces of <= chunk_bytes
         total = found.nbytes
-        yield pb.GetRecordsChunk(
-            sample_id=sid,
-            status=pb.RECORD_STATUS_OK,
-            total_bytes=total,
-            crc32=found.crc32,
-            offset=0,
-            data=bytes(parts[0]),
+        # Serialized here (GET_SERIALIZE passes bytes through): the record piece is joined
+        # once onto the small fields instead of copied into a message and again out of it.
+        first = pb.GetRecordsChunk(
+            sample_id=sid, status=pb.RECORD_STATUS_OK, total_bytes=total, crc32=found.crc32
         )
+        yield with_bytes_field(first.SerializeToString(), GET_DATA_FIELD, parts[0])
         offset = len(parts[0])
         for part in parts[1:]:
-            yield pb.GetRecordsChunk(sample_id=sid, offset=offset, data=part)
+            rest = pb.GetRecordsChunk(sample_id=sid, offset=offset).SerializeToString()
+            yield with_bytes_field(rest, GET_DATA_FIELD, part)
             offset += len(part)
         self.hits.inc()
         self.records_out.inc()

@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 
 from trace_common.checksum import crc32
+from trace_common.chunk_wire import bytes_field_codec, with_bytes_field
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
 from trace_common.service.grpc_client import GrpcClient
 
-DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per PutRecords message
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB per PutRecords message (the service's GetRecords size)
+PUT_DATA_FIELD = pb.PutRecordsChunk.DESCRIPTOR.fields_by_name["data"].number
+GET_DATA_FIELD = pb.GetRecordsChunk.DESCRIPTOR.fields_by_name["data"].number
 
 
 class CorruptRecordError(RuntimeError):
@@ -45,6 +48,20 @@ class QuantCacheClient(GrpcClient):
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self._stub = pb_grpc.QuantCacheStub(self.channel)
+        # The two bulk RPCs with chunk_wire's codecs: record data is written and read
+        # without protobuf's copies (same bytes on the wire as the generated stub).
+        _, put_serialize = bytes_field_codec(pb.PutRecordsChunk, PUT_DATA_FIELD)
+        get_deserialize, _ = bytes_field_codec(pb.GetRecordsChunk, GET_DATA_FIELD)
+        self._put = self.channel.stream_unary(
+            f"/{self.SERVICE}/PutRecords",
+            request_serializer=put_serialize,
+            response_deserializer=pb.PutRecordsResponse.FromString,
+        )
+        self._get = self.channel.unary_stream(
+            f"/{self.SERVICE}/GetRecords",
+            request_serializer=pb.GetRecordsRequest.SerializeToString,
+            response_deserializer=get_deserialize,
+        )
 
     def put_records(
         self, run_id: str, version: int, sample_id: str, blob: bytes | bytearray | memoryview
@@ -60,25 +77,24 @@ class QuantCacheClient(GrpcClient):
         if not records:
             raise ValueError("records is empty")
 
-        def chunks() -> Iterator[pb.PutRecordsChunk]:
+        def chunks() -> Iterator[bytes]:
             for sample_id, blob in records.items():
                 yield from self._chunks(run_id, version, sample_id, blob)
 
-        response = self._stub.PutRecords(chunks(), metadata=self.metadata, timeout=self.timeout)
+        response = self._put(chunks(), metadata=self.metadata, timeout=self.timeout)
         return response.stored_bytes
 
     def _chunks(
         self, run_id: str, version: int, sample_id: str, blob: bytes | bytearray | memoryview
-    ) -> Iterator[pb.PutRecordsChunk]:
+    ) -> Iterator[bytes]:
+        """The record's PutRecordsChunk messages, serialized (data joined on, one copy)."""
         view = memoryview(blob).cast("B")
         key = pb.RecordKey(run_id=run_id, policy_version=version, sample_id=sample_id)
         step = self.chunk_bytes
-        first = view if len(view) <= step else view[:step]
-        yield pb.PutRecordsChunk(
-            key=key, total_bytes=len(view), crc32=crc32(view), data=bytes(first)
-        )
+        first = pb.PutRecordsChunk(key=key, total_bytes=len(view), crc32=crc32(view))
+        yield with_bytes_field(first.SerializeToString(), PUT_DATA_FIELD, view[:step])
         for offset in range(step, len(view), step):
-            yield pb.PutRecordsChunk(data=bytes(view[offset : offset + step]))
+            yield with_bytes_field(b"", PUT_DATA_FIELD, view[offset : offset + step])
 
     def get_records(
         self, run_id: str, version: int, sample_ids: Sequence[str], *, missing_ok: bool = True
@@ -94,11 +110,12 @@ class QuantCacheClient(GrpcClient):
         records: dict[str, bytes] = {}
         missing: list[str] = []
         corrupt: dict[str, str] = {}
-        current: tuple[str, int, int, list[bytes]] | None = None  # sample, total, crc, parts
+        # sample, total, crc, parts (views into the received messages)
+        current: tuple[str, int, int, list[memoryview]] | None = None
 
-        def finish(item: tuple[str, int, int, list[bytes]]) -> None:
+        def finish(item: tuple[str, int, int, list[memoryview]]) -> None:
             sid, total, crc, parts = item
-            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            data = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
             if len(data) != total:
                 corrupt[sid] = f"received {len(data)} of {total} bytes"
             elif crc32(data) != crc:
@@ -106,7 +123,7 @@ class QuantCacheClient(GrpcClient):
             else:
                 records[sid] = data
 
-        for chunk in self._stub.GetRecords(request, metadata=self.metadata, timeout=self.timeout):
+        for chunk in self._get(request, metadata=self.metadata, timeout=self.timeout):
             if chunk.status != pb.RECORD_STATUS_UNSPECIFIED:  # first chunk of a sample
                 if current is not None:
                     finish(current)

@@ -67,7 +67,11 @@ def code_of(fn) -> tuple[grpc.StatusCode, str]:
 
 
 def get(servicer: QuantCacheServicer, request: pb.GetRecordsRequest) -> list[pb.GetRecordsChunk]:
-    return list(servicer.GetRecords(request, None))
+    """GetRecords' messages, parsed (data chunks come serialized: chunk_wire)."""
+    return [
+        pb.GetRecordsChunk.FromString(m) if isinstance(m, bytes) else m
+        for m in servicer.GetRecords(request, None)
+    ]
 
 
 def test_put_get_chunks_and_stats(servicer: QuantCacheServicer) -> None:
