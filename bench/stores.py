@@ -7,12 +7,15 @@ weight-sync: push of one policy version, then a concurrent pull by 1 and 4 repli
 processes, vs a raw TCP socket copy of the same bytes to the same number of processes.
 All on loopback. Prints a table (and writes a PNG with --plot).
 
-    python bench/stores.py [--qc-total-mib 64] [--ws-mib 128] [--repeats 3] [--plot docs/stores_bench.png]
+    python bench/stores.py [--qc-total-mib 64] [--ws-mib 128] [--repeats 5] [--plot docs/stores_bench.png]
+
+Each number is the median of --repeats runs after one warm-up run, the paths interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import statistics
@@ -30,6 +33,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from trace_common.clients import QuantCacheClient, WeightSyncClient
+from trace_common.clients.quant_cache import DEFAULT_CHUNK_BYTES as QC_DEFAULT_CHUNK
 from trace_common.clients.tensors import tensor_to_wire
 from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.service.testing import ServiceProcess
@@ -38,7 +42,7 @@ TOKEN = "bench-token"
 KIB, MIB = 1 << 10, 1 << 20
 RECORD_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
 QC_BATCH_BYTES = 8 * MIB  # records per call: a batch of about this many bytes (at least one)
-QC_CHUNK = 4 * MIB  # message size of the service clients (DEFAULT_CHUNK_BYTES) and the echo
+QC_CHUNK = QC_DEFAULT_CHUNK  # message size of QuantCacheClient and the gRPC-only echo
 RAW_CHUNK = 4 * MIB  # recv/send block for the raw socket copy
 console = Console(width=150)
 
@@ -61,9 +65,10 @@ def mb_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e6
 
 
-def best_of(repeats: int, fn: Callable[[], float]) -> float:
-    """Best throughput of `repeats` runs (the machine is shared: best = least disturbed)."""
-    return max(fn() for _ in range(repeats))
+def median_of(repeats: int, fn: Callable[[], float]) -> float:
+    """Median throughput of `repeats` runs after one warm-up run that is not counted."""
+    fn()
+    return statistics.median(fn() for _ in range(repeats))
 
 
 # -- quant-cache ------------------------------------------------------------------------------
@@ -218,20 +223,25 @@ def bench_quant_cache(total_bytes: int, repeats: int, progress: Progress) -> lis
                 batch = max(1, QC_BATCH_BYTES // size)
                 groups = [list(range(i, min(n, i + batch))) for i in range(0, n, batch)]
                 results: dict[str, list[float]] = {"svc": [], "one": [], "pipe": [], "grpc": []}
-                for _ in range(repeats):
-                    results["svc"].append(service())
-                    results["one"].append(single())
-                    results["pipe"].append(pipelined())
-                    results["grpc"].append(echo.run(groups, size, blobs))
-                best = {k: max(v) for k, v in results.items()}
+                for rep in range(repeats + 1):  # the first round warms up, not counted
+                    for name, run in (
+                        ("svc", service),
+                        ("one", single),
+                        ("pipe", pipelined),
+                        ("grpc", functools.partial(echo.run, groups, size, blobs)),
+                    ):
+                        value = run()
+                        if rep:
+                            results[name].append(value)
+                med = {k: statistics.median(v) for k, v in results.items()}
                 rows.append(
                     Row(
                         "quant-cache put+get",
                         _size(size),
-                        best["svc"],
-                        best["one"],
-                        best["pipe"],
-                        best["grpc"],
+                        med["svc"],
+                        med["one"],
+                        med["pipe"],
+                        med["grpc"],
                     )
                 )
                 qc.delete("bench")
@@ -353,7 +363,7 @@ def bench_weight_sync(total_bytes: int, repeats: int, progress: Progress) -> lis
     nbytes = len(payload_bytes)
     rows = []
     env = {"TRACE_AUTH_TOKEN": TOKEN, "TRACE_KEEP_VERSIONS": "2", "TRACE_LOG_LEVEL": "WARNING"}
-    task = progress.add_task("weight-sync", total=2 + repeats * 4)
+    task = progress.add_task("weight-sync", total=2 + (repeats + 1) * 4)
     with ServiceProcess("services.weight_sync", env) as svc:
         ws = WeightSyncClient(svc.grpc_address, TOKEN)
         version = 0
@@ -365,20 +375,30 @@ def bench_weight_sync(total_bytes: int, repeats: int, progress: Progress) -> lis
             ws.push_version(version, policy, {"bench": True})
             return mb_s(nbytes, time.perf_counter() - start)
 
-        push_mb_s = best_of(repeats, push)
+        push_mb_s = median_of(repeats, push)
         progress.advance(task)
-        raw_push_mb_s = best_of(repeats, lambda: _raw_push(payload_bytes))
+        raw_push_mb_s = median_of(repeats, lambda: _raw_push(payload_bytes))
         progress.advance(task)
         rows.append(Row("weight-sync push", _size(nbytes), push_mb_s, raw_push_mb_s))
         sender = RawSender(memoryview(payload_bytes))
         for replicas in (1, 4):
             pulls, raws = [], []
-            for _ in range(repeats):
-                pulls.append(_run_pullers("grpc", svc.grpc_address, replicas, nbytes))
+            for rep in range(repeats + 1):  # the first round warms up, not counted
+                pull = _run_pullers("grpc", svc.grpc_address, replicas, nbytes)
                 progress.advance(task)
-                raws.append(_run_pullers("raw", sender.address, replicas, nbytes))
+                raw_pull = _run_pullers("raw", sender.address, replicas, nbytes)
                 progress.advance(task)
-            rows.append(Row(f"weight-sync pull x{replicas}", _size(nbytes), max(pulls), max(raws)))
+                if rep:
+                    pulls.append(pull)
+                    raws.append(raw_pull)
+            rows.append(
+                Row(
+                    f"weight-sync pull x{replicas}",
+                    _size(nbytes),
+                    statistics.median(pulls),
+                    statistics.median(raws),
+                )
+            )
         sender.close()
     # push + pull to N replicas: bytes moved over the time of both phases.
     for row in [r for r in rows if r.name.startswith("weight-sync pull")]:
@@ -475,7 +495,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--qc-total-mib", type=int, default=64, help="bytes per record size")
     parser.add_argument("--ws-mib", type=int, default=128, help="policy version size")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="counted runs (median), after a warm-up"
+    )
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     parser.add_argument("--skip", choices=["qc", "ws"], default=None, help="leave one part out")
     parser.add_argument("--worker", choices=["grpc", "raw"], help=argparse.SUPPRESS)
