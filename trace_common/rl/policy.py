@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from trace_common.fp4.guided import record_values
 from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,
@@ -35,6 +34,7 @@ from trace_common.model.discrepancy import (
     code_flip_rate,
     d_act,
     logprob_discrepancy,
+    rollout_reference,
     routing_mismatch,
 )
 from trace_common.model.train_forward import pad_right
@@ -315,14 +315,20 @@ class ModelLearner:
             return out
         dacts, flips = [], []
         per_layer: dict[str, list[float]] = {}
-        for key in sorted(records[0].guidance):
-            if records[0].guidance[key].mode != "full" or key not in ref.site_values:
-                continue  # compact records hold 1 bit: the rollout's value is not recoverable
-            q_roll = torch.cat([record_values(r.guidance[key]) for r in records])  # [N, W]
-            q_train = ref.site_values[key][rows].float()
-            dacts.append(d_act(q_train, q_roll))
-            flips.append(code_flip_rate(q_train, q_roll))
-            per_layer.setdefault(str(key[0]), []).append(dacts[-1])
+        # Compact records hold 1 bit: the rollout's value is not recoverable, so only full
+        # records are measured. Values are compared in the model's dtype (as the rollout used
+        # them) and flips on E2M1 grid values, so a per-token scale difference (rtn) is D_act,
+        # not a flipped code.
+        full = {k for k, g in records[0].guidance.items() if g.mode == "full"}
+        if full:
+            dtype = next(iter(ref.site_values.values())).dtype if ref.site_values else None
+            roll_values, roll_codes = rollout_reference(records, dtype or torch.float32)
+            train_values = {k: v[rows] for k, v in ref.site_values.items()}
+            train_codes = {k: v[rows] for k, v in ref.site_codes.items()}
+            for key in sorted(full & set(train_values) & set(train_codes)):
+                dacts.append(d_act(train_values[key], roll_values[key]))
+                flips.append(code_flip_rate(train_codes[key], roll_codes[key]))
+                per_layer.setdefault(str(key[0]), []).append(dacts[-1])
         if dacts:
             out["d_act_mean"] = sum(dacts) / len(dacts)
             out["d_act_max"] = max(dacts)
