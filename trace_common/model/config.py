@@ -168,34 +168,23 @@ class ModelConfig:
 
 # Named shapes. "debug" is the tiny CPU flavor used by tests; the others are real models
 # (values from their HF config.json) for sizing and for the GPU engine.
+_DEBUG = ModelConfig(
+    vocab_size=64,
+    hidden_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    num_experts=8,
+    top_k=2,
+    moe_intermediate_size=32,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+)
+
 NAMED_CONFIGS: dict[str, ModelConfig] = {
-    "debug": ModelConfig(
-        vocab_size=64,
-        hidden_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        num_experts=8,
-        top_k=2,
-        moe_intermediate_size=32,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-    ),
-    "debug-shared": ModelConfig(
-        vocab_size=64,
-        hidden_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        num_experts=8,
-        top_k=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-    ),
+    "debug": _DEBUG,
+    "debug-shared": dataclasses.replace(_DEBUG, shared_expert_intermediate_size=64),
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151936,
         hidden_size=2048,

@@ -321,8 +321,8 @@ class ModelLearner:
         # not a flipped code.
         full = {k for k, g in records[0].guidance.items() if g.mode == "full"}
         if full:
-            dtype = next(iter(ref.site_values.values())).dtype if ref.site_values else None
-            roll_values, roll_codes = rollout_reference(records, dtype or torch.float32)
+            dtype = next(self.model.parameters()).dtype  # what the activations are computed in
+            roll_values, roll_codes = rollout_reference(records, dtype)
             train_values = {k: v[rows] for k, v in ref.site_values.items()}
             train_codes = {k: v[rows] for k, v in ref.site_codes.items()}
             for key in sorted(full & set(train_values) & set(train_codes)):
