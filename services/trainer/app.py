@@ -4,6 +4,7 @@ then step until done, writing metrics and checkpoints; pause/resume between step
 from __future__ import annotations
 
 import logging
+import pathlib
 import threading
 import time
 from typing import Any
@@ -42,8 +43,6 @@ STATES = ("starting", "running", "paused", "finished", "failed")
 
 def build_model(settings: TrainerSettings, vocab_size: int) -> MoECausalLM:
     """A named shape (vocab sized to the tokenizer) or a Hugging Face checkpoint directory."""
-    import pathlib
-
     path = pathlib.Path(settings.model)
     if path.is_dir():
         from trace_common.model import load_hf_checkpoint
