@@ -1,4 +1,8 @@
-"""Redis storage of record blobs with a per-record checksum.
+"""quant-cache's storage format in Redis, written once and used by both data paths: the
+quant-cache service (gRPC) and QuantCacheClient's direct mode (the client reads and writes
+Redis itself with the coordinates the service hands out: GetDataPlane).
+
+Layout version 1 (LAYOUT_VERSION; a change to anything below bumps it):
 
 Key: `<prefix>:<run_id>:<policy_version>:<sample_id>` (ids are restricted to
 [A-Za-z0-9_.-], so the key never needs escaping and SCAN patterns are exact).
@@ -8,18 +12,28 @@ Value: a 16-byte header, then the blob:
     bytes 4..7   CRC-32 (zlib) of the blob, little-endian
     bytes 8..15  blob length in bytes, little-endian
 
-A read that finds a bad magic, a length that disagrees with the stored size, or a CRC
-mismatch reports the record CORRUPT; its bytes are never returned.
+Every record is SET with the TTL. A read that finds a bad magic, a length that disagrees
+with the stored size, or a CRC mismatch reports the record CORRUPT; its bytes are never
+returned. Records are read as GETRANGE pieces: the header, then the blob in pieces of at
+most `piece_bytes`, all in one MULTI so they come from one write.
+
+Counters: the hash `<prefix>:#stats` (`#` never occurs in an id, so it is no record key and
+no delete pattern matches it) holds STATS_FIELDS, incremented by every put and get of either
+path (a put's in the same pipeline as its SETs); the service exports them as its Prometheus
+counters, so its metrics cover the direct path too.
 
 Memory bound: Redis `maxmemory` with an eviction policy (default `volatile-ttl`: every
-record has a TTL, and the ones closest to expiring, i.e. the oldest, are evicted first).
-An evicted record reads as MISSING. With `noeviction` a put at the bound fails instead
-(RESOURCE_EXHAUSTED) and nothing already stored is lost.
+record has a TTL, and the ones closest to expiring, i.e. the oldest, are evicted first; the
+stats hash has no TTL, so it is never evicted). An evicted record reads as MISSING. With
+`noeviction` a put at the bound fails instead (RESOURCE_EXHAUSTED) and nothing already
+stored is lost; reads still work, but Redis refuses the counter updates of gets there too
+(they are skipped: the stats undercount while Redis is full).
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -27,17 +41,38 @@ import grpc
 import redis
 
 from trace_common.checksum import crc32
-from trace_common.service.errors import ServiceError, exhausted
+from trace_common.service.errors import (
+    LONG_ID_RE,
+    ServiceError,
+    check_id,
+    check_non_negative,
+    exhausted,
+    invalid,
+)
 
+LAYOUT_VERSION = 1
 MAGIC = b"TQC1"
 HEADER = struct.Struct("<4sIQ")  # magic, crc32, length
 HEADER_BYTES = HEADER.size  # 16
 DELETE_BATCH = 500  # keys per UNLINK while deleting a run or version
 DEFAULT_PIECE_BYTES = 1 << 20  # GETRANGE size of get_many (a GetRecords message each)
 READ_ATTEMPTS = 3  # get_many re-reads a key whose length changed between its two round trips
-# redis-py socket read size for the service: 1 MiB replies read in 64 KiB recv() calls (the
+# redis-py socket read size for either path: 1 MiB replies read in 64 KiB recv() calls (the
 # default) ran at about half the speed (956 vs 1,853-2,093 MB/s measured here).
 SOCKET_READ_BYTES = 1 << 20
+PUT_FLUSH_BYTES = 8 << 20  # write complete records to Redis in pipelines of about this size
+GET_GROUP_BYTES = 8 << 20  # read records with one get_many per about this many bytes
+GET_MAX_GROUP = 64  # most keys in one get_many
+# Fields of the stats hash (each a Prometheus counter `trace_quant_cache_<field>_total`).
+STATS_FIELDS = (
+    "records_put",
+    "put_bytes",
+    "records_got",
+    "got_bytes",
+    "hits",
+    "misses",
+    "corrupt_records",
+)
 
 
 class Lookup(Enum):
@@ -49,72 +84,100 @@ class Lookup(Enum):
 @dataclass(slots=True)
 class Found:
     status: Lookup
-    blob: memoryview | None = None  # the whole blob (decode), or None when read in parts
     crc32: int = 0
     detail: str = ""
-    parts: list[bytes | memoryview] | None = None  # get_many: the blob in <= piece_bytes pieces
+    parts: list[bytes] | None = None  # OK: the blob as stored pieces of <= piece_bytes
 
     @property
     def nbytes(self) -> int:
-        if self.parts is not None:
-            return sum(len(p) for p in self.parts)
-        return 0 if self.blob is None else len(self.blob)
+        return 0 if self.parts is None else sum(len(p) for p in self.parts)
+
+    def blob(self) -> bytes:
+        """The whole blob (no copy when it was read as one piece)."""
+        assert self.parts is not None, f"no data in a {self.status.value} lookup"
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
 
 
 MISSING = Found(Lookup.MISSING, detail="not found (never written, expired or evicted)")
+
+
+def record_key(prefix: str, run_id: str, version: int | str, sample_id: str) -> str:
+    return f"{prefix}:{run_id}:{version}:{sample_id}"
+
+
+def stats_key(prefix: str) -> str:
+    return f"{prefix}:#stats"
+
+
+def check_key(run_id: str, version: int, sample_id: str | None = None) -> None:
+    """INVALID_ARGUMENT naming the value unless the ids fit the key layout."""
+    check_id("run_id", run_id)
+    check_non_negative("policy_version", version)
+    if sample_id is not None:
+        check_id("sample_id", sample_id, LONG_ID_RE)
+
+
+def check_size(sample_id: str, nbytes: int, max_record_bytes: int) -> None:
+    if nbytes > max_record_bytes:
+        raise exhausted(
+            f"record {sample_id!r} is {nbytes} bytes, over max_record_bytes={max_record_bytes}"
+        )
+
+
+def check_sample_ids(ids: Sequence[str], max_batch: int | None = None) -> None:
+    """A GetRecords batch: non-empty, at most max_batch, valid and distinct ids."""
+    if not ids:
+        raise invalid("sample_ids is empty")
+    if max_batch is not None and len(ids) > max_batch:
+        raise exhausted(f"{len(ids)} sample_ids in one request, over max_batch={max_batch}")
+    for sid in ids:
+        check_id("sample_id", sid, LONG_ID_RE)
+    if len(set(ids)) != len(ids):
+        dup = sorted({s for s in ids if ids.count(s) > 1})
+        raise invalid(f"duplicate sample_ids: {dup}")
 
 
 def encode_header(crc32: int, length: int) -> bytes:
     return HEADER.pack(MAGIC, crc32, length)
 
 
+def encode(blob: bytes | bytearray | memoryview) -> bytes:
+    """The stored value of `blob`: header + blob (one copy)."""
+    view = memoryview(blob).cast("B")
+    return b"".join((encode_header(crc32(view), len(view)), view))
+
+
 def decode(value: bytes) -> Found:
-    """Check a stored value; OK only if magic, length and CRC all agree."""
-    if len(value) < HEADER_BYTES:
-        return Found(
-            Lookup.CORRUPT, detail=f"stored value is {len(value)} bytes, shorter than the header"
-        )
-    magic, crc, length = HEADER.unpack_from(value)
-    if magic != MAGIC:
-        return Found(Lookup.CORRUPT, detail=f"bad magic {magic!r}")
-    blob = memoryview(value)[HEADER_BYTES:]
-    if len(blob) != length:
-        return Found(
-            Lookup.CORRUPT, detail=f"truncated: header says {length} bytes, stored {len(blob)}"
-        )
-    actual = crc32(blob)
-    if actual != crc:
-        return Found(
-            Lookup.CORRUPT,
-            detail=f"checksum mismatch: stored crc32 {crc:#010x}, data {actual:#010x}",
-        )
-    return Found(Lookup.OK, blob=blob, crc32=crc)
+    """Check a whole stored value (one GET); OK only if magic, length and CRC all agree."""
+    blob = value[HEADER_BYTES:]
+    return decode_parts(value[:HEADER_BYTES], [blob] if blob else [])
 
 
-def decode_parts(pieces: list[bytes]) -> Found:
-    """Check a stored value read as GETRANGE pieces (the first one holds the header and
-    the blob's first piece); OK only if magic, length and CRC all agree. No joining copy:
-    the blob comes back as `parts`, the pieces themselves (the first one as a view)."""
-    if not pieces or len(pieces[0]) < HEADER_BYTES:
-        return decode(b"".join(pieces))  # too short for a header: decode names the problem
-    magic, crc, length = HEADER.unpack_from(pieces[0])
+def decode_parts(header: bytes, pieces: list[bytes]) -> Found:
+    """Check a stored value read as its header and the blob's GETRANGE pieces; OK only if
+    magic, length and CRC all agree. No joining copy: the blob comes back as `parts`."""
+    if len(header) < HEADER_BYTES:
+        stored = len(header) + sum(map(len, pieces))
+        return Found(
+            Lookup.CORRUPT, detail=f"stored value is {stored} bytes, shorter than the header"
+        )
+    magic, crc, length = HEADER.unpack(header)
     if magic != MAGIC:
         return Found(Lookup.CORRUPT, detail=f"bad magic {magic!r}")
-    parts: list[bytes | memoryview] = [memoryview(pieces[0])[HEADER_BYTES:], *pieces[1:]]
-    stored = sum(len(p) for p in parts)
+    stored = sum(len(p) for p in pieces)
     if stored != length:
         return Found(
             Lookup.CORRUPT, detail=f"truncated: header says {length} bytes, stored {stored}"
         )
     actual = 0
-    for part in parts:
-        actual = crc32(part, actual)
+    for piece in pieces:
+        actual = crc32(piece, actual)
     if actual != crc:
         return Found(
             Lookup.CORRUPT,
             detail=f"checksum mismatch: stored crc32 {crc:#010x}, data {actual:#010x}",
         )
-    return Found(Lookup.OK, parts=[p for p in parts if len(p)] or [parts[0]], crc32=crc)
+    return Found(Lookup.OK, crc32=crc, parts=[p for p in pieces if p] or [b""])
 
 
 def redis_errors(exc: redis.RedisError) -> ServiceError:
@@ -126,42 +189,45 @@ def redis_errors(exc: redis.RedisError) -> ServiceError:
 
 
 class RecordStore:
-    """The Redis side of quant-cache; raises ServiceError on Redis failures."""
+    """Records in Redis (the layout above); raises ServiceError on Redis failures."""
 
-    def __init__(self, client: redis.Redis, prefix: str, ttl_seconds: int) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        ttl_seconds: int,
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
+    ) -> None:
+        if piece_bytes <= 0:
+            raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
+        if ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
         self.client = client
         self.prefix = prefix
         self.ttl_seconds = ttl_seconds
+        self.piece_bytes = piece_bytes
+        self.stats_key = stats_key(prefix)
 
     def key(self, run_id: str, version: int, sample_id: str) -> str:
-        return f"{self.prefix}:{run_id}:{version}:{sample_id}"
+        return record_key(self.prefix, run_id, version, sample_id)
 
-    def put(self, key: str, value: memoryview) -> None:
-        """`value` is header + blob (built by the caller to avoid another copy)."""
-        try:
-            self.client.set(key, value, ex=self.ttl_seconds)
-        except redis.RedisError as exc:
-            raise redis_errors(exc) from exc
-
-    def put_many(self, items: list[tuple[str, memoryview]]) -> None:
-        """Several SETs in one round trip (a pipeline, not a transaction: each record is
-        atomic on its own)."""
-        if len(items) == 1:
-            self.put(*items[0])
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """SET each (key, stored value) with the TTL, and count them, in one round trip (a
+        pipeline, not a transaction: each record is atomic on its own)."""
+        if not items:
             return
         try:
             pipe = self.client.pipeline(transaction=False)
             for key, value in items:
                 pipe.set(key, value, ex=self.ttl_seconds)
+            pipe.hincrby(self.stats_key, "records_put", len(items))
+            pipe.hincrby(self.stats_key, "put_bytes", sum(len(v) - HEADER_BYTES for _, v in items))
             pipe.execute()
         except redis.RedisError as exc:
             raise redis_errors(exc) from exc
 
-    def get(self, key: str) -> Found:
-        return self.get_many([key])[0]
-
-    def get_many(self, keys: list[str], piece_bytes: int = DEFAULT_PIECE_BYTES) -> list[Found]:
-        """Read and check the values of `keys`, each as pieces of at most `piece_bytes`.
+    def get_many(self, keys: list[str]) -> list[Found]:
+        """Read, check and count the values of `keys`, each as its header and blob pieces.
 
         redis-py reads a multi-MiB bulk reply much slower than the same bytes as ~1 MiB
         replies (4 MiB value: GET 330-420 MB/s, four 1 MiB GETRANGEs 950-2,090 MB/s, measured
@@ -169,11 +235,11 @@ class RecordStore:
         lengths (STRLEN), then one MULTI/EXEC with each key's GETRANGEs and its STRLEN again,
         so a record's pieces all come from one write; a key rewritten with another length in
         between is read again (at most READ_ATTEMPTS times, then reported as it was read).
+        A third, small one adds the lookups to the stats hash.
         """
-        if piece_bytes <= 0:
-            raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
         found: dict[str, Found] = {}
         todo = list(dict.fromkeys(keys))
+        step = self.piece_bytes
         try:
             for attempt in range(READ_ATTEMPTS):
                 pipe = self.client.pipeline(transaction=False)
@@ -181,35 +247,81 @@ class RecordStore:
                     pipe.strlen(key)
                 lengths = pipe.execute()
                 pipe = self.client.pipeline(transaction=True)
-                cuts: list[list[int]] = []
+                cuts: list[range] = []
                 for key, n in zip(todo, lengths, strict=True):
-                    starts = [0, *range(HEADER_BYTES + piece_bytes, n, piece_bytes)] if n else []
+                    starts = range(HEADER_BYTES, n, step) if n else range(0)
                     cuts.append(starts)
                     pipe.strlen(key)
-                    for i, start in enumerate(starts):
-                        end = starts[i + 1] if i + 1 < len(starts) else n
-                        pipe.getrange(key, start, end - 1)
+                    if n:
+                        pipe.getrange(key, 0, HEADER_BYTES - 1)
+                    for start in starts:
+                        pipe.getrange(key, start, min(start + step, n) - 1)
                 replies = iter(pipe.execute())
                 retry = []
                 for key, n, starts in zip(todo, lengths, cuts, strict=True):
                     now = next(replies)
+                    header = next(replies) if n else b""
                     pieces = [next(replies) for _ in starts]
                     if now != n and attempt + 1 < READ_ATTEMPTS:
                         retry.append(key)  # rewritten or expired since STRLEN: read it again
                     elif now == 0:
                         found[key] = MISSING
                     else:
-                        found[key] = decode_parts(pieces)
+                        found[key] = decode_parts(header, pieces)
                 todo = retry
                 if not todo:
                     break
         except redis.RedisError as exc:
             raise redis_errors(exc) from exc
-        return [found[key] for key in keys]
+        results = [found[key] for key in keys]
+        self._count_lookups(results)
+        return results
+
+    def get_groups(self, keys: list[str]) -> Iterator[tuple[list[str], list[Found]]]:
+        """get_many over `keys` in groups: the group grows while records are small, so a
+        batch of 64 KiB records costs a few round trips and one of 16 MiB ones stays bounded
+        in memory (about GET_GROUP_BYTES per group)."""
+        group, i = 1, 0
+        while i < len(keys):
+            batch = keys[i : i + group]
+            founds = self.get_many(batch)
+            yield batch, founds
+            i += len(batch)
+            nbytes = sum(f.nbytes for f in founds)
+            group = max(1, min(GET_MAX_GROUP, GET_GROUP_BYTES // max(1, nbytes // len(batch))))
+
+    def _count_lookups(self, results: list[Found]) -> None:
+        counts = dict.fromkeys(("hits", "misses", "corrupt_records", "got_bytes"), 0)
+        for f in results:
+            if f.status is Lookup.OK:
+                counts["hits"] += 1
+                counts["got_bytes"] += f.nbytes
+            else:
+                counts["misses" if f.status is Lookup.MISSING else "corrupt_records"] += 1
+        counts["records_got"] = counts["hits"]
+        pipe = self.client.pipeline(transaction=False)
+        for name, value in counts.items():
+            if value:
+                pipe.hincrby(self.stats_key, name, value)
+        try:
+            pipe.execute()
+        except redis.exceptions.OutOfMemoryError:
+            pass  # noeviction at the bound refuses every write, counters too (documented)
+        except redis.RedisError as exc:
+            raise redis_errors(exc) from exc
+
+    def stats(self) -> dict[str, int]:
+        """The counters of both paths (STATS_FIELDS, 0 where never incremented)."""
+        try:
+            raw = self.client.hgetall(self.stats_key)
+        except redis.RedisError as exc:
+            raise redis_errors(exc) from exc
+        values = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
+        return {name: values.get(name, 0) for name in STATS_FIELDS}
 
     def delete(self, run_id: str, version: int | None) -> int:
         """Delete a run's records, or one version's; returns how many were deleted."""
-        pattern = f"{self.prefix}:{run_id}:{'*' if version is None else version}:*"
+        pattern = record_key(self.prefix, run_id, "*" if version is None else version, "*")
         deleted = 0
         try:
             batch: list[bytes] = []

@@ -124,6 +124,14 @@ class LocalRedis:
         self.stop()
 
 
+def redact_url(url: str) -> str:
+    """The URL with its credentials hidden (redis://user:pass@host -> redis://***@host)."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+
+
 def redis_url_or_local(config: LocalRedisConfig | None = None) -> tuple[str, LocalRedis | None]:
     """`$TRACE_REDIS_URL` if set (nothing started), else a started LocalRedis and its URL."""
     url = os.environ.get(REDIS_URL_ENV)

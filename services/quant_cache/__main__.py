@@ -8,9 +8,9 @@ import redis
 
 from services.quant_cache.config import LOCAL_MAXMEMORY_BYTES, QuantCacheSettings
 from services.quant_cache.servicer import CODECS, QuantCacheServicer
-from services.quant_cache.store import SOCKET_READ_BYTES, RecordStore
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc
-from trace_common.redis_local import LocalRedis, LocalRedisConfig
+from trace_common.quant_cache_store import SOCKET_READ_BYTES, RecordStore
+from trace_common.redis_local import LocalRedis, LocalRedisConfig, redact_url
 from trace_common.service import ServiceError, ServiceRuntime, load_settings
 
 log = logging.getLogger("services.quant_cache")
@@ -37,15 +37,18 @@ def main() -> None:
         redis.Redis.from_url(url, socket_timeout=30, socket_read_size=SOCKET_READ_BYTES),
         settings.key_prefix,
         settings.ttl_seconds,
+        piece_bytes=settings.chunk_bytes,
     )
     if local is None and settings.redis_maxmemory_bytes is not None:
         store.configure_memory(settings.redis_maxmemory_bytes, settings.redis_maxmemory_policy)
+    # The direct data path: clients get this URL (GetDataPlane) and use Redis themselves.
+    plane = (settings.data_plane_redis_url or url) if settings.data_plane_enabled else None
     servicer = QuantCacheServicer(
         store,
         rt.metrics,
         max_record_bytes=settings.max_record_bytes,
         max_batch=settings.max_batch,
-        chunk_bytes=settings.chunk_bytes,
+        data_plane_url=plane,
     )
     rt.grpc.add(
         quantcache_pb2_grpc.add_QuantCacheServicer_to_server,
@@ -53,7 +56,14 @@ def main() -> None:
         "trace.quantcache.v1.QuantCache",
         codecs=CODECS,
     )
-    rt.run(ready=store.ping, status=lambda: {"redis_url": _redact(url), **_stats(store)})
+    rt.run(
+        ready=store.ping,
+        status=lambda: {
+            "redis_url": redact_url(url),
+            "data_plane_redis_url": None if plane is None else redact_url(plane),
+            **_stats(store),
+        },
+    )
 
 
 def _stats(store: RecordStore) -> dict[str, object]:
@@ -63,14 +73,6 @@ def _stats(store: RecordStore) -> dict[str, object]:
         return {"ttl_seconds": store.ttl_seconds, "redis_error": err.message}
     keys = ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys", "expired_keys", "keys")
     return {"ttl_seconds": store.ttl_seconds, "redis": {k: info.get(k) for k in keys}}
-
-
-def _redact(url: str) -> str:
-    """Hide a password in redis://user:pass@host."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
 if __name__ == "__main__":

@@ -30,6 +30,16 @@ class QuantCacheSettings(ServiceSettings):
         1 << 20, gt=0, description="GetRecords message size (and Redis GETRANGE piece size)"
     )
     key_prefix: str = Field("trace:qc", description="Redis key namespace")
+    data_plane_enabled: bool = Field(
+        True,
+        description="hand authenticated clients the Redis coordinates (GetDataPlane) so they "
+        "read and write records directly; false = clients use the gRPC path",
+    )
+    data_plane_redis_url: str | None = Field(
+        None,
+        description="Redis URL handed to clients (e.g. an ACL user limited to key_prefix, or "
+        "an address they reach Redis by); unset = the service's own redis_url",
+    )
 
 
 LOCAL_MAXMEMORY_BYTES = DEFAULT_MAXMEMORY_BYTES

@@ -1,4 +1,5 @@
-"""quant-cache gRPC servicer: validation, chunk assembly, checksum checks, metrics."""
+"""quant-cache gRPC servicer: validation, chunk assembly, checksum checks, metrics, and the
+direct data path's coordinates (GetDataPlane)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,33 @@ from collections.abc import Iterable, Iterator
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.quant_cache.store import HEADER_BYTES, Found, Lookup, RecordStore, encode_header
 from trace_common.checksum import crc32
 from trace_common.chunk_wire import bytes_field_codec, with_bytes_field
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
+from trace_common.quant_cache_store import (
+    HEADER_BYTES,
+    LAYOUT_VERSION,
+    PUT_FLUSH_BYTES,
+    STATS_FIELDS,
+    Found,
+    Lookup,
+    RecordStore,
+    check_key,
+    check_sample_ids,
+    check_size,
+    encode_header,
+)
 from trace_common.service import (
     Metrics,
     ServiceError,
     check_id,
     check_non_negative,
-    exhausted,
+    failed_precondition,
     invalid,
 )
-from trace_common.service.errors import LONG_ID_RE
 
 log = logging.getLogger(__name__)
-
-PUT_FLUSH_BYTES = 8 << 20  # write complete records to Redis in pipelines of about this size
-GET_GROUP_BYTES = 8 << 20  # read records with one MGET per about this many bytes
-GET_MAX_GROUP = 64  # most keys in one MGET
 
 PUT_DATA_FIELD = pb.PutRecordsChunk.DESCRIPTOR.fields_by_name["data"].number  # 4
 GET_DATA_FIELD = pb.GetRecordsChunk.DESCRIPTOR.fields_by_name["data"].number  # 6
@@ -49,8 +57,21 @@ _STATUS = {
 }
 
 
-class _RedisInfoCollector:
-    """Exports Redis's own memory and eviction counters at scrape time."""
+_STATS_HELP = {
+    "records_put": "records stored (both data paths)",
+    "put_bytes": "record bytes stored (both data paths)",
+    "records_got": "records returned (both data paths)",
+    "got_bytes": "record bytes returned (both data paths)",
+    "hits": "lookups that found a valid record (both data paths)",
+    "misses": "lookups that found no record (both data paths)",
+    "corrupt_records": "lookups that found a corrupt record (both data paths)",
+}
+
+
+class _RedisCollector:
+    """At scrape time: the record counters from the stats hash in Redis (incremented by the
+    gRPC path and by clients on the direct path alike) and Redis's own memory and eviction
+    counters. Every quant-cache replica exports the same Redis-wide values."""
 
     def __init__(self, metrics: Metrics, store: RecordStore) -> None:
         self._name = metrics.name
@@ -58,9 +79,12 @@ class _RedisInfoCollector:
 
     def collect(self) -> Iterator[object]:
         try:
+            stats = self._store.stats()
             info = self._store.info()
         except ServiceError:
             return
+        for field in STATS_FIELDS:
+            yield CounterMetricFamily(self._name(field), _STATS_HELP[field], value=stats[field])
         yield CounterMetricFamily(
             self._name("redis_evicted_keys"),
             "keys Redis evicted at its memory bound",
@@ -93,29 +117,24 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
         *,
         max_record_bytes: int,
         max_batch: int,
-        chunk_bytes: int,
+        data_plane_url: str | None = None,
     ) -> None:
+        """`store.piece_bytes` is the GetRecords message size; `data_plane_url` is the Redis
+        URL GetDataPlane hands out (None: the direct path is off, FAILED_PRECONDITION)."""
         self.store = store
-        self._metrics = metrics
         self.max_record_bytes = max_record_bytes
         self.max_batch = max_batch
-        self.chunk_bytes = chunk_bytes
+        self.data_plane_url = data_plane_url
         m = metrics
-        self.records_in = m.counter("records_put", "records stored")
-        self.bytes_in = m.counter("put_bytes", "record bytes stored")
-        self.records_out = m.counter("records_got", "records returned")
-        self.bytes_out = m.counter("got_bytes", "record bytes returned")
-        self.hits = m.counter("hits", "lookups that found a valid record")
-        self.misses = m.counter("misses", "lookups that found no record")
-        self.corrupt = m.counter("corrupt_records", "lookups that found a corrupt record")
+        # Record counters live in Redis (both paths count there): _RedisCollector.
         self.redis_errors = m.counter("redis_errors", "Redis calls that failed")
         self.put_seconds = m.histogram(
-            "put_seconds", "time to receive and store one PutRecords stream"
+            "put_seconds", "time to receive and store one PutRecords stream (gRPC path)"
         )
         self.get_seconds = m.histogram(
-            "get_seconds", "time to read, verify and send one group of records"
+            "get_seconds", "time to read, verify and send one group of records (gRPC path)"
         )
-        m.registry.register(_RedisInfoCollector(metrics, store))
+        m.registry.register(_RedisCollector(metrics, store))
 
     # -- PutRecords ---------------------------------------------------------------------
     def PutRecords(
@@ -157,12 +176,8 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
 
     def _start(self, chunk: pb.PutRecordsChunk) -> _Assembly:
         key = chunk.key
-        self._check_key(key.run_id, key.policy_version)
-        check_id("sample_id", key.sample_id, LONG_ID_RE)
-        if chunk.total_bytes > self.max_record_bytes:
-            raise exhausted(
-                f"record {key.sample_id!r} is {chunk.total_bytes} bytes, over max_record_bytes={self.max_record_bytes}"
-            )
+        check_key(key.run_id, key.policy_version, key.sample_id)
+        check_size(key.sample_id, chunk.total_bytes, self.max_record_bytes)
         return _Assembly(key, chunk.total_bytes, chunk.crc32)
 
     def _flush(self, pending: list[tuple[str, memoryview]], totals: list[int]) -> None:
@@ -170,8 +185,6 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
             return
         self._redis(lambda: self.store.put_many(pending))
         nbytes = sum(len(v) - HEADER_BYTES for _, v in pending)
-        self.records_in.inc(len(pending))
-        self.bytes_in.inc(nbytes)
         totals[0] += len(pending)
         totals[1] += nbytes
         pending.clear()
@@ -180,40 +193,24 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
     def GetRecords(
         self, request: pb.GetRecordsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GetRecordsChunk | bytes]:
-        self._check_key(request.run_id, request.policy_version)
+        check_key(request.run_id, request.policy_version)
         ids = list(request.sample_ids)
-        if not ids:
-            raise invalid("sample_ids is empty")
-        if len(ids) > self.max_batch:
-            raise exhausted(
-                f"{len(ids)} sample_ids in one request, over max_batch={self.max_batch}"
-            )
-        for sid in ids:
-            check_id("sample_id", sid, LONG_ID_RE)
-        if len(set(ids)) != len(ids):
-            dup = sorted({s for s in ids if ids.count(s) > 1})
-            raise invalid(f"duplicate sample_ids: {dup}")
-        group, i = 1, 0
-        while i < len(ids):
-            # One MGET per group; the group grows while records are small, so a batch of
-            # 64 KiB records costs a few round trips and a batch of 16 MiB ones stays bounded.
+        check_sample_ids(ids, self.max_batch)
+        sample_of = {self.store.key(request.run_id, request.policy_version, s): s for s in ids}
+        groups = self.store.get_groups(list(sample_of))
+        while True:
             start = time.perf_counter()
-            batch = ids[i : i + group]
-            keys = [self.store.key(request.run_id, request.policy_version, sid) for sid in batch]
-            founds = self._redis(lambda keys=keys: self.store.get_many(keys, self.chunk_bytes))
-            nbytes = 0
-            for sid, found in zip(batch, founds, strict=True):
-                yield from self._send(request, sid, found)
-                nbytes += found.nbytes
+            group = self._redis(lambda: next(groups, None))
+            if group is None:
+                return
+            for key, found in zip(*group, strict=True):
+                yield from self._send(request, sample_of[key], found)
             self.get_seconds.observe(time.perf_counter() - start)
-            i += len(batch)
-            group = max(1, min(GET_MAX_GROUP, GET_GROUP_BYTES // max(1, nbytes // len(batch))))
 
     def _send(
         self, request: pb.GetRecordsRequest, sid: str, found: Found
     ) -> Iterator[pb.GetRecordsChunk | bytes]:
         if found.status is not Lookup.OK:
-            (self.misses if found.status is Lookup.MISSING else self.corrupt).inc()
             if found.status is Lookup.CORRUPT:
                 log.error(
                     "corrupt record",
@@ -229,7 +226,7 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
             )
             return
         parts = found.parts
-        assert parts is not None  # get_many reads records as pieces of <= chunk_bytes
+        assert parts is not None  # get_many reads records as pieces of <= piece_bytes
         total = found.nbytes
         # Serialized here (GET_SERIALIZE passes bytes through): the record piece is joined
         # once onto the small fields instead of copied into a message and again out of it.
@@ -242,9 +239,6 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
             rest = pb.GetRecordsChunk(sample_id=sid, offset=offset).SerializeToString()
             yield with_bytes_field(rest, GET_DATA_FIELD, part)
             offset += len(part)
-        self.hits.inc()
-        self.records_out.inc()
-        self.bytes_out.inc(total)
 
     # -- Delete / Stats -------------------------------------------------------------------
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
@@ -261,14 +255,15 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         info = self._redis(self.store.info)
+        counts = self._redis(self.store.stats)
         return pb.StatsResponse(
-            records_put_total=self._total("records_put"),
-            bytes_put_total=self._total("put_bytes"),
-            records_got_total=self._total("records_got"),
-            bytes_got_total=self._total("got_bytes"),
-            hits_total=self._total("hits"),
-            misses_total=self._total("misses"),
-            corrupt_total=self._total("corrupt_records"),
+            records_put_total=counts["records_put"],
+            bytes_put_total=counts["put_bytes"],
+            records_got_total=counts["records_got"],
+            bytes_got_total=counts["got_bytes"],
+            hits_total=counts["hits"],
+            misses_total=counts["misses"],
+            corrupt_total=counts["corrupt_records"],
             redis_used_memory_bytes=int(info.get("used_memory", 0)),
             redis_maxmemory_bytes=int(info.get("maxmemory", 0)),
             redis_maxmemory_policy=str(info.get("maxmemory_policy", "")),
@@ -279,15 +274,34 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
             max_record_bytes=self.max_record_bytes,
         )
 
+    def GetDataPlane(
+        self, request: pb.GetDataPlaneRequest, context: grpc.ServicerContext
+    ) -> pb.GetDataPlaneResponse:
+        if request.layout_version == 0:
+            raise invalid(
+                f"layout_version=0: set the storage layout the client implements "
+                f"(this service: {LAYOUT_VERSION})"
+            )
+        if self.data_plane_url is None:
+            raise failed_precondition(
+                "the direct data path is off on this service (TRACE_DATA_PLANE_ENABLED=false): "
+                "use PutRecords / GetRecords"
+            )
+        if request.layout_version != LAYOUT_VERSION:
+            raise failed_precondition(
+                f"layout_version={request.layout_version} but this service stores layout "
+                f"{LAYOUT_VERSION}: use PutRecords / GetRecords"
+            )
+        return pb.GetDataPlaneResponse(
+            redis_url=self.data_plane_url,
+            key_prefix=self.store.prefix,
+            ttl_seconds=self.store.ttl_seconds,
+            max_record_bytes=self.max_record_bytes,
+            layout_version=LAYOUT_VERSION,
+            piece_bytes=self.store.piece_bytes,
+        )
+
     # -- helpers ----------------------------------------------------------------------------
-    def _total(self, what: str) -> int:
-        value = self._metrics.registry.get_sample_value(f"{self._metrics.name(what)}_total")
-        return int(value or 0)
-
-    def _check_key(self, run_id: str, version: int) -> None:
-        check_id("run_id", run_id)
-        check_non_negative("policy_version", version)
-
     def _redis(self, call):
         try:
             return call()

@@ -1,24 +1,57 @@
-"""QuantCacheClient: put and get per-sample record blobs (opaque bytes) over gRPC.
+"""QuantCacheClient: put and get per-sample record blobs (opaque bytes).
 
 qc = QuantCacheClient("localhost:50051", token)
 qc.put_records("run1", 3, "s-0-0", blob)
 blobs = qc.get_records("run1", 3, ["s-0-0", "s-0-1"])   # {sample_id: bytes}, found ones
 qc.delete("run1", version=3)
+
+Two data paths, same records, same errors:
+
+- direct: the client asks the service for the data plane once (GetDataPlane: Redis URL,
+  key prefix, TTL, size limit, layout version) and then reads and writes Redis itself in
+  the service's storage layout (trace_common.quant_cache_store, the one codec both use):
+  one hop for the bytes instead of two.
+- grpc: every byte goes through the service (PutRecords / GetRecords streams), for clients
+  that cannot reach Redis.
+
+`data_path="auto"` (the default) takes the direct path when the service hands out a data
+plane and this process can reach that Redis (a PING at first use), else gRPC, and logs the
+choice; "direct" requires the direct path (DirectPathError otherwise); "grpc" never asks.
+Delete and Stats always go through the service, the authority over the namespace.
+Errors are the same on both paths: CorruptRecordError for records failing their checksum,
+KeyError for missing ones when `missing_ok=False`, and a grpc.RpcError with the status code
+(on the direct path a DirectPathError, a grpc.RpcError with `code()` and `details()`) for
+bad input, oversize records, an unreachable or full Redis.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Literal
 
+import grpc
+import redis
+
+from trace_common import quant_cache_store as layout
 from trace_common.checksum import crc32
 from trace_common.chunk_wire import bytes_field_codec, with_bytes_field
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
+from trace_common.redis_local import redact_url
+from trace_common.service.errors import ServiceError
 from trace_common.service.grpc_client import GrpcClient
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB per PutRecords message (the service's GetRecords size)
 PUT_DATA_FIELD = pb.PutRecordsChunk.DESCRIPTOR.fields_by_name["data"].number
 GET_DATA_FIELD = pb.GetRecordsChunk.DESCRIPTOR.fields_by_name["data"].number
+DataPath = Literal["auto", "direct", "grpc"]
+DATA_PATHS: tuple[str, ...] = ("auto", "direct", "grpc")
+REDIS_CONNECT_TIMEOUT_S = 2.0  # the reachability check of "auto" waits this long at most
+REDIS_TIMEOUT_S = 30.0  # socket timeout of direct-path Redis calls
 
 
 class CorruptRecordError(RuntimeError):
@@ -30,10 +63,103 @@ class CorruptRecordError(RuntimeError):
         self.records = records
 
 
+class DirectPathError(grpc.RpcError):
+    """A direct-path failure with the status code the gRPC path would give (`code()`,
+    `details()`), so callers handle both paths with one `except grpc.RpcError`."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _results(
+    records: dict[str, bytes], missing: list[str], corrupt: dict[str, str], missing_ok: bool
+) -> dict[str, bytes]:
+    """What get_records returns or raises, the same for both paths."""
+    if corrupt:
+        raise CorruptRecordError(corrupt, records)
+    if missing and not missing_ok:
+        raise KeyError(f"records not found (expired, evicted or never written): {missing}")
+    return records
+
+
+class DirectPath:
+    """Records read and written in Redis directly, in the layout the service handed out."""
+
+    def __init__(self, plane: pb.GetDataPlaneResponse, client: redis.Redis) -> None:
+        self.plane = plane
+        self.store = layout.RecordStore(
+            client, plane.key_prefix, plane.ttl_seconds, piece_bytes=plane.piece_bytes
+        )
+
+    def put_many(
+        self, run_id: str, version: int, records: Mapping[str, bytes | bytearray | memoryview]
+    ) -> int:
+        """Same contract as the gRPC path: each record is all-or-nothing, and records are
+        stored in pipelines of about PUT_FLUSH_BYTES (on an error the earlier ones stay)."""
+        pending: list[tuple[str, bytes]] = []
+        pending_bytes = stored = 0
+
+        def flush() -> None:
+            nonlocal stored, pending_bytes
+            self.store.put_many(pending)
+            stored += pending_bytes
+            pending.clear()
+            pending_bytes = 0
+
+        try:
+            for sid, blob in records.items():
+                nbytes = memoryview(blob).nbytes
+                try:
+                    layout.check_key(run_id, version, sid)
+                    layout.check_size(sid, nbytes, self.plane.max_record_bytes)
+                except ServiceError:
+                    flush()  # the records before the bad one are stored, as on the gRPC path
+                    raise
+                pending.append((self.store.key(run_id, version, sid), layout.encode(blob)))
+                pending_bytes += nbytes
+                if pending_bytes >= layout.PUT_FLUSH_BYTES:
+                    flush()
+            flush()
+        except ServiceError as err:
+            raise DirectPathError(err.code, err.message) from err
+        return stored
+
+    def get_records(
+        self, run_id: str, version: int, sample_ids: Sequence[str], missing_ok: bool
+    ) -> dict[str, bytes]:
+        records: dict[str, bytes] = {}
+        missing: list[str] = []
+        corrupt: dict[str, str] = {}
+        try:
+            layout.check_key(run_id, version)
+            layout.check_sample_ids(sample_ids)
+            sample_of = {self.store.key(run_id, version, s): s for s in sample_ids}
+            for keys, founds in self.store.get_groups(list(sample_of)):
+                for key, found in zip(keys, founds, strict=True):
+                    sid = sample_of[key]
+                    if found.status is layout.Lookup.OK:
+                        records[sid] = found.blob()
+                    elif found.status is layout.Lookup.MISSING:
+                        missing.append(sid)
+                    else:
+                        corrupt[sid] = found.detail
+        except ServiceError as err:
+            raise DirectPathError(err.code, err.message) from err
+        return _results(records, missing, corrupt, missing_ok)
+
+
 class QuantCacheClient(GrpcClient):
     SERVICE = "trace.quantcache.v1.QuantCache"
     # Puts overwrite the same key with the same bytes, so every call is safe to retry.
-    IDEMPOTENT = ("PutRecords", "GetRecords", "Delete", "Stats")
+    IDEMPOTENT = ("PutRecords", "GetRecords", "Delete", "Stats", "GetDataPlane")
 
     def __init__(
         self,
@@ -41,12 +167,19 @@ class QuantCacheClient(GrpcClient):
         token: str | None = None,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        data_path: DataPath = "auto",
         **kwargs: object,
     ) -> None:
         super().__init__(address, token, **kwargs)  # type: ignore[arg-type]
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if data_path not in DATA_PATHS:
+            raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
         self.chunk_bytes = chunk_bytes
+        self.data_path = data_path
+        self._direct: DirectPath | None = None
+        self._resolved = data_path == "grpc"
+        self._resolve_lock = threading.Lock()
         self._stub = pb_grpc.QuantCacheStub(self.channel)
         # The two bulk RPCs with chunk_wire's codecs: record data is written and read
         # without protobuf's copies (same bytes on the wire as the generated stub).
@@ -63,6 +196,61 @@ class QuantCacheClient(GrpcClient):
             response_deserializer=get_deserialize,
         )
 
+    # -- which path -------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        """The path in use: "direct" or "grpc" (asks the service on first use)."""
+        return "direct" if self.direct() is not None else "grpc"
+
+    def direct(self) -> DirectPath | None:
+        """The direct path, or None for gRPC; resolved once (see the module docstring). A
+        service that does not answer yet is asked again at the next call."""
+        if self._resolved:
+            return self._direct
+        with self._resolve_lock:
+            if not self._resolved:
+                self._direct = self._connect()
+        return self._direct
+
+    def _connect(self) -> DirectPath | None:
+        strict = self.data_path == "direct"
+        try:
+            plane = self._stub.GetDataPlane(
+                pb.GetDataPlaneRequest(layout_version=layout.LAYOUT_VERSION),
+                metadata=self.metadata,
+                timeout=self.timeout,
+            )
+        except grpc.RpcError as err:
+            off = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+            if strict or err.code() not in off:
+                raise  # bad token, service down...: the caller sees it as with any call
+            log.info("quant-cache: gRPC data path (%s)", err.details())
+            self._resolved = True
+            return None
+        client = redis.Redis.from_url(
+            plane.redis_url,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+            socket_read_size=layout.SOCKET_READ_BYTES,
+        )
+        where = redact_url(plane.redis_url)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            client.close()
+            if strict:
+                raise DirectPathError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"data_path='direct' but Redis at {where} is unreachable: {exc}",
+                ) from exc
+            log.warning("quant-cache: gRPC data path (Redis at %s unreachable: %s)", where, exc)
+            self._resolved = True
+            return None
+        log.info("quant-cache: direct data path (Redis at %s)", where)
+        self._resolved = True
+        return DirectPath(plane, client)
+
+    # -- records ----------------------------------------------------------------------------
     def put_records(
         self, run_id: str, version: int, sample_id: str, blob: bytes | bytearray | memoryview
     ) -> int:
@@ -72,10 +260,13 @@ class QuantCacheClient(GrpcClient):
     def put_many(
         self, run_id: str, version: int, records: Mapping[str, bytes | bytearray | memoryview]
     ) -> int:
-        """Store several samples' blobs in one stream (e.g. a whole GRPO group); returns bytes
+        """Store several samples' blobs in one call (e.g. a whole GRPO group); returns bytes
         stored. Each record is all-or-nothing; on an error the records before it are stored."""
         if not records:
             raise ValueError("records is empty")
+        direct = self.direct()
+        if direct is not None:
+            return direct.put_many(run_id, version, records)
 
         def chunks() -> Iterator[bytes]:
             for sample_id, blob in records.items():
@@ -104,6 +295,9 @@ class QuantCacheClient(GrpcClient):
         Missing ones (never written, expired, evicted) are left out, or raise KeyError when
         `missing_ok` is False. Corrupt ones raise CorruptRecordError (good ones attached).
         """
+        direct = self.direct()
+        if direct is not None:
+            return direct.get_records(run_id, version, sample_ids, missing_ok)
         request = pb.GetRecordsRequest(
             run_id=run_id, policy_version=version, sample_ids=list(sample_ids)
         )
@@ -142,12 +336,9 @@ class QuantCacheClient(GrpcClient):
                 )
         if current is not None:
             finish(current)
-        if corrupt:
-            raise CorruptRecordError(corrupt, records)
-        if missing and not missing_ok:
-            raise KeyError(f"records not found (expired, evicted or never written): {missing}")
-        return records
+        return _results(records, missing, corrupt, missing_ok)
 
+    # -- control plane (always through the service) -----------------------------------------
     def delete(self, run_id: str, version: int | None = None) -> int:
         """Delete a run's records (all versions when `version` is None); returns the count."""
         request = pb.DeleteRequest(run_id=run_id)
@@ -159,3 +350,8 @@ class QuantCacheClient(GrpcClient):
 
     def stats(self) -> pb.StatsResponse:
         return self._stub.Stats(pb.StatsRequest(), metadata=self.metadata, timeout=self.timeout)
+
+    def close(self) -> None:
+        if self._direct is not None:
+            self._direct.store.client.close()
+        super().close()

@@ -25,11 +25,13 @@ def _service(redis_url: str, **env: str) -> ServiceProcess:
     return ServiceProcess(QC, {"TRACE_AUTH_TOKEN": TOKEN, "TRACE_REDIS_URL": redis_url, **env})
 
 
+@pytest.mark.parametrize("data_path", ["grpc", "direct"])
 def test_round_trip_corruption_auth_and_http(
-    local_redis: LocalRedis, raw_redis: redis.Redis
+    local_redis: LocalRedis, raw_redis: redis.Redis, data_path: str
 ) -> None:
     with _service(local_redis.url, TRACE_CHUNK_BYTES=str(1 << 20)) as svc:
-        qc = QuantCacheClient(svc.grpc_address, TOKEN, chunk_bytes=1 << 20)
+        qc = QuantCacheClient(svc.grpc_address, TOKEN, chunk_bytes=1 << 20, data_path=data_path)
+        assert qc.path == data_path
         rng = os.urandom
         blobs = {"empty": b"", "one": b"\x00", "small": rng(1000), "chunked": rng((3 << 20) + 7)}
         for sid, blob in blobs.items():

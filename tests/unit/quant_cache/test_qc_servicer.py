@@ -12,8 +12,15 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.quant_cache.servicer import QuantCacheServicer
-from services.quant_cache.store import HEADER_BYTES, Lookup, RecordStore, decode, encode_header
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
+from trace_common.quant_cache_store import (
+    HEADER_BYTES,
+    LAYOUT_VERSION,
+    Lookup,
+    RecordStore,
+    decode,
+    encode_header,
+)
 from trace_common.redis_local import LocalRedis
 from trace_common.service import Metrics, ServiceError
 
@@ -32,11 +39,11 @@ def servicer(redis_url: str) -> Iterator[QuantCacheServicer]:
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     yield QuantCacheServicer(
-        RecordStore(client, "t:qc", ttl_seconds=60),
+        RecordStore(client, "t:qc", ttl_seconds=60, piece_bytes=7),
         Metrics("quant_cache"),
         max_record_bytes=MAX_RECORD,
         max_batch=MAX_BATCH,
-        chunk_bytes=7,
+        data_plane_url=redis_url,
     )
     client.close()
 
@@ -226,8 +233,9 @@ def test_delete_validation_and_scope(servicer: QuantCacheServicer) -> None:
         servicer.Delete(pb.DeleteRequest(run_id="r", policy_version=1), None).deleted_records == 1
     )
     assert servicer.Delete(pb.DeleteRequest(run_id="r"), None).deleted_records == 1
-    # "r" never matches "r2" or "r.1": keys end each id with ':'.
-    assert servicer.Stats(pb.StatsRequest(), None).redis_keys == 2
+    # "r" never matches "r2" or "r.1": keys end each id with ':'. The stats hash stays.
+    assert servicer.Stats(pb.StatsRequest(), None).redis_keys == 2 + 1
+    assert servicer.Stats(pb.StatsRequest(), None).records_put_total == 4
 
 
 def test_redis_down_is_unavailable(redis_url: str) -> None:
@@ -235,11 +243,10 @@ def test_redis_down_is_unavailable(redis_url: str) -> None:
         host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
     )
     s = QuantCacheServicer(
-        RecordStore(dead, "t", 60),
+        RecordStore(dead, "t", 60, piece_bytes=4),
         Metrics("quant_cache"),
         max_record_bytes=10,
         max_batch=2,
-        chunk_bytes=4,
     )
     code, message = code_of(lambda: put(s, [first(b"x")]))
     assert code == grpc.StatusCode.UNAVAILABLE and "Redis error" in message
@@ -248,10 +255,27 @@ def test_redis_down_is_unavailable(redis_url: str) -> None:
 def test_decode_detects_corruption() -> None:
     blob = b"records!"
     good = encode_header(zlib.crc32(blob), len(blob)) + blob
-    assert decode(good).status is Lookup.OK and bytes(decode(good).blob) == blob
+    assert decode(good).status is Lookup.OK and decode(good).blob() == blob
     flipped = bytearray(good)
     flipped[HEADER_BYTES] ^= 0x80
     assert decode(bytes(flipped)).status is Lookup.CORRUPT
     assert "truncated" in decode(good[:-1]).detail
     assert "shorter than the header" in decode(good[:5]).detail
     assert "bad magic" in decode(b"XXXX" + good[4:]).detail
+
+
+def test_get_data_plane(servicer: QuantCacheServicer, redis_url: str) -> None:
+    plane = servicer.GetDataPlane(pb.GetDataPlaneRequest(layout_version=LAYOUT_VERSION), None)
+    assert (plane.redis_url, plane.key_prefix, plane.ttl_seconds) == (redis_url, "t:qc", 60)
+    assert (plane.max_record_bytes, plane.piece_bytes) == (MAX_RECORD, 7)
+    assert plane.layout_version == LAYOUT_VERSION
+    code, message = code_of(lambda: servicer.GetDataPlane(pb.GetDataPlaneRequest(), None))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "layout_version=0" in message
+    other = pb.GetDataPlaneRequest(layout_version=LAYOUT_VERSION + 1)
+    code, message = code_of(lambda: servicer.GetDataPlane(other, None))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"layout_version={LAYOUT_VERSION + 1}" in message
+    servicer.data_plane_url = None  # TRACE_DATA_PLANE_ENABLED=false
+    request = pb.GetDataPlaneRequest(layout_version=LAYOUT_VERSION)
+    code, message = code_of(lambda: servicer.GetDataPlane(request, None))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "DATA_PLANE_ENABLED" in message

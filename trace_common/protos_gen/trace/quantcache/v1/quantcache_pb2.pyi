@@ -129,3 +129,25 @@ class StatsResponse(_message.Message):
     ttl_seconds: int
     max_record_bytes: int
     def __init__(self, records_put_total: _Optional[int] = ..., bytes_put_total: _Optional[int] = ..., records_got_total: _Optional[int] = ..., bytes_got_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., redis_used_memory_bytes: _Optional[int] = ..., redis_maxmemory_bytes: _Optional[int] = ..., redis_maxmemory_policy: _Optional[str] = ..., redis_evicted_keys_total: _Optional[int] = ..., redis_expired_keys_total: _Optional[int] = ..., redis_keys: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., max_record_bytes: _Optional[int] = ...) -> None: ...
+
+class GetDataPlaneRequest(_message.Message):
+    __slots__ = ("layout_version",)
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    layout_version: int
+    def __init__(self, layout_version: _Optional[int] = ...) -> None: ...
+
+class GetDataPlaneResponse(_message.Message):
+    __slots__ = ("redis_url", "key_prefix", "ttl_seconds", "max_record_bytes", "layout_version", "piece_bytes")
+    REDIS_URL_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    redis_url: str
+    key_prefix: str
+    ttl_seconds: int
+    max_record_bytes: int
+    layout_version: int
+    piece_bytes: int
+    def __init__(self, redis_url: _Optional[str] = ..., key_prefix: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., max_record_bytes: _Optional[int] = ..., layout_version: _Optional[int] = ..., piece_bytes: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class QuantCacheStub:
                 request_serializer=trace_dot_quantcache_dot_v1_dot_quantcache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=trace_dot_quantcache_dot_v1_dot_quantcache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.GetDataPlane = channel.unary_unary(
+                '/trace.quantcache.v1.QuantCache/GetDataPlane',
+                request_serializer=trace_dot_quantcache_dot_v1_dot_quantcache__pb2.GetDataPlaneRequest.SerializeToString,
+                response_deserializer=trace_dot_quantcache_dot_v1_dot_quantcache__pb2.GetDataPlaneResponse.FromString,
+                _registered_method=True)
 
 
 class QuantCacheServicer:
@@ -86,6 +91,14 @@ class QuantCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDataPlane(self, request, context):
+        """The coordinates of the direct data path (FAILED_PRECONDITION when the service does not
+        hand it out, or for another layout version; then use PutRecords / GetRecords).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QuantCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_QuantCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=trace_dot_quantcache_dot_v1_dot_quantcache__pb2.StatsRequest.FromString,
                     response_serializer=trace_dot_quantcache_dot_v1_dot_quantcache__pb2.StatsResponse.SerializeToString,
+            ),
+            'GetDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDataPlane,
+                    request_deserializer=trace_dot_quantcache_dot_v1_dot_quantcache__pb2.GetDataPlaneRequest.FromString,
+                    response_serializer=trace_dot_quantcache_dot_v1_dot_quantcache__pb2.GetDataPlaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class QuantCache:
             '/trace.quantcache.v1.QuantCache/Stats',
             trace_dot_quantcache_dot_v1_dot_quantcache__pb2.StatsRequest.SerializeToString,
             trace_dot_quantcache_dot_v1_dot_quantcache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trace.quantcache.v1.QuantCache/GetDataPlane',
+            trace_dot_quantcache_dot_v1_dot_quantcache__pb2.GetDataPlaneRequest.SerializeToString,
+            trace_dot_quantcache_dot_v1_dot_quantcache__pb2.GetDataPlaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

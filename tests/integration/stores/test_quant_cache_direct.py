@@ -1,0 +1,165 @@
+"""quant-cache's direct data path: the client reads and writes Redis itself with the
+coordinates from GetDataPlane, in the service's layout; the service (a subprocess) stays
+the control plane. Real Redis, real gRPC socket."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from trace_common.clients import CorruptRecordError, DirectPathError, QuantCacheClient
+from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
+from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
+from trace_common.quant_cache_store import LAYOUT_VERSION
+from trace_common.redis_local import LocalRedis
+from trace_common.service.testing import ServiceProcess
+
+TOKEN = "direct-test-token"
+
+
+def _service(redis_url: str, **env: str) -> ServiceProcess:
+    return ServiceProcess(
+        "services.quant_cache", {"TRACE_AUTH_TOKEN": TOKEN, "TRACE_REDIS_URL": redis_url, **env}
+    )
+
+
+def test_direct_and_grpc_paths_share_records_counters_ttl_and_delete(
+    local_redis: LocalRedis, raw_redis: redis.Redis
+) -> None:
+    with _service(local_redis.url, TRACE_CHUNK_BYTES=str(256 << 10)) as svc:
+        direct = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")
+        via_grpc = QuantCacheClient(svc.grpc_address, TOKEN, data_path="grpc")
+        auto = QuantCacheClient(svc.grpc_address, TOKEN)
+        assert (direct.path, via_grpc.path, auto.path) == ("direct", "grpc", "direct")
+
+        blobs = {"empty": b"", "small": os.urandom(999), "pieces": os.urandom((1 << 20) + 3)}
+        # Direct round trip, byte-exact (the 1 MiB record is read as 256 KiB GETRANGEs).
+        assert direct.put_many("run", 1, blobs) == sum(map(len, blobs.values()))
+        assert direct.get_records("run", 1, list(blobs)) == blobs
+        # Written directly -> read through the service, and the other way round.
+        assert via_grpc.get_records("run", 1, list(blobs)) == blobs
+        assert via_grpc.put_many("run", 2, blobs) == sum(map(len, blobs.values()))
+        assert direct.get_records("run", 2, list(blobs)) == blobs
+        # The same bytes in Redis whichever path wrote them.
+        for sid in blobs:
+            assert raw_redis.get(f"trace:qc:run:1:{sid}") == raw_redis.get(f"trace:qc:run:2:{sid}")
+
+        # TTL: direct puts carry the service's TTL.
+        ttl = raw_redis.ttl("trace:qc:run:1:small")
+        assert 3500 < ttl <= 3600, (
+            f"direct-written record has TTL {ttl}, expected the service's 3600"
+        )
+
+        # Missing and corrupt records, detected on the direct path.
+        with pytest.raises(KeyError, match="absent"):
+            direct.get_records("run", 1, ["small", "absent"], missing_ok=False)
+        value = bytearray(raw_redis.get("trace:qc:run:1:pieces"))
+        value[(1 << 20) - 5] ^= 0x10  # a byte in the fourth piece
+        raw_redis.set("trace:qc:run:1:pieces", bytes(value))
+        raw_redis.set("trace:qc:run:1:small", raw_redis.get("trace:qc:run:1:small")[:-1])
+        with pytest.raises(CorruptRecordError) as info:
+            direct.get_records("run", 1, list(blobs))
+        assert "checksum mismatch" in info.value.corrupt["pieces"]
+        assert "truncated" in info.value.corrupt["small"]
+        assert info.value.records == {"empty": b""}, "valid records still come back"
+
+        # The service's counters and metrics cover both paths (the stats hash in Redis).
+        stats = direct.stats()
+        assert stats.records_put_total == 6 and stats.corrupt_total == 2
+        assert stats.misses_total == 1 and stats.hits_total == 3 + 3 + 3 + 1 + 1
+        metrics = httpx.get(f"{svc.http_url}/metrics").text
+        assert "trace_quant_cache_records_put_total 6.0" in metrics
+        assert "trace_quant_cache_corrupt_records_total 2.0" in metrics
+
+        # Delete (through the service) removes direct-written records.
+        assert direct.delete("run", version=1) == 3
+        assert direct.get_records("run", 1, list(blobs)) == {}
+        assert direct.get_records("run", 2, ["small"]) == {"small": blobs["small"]}
+        assert via_grpc.delete("run") == 3
+        for qc in (direct, via_grpc, auto):
+            qc.close()
+
+
+def test_direct_ttl_expires_records(local_redis: LocalRedis) -> None:
+    with _service(local_redis.url, TRACE_TTL_SECONDS="1") as svc:
+        qc = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")
+        qc.put_records("run", 0, "s", b"guidance")
+        assert qc.get_records("run", 0, ["s"]) == {"s": b"guidance"}
+        time.sleep(1.3)
+        assert qc.get_records("run", 0, ["s"]) == {}, "expires ttl_seconds after the put"
+
+
+def test_direct_path_rejects_bad_input_like_the_service(local_redis: LocalRedis) -> None:
+    with _service(local_redis.url, TRACE_MAX_RECORD_BYTES="100") as svc:
+        qc = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")
+        cases = [
+            (lambda: qc.put_records("a:b", 0, "s", b"x"), "INVALID_ARGUMENT", "run_id='a:b'"),
+            (lambda: qc.put_records("r", -1, "s", b"x"), "INVALID_ARGUMENT", "policy_version=-1"),
+            (lambda: qc.put_records("r", 0, "s/1", b"x"), "INVALID_ARGUMENT", "sample_id='s/1'"),
+            (lambda: qc.put_records("r", 0, "s", b"x" * 101), "RESOURCE_EXHAUSTED", "max_record_bytes=100"),
+            (lambda: qc.get_records("r", 0, ["a", "a"]), "INVALID_ARGUMENT", "duplicate sample_ids: ['a']"),
+            (lambda: qc.get_records("r", 0, []), "INVALID_ARGUMENT", "sample_ids is empty"),
+        ]  # fmt: skip
+        for call, code, needle in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert isinstance(err.value, DirectPathError)
+            assert err.value.code().name == code and needle in err.value.details(), err.value
+        # A bad record after good ones: the good ones are stored (as on the gRPC path).
+        with pytest.raises(DirectPathError, match="sample_id='b d'"):
+            qc.put_many("r", 0, {"ok": b"1", "b d": b"2"})
+        assert qc.get_records("r", 0, ["ok"]) == {"ok": b"1"}
+
+
+def test_get_data_plane_auth_and_arguments(local_redis: LocalRedis) -> None:
+    with _service(local_redis.url) as svc, grpc.insecure_channel(svc.grpc_address) as channel:
+        stub = pb_grpc.QuantCacheStub(channel)
+        good = pb.GetDataPlaneRequest(layout_version=LAYOUT_VERSION)
+        for metadata in [(), (("authorization", "Bearer wrong"),)]:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetDataPlane(good, metadata=metadata, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+        with pytest.raises(grpc.RpcError) as err:
+            QuantCacheClient(svc.grpc_address, "wrong-token").path  # noqa: B018
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        auth = (("authorization", f"Bearer {TOKEN}"),)
+        plane = stub.GetDataPlane(good, metadata=auth, timeout=5)
+        assert plane.redis_url == local_redis.url and plane.key_prefix == "trace:qc"
+        assert plane.ttl_seconds == 3600 and plane.layout_version == LAYOUT_VERSION
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetDataPlane(pb.GetDataPlaneRequest(), metadata=auth, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "layout_version=0" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            other = pb.GetDataPlaneRequest(layout_version=LAYOUT_VERSION + 7)
+            stub.GetDataPlane(other, metadata=auth, timeout=5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"layout_version={LAYOUT_VERSION + 7}" in err.value.details()
+
+
+def test_auto_falls_back_to_grpc(local_redis: LocalRedis) -> None:
+    """Data plane off, or its Redis unreachable from the client: auto uses gRPC, direct fails."""
+    with _service(local_redis.url, TRACE_DATA_PLANE_ENABLED="false") as svc:
+        qc = QuantCacheClient(svc.grpc_address, TOKEN)
+        assert qc.path == "grpc"
+        qc.put_records("run", 0, "s", b"via the service")
+        assert qc.get_records("run", 0, ["s"]) == {"s": b"via the service"}
+        with pytest.raises(grpc.RpcError) as err:
+            QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct").path  # noqa: B018
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "DATA_PLANE_ENABLED" in err.value.details()
+    unreachable = "redis://:secret@127.0.0.1:1/0"
+    with _service(local_redis.url, TRACE_DATA_PLANE_REDIS_URL=unreachable) as svc:
+        qc = QuantCacheClient(svc.grpc_address, TOKEN)
+        assert qc.path == "grpc"
+        assert qc.get_records("run", 0, ["s"]) == {"s": b"via the service"}
+        with pytest.raises(DirectPathError) as err:
+            QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct").path  # noqa: B018
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "127.0.0.1:1" in err.value.details() and "secret" not in err.value.details()
