@@ -14,27 +14,108 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# Quantizable sites (QuantConfig.sites).
+from trace_common.fp4 import get_format
+
+# Quantizable sites (QuantConfig.sites). A weight site quantizes its weights once per policy
+# version (per-tensor second-level scale, ModelOpt layout); an activation site fake-quantizes the
+# input rows of its GEMMs per token (per-row second-level scale), like the routed experts' inputs.
 SITE_EXPERT_WEIGHTS = "expert_weights"  # routed-expert gate/up/down weights (W4)
 SITE_EXPERT_ACTS = "expert_acts"  # routed-expert GEMM inputs: hidden state in, down_proj in (A4)
 SITE_KV = "kv"  # attention K and V as stored in the KV cache
-QUANT_SITES = frozenset({SITE_EXPERT_WEIGHTS, SITE_EXPERT_ACTS, SITE_KV})
-DEFAULT_QUANT_SITES = QUANT_SITES
+SITE_ATTN_WEIGHTS = "attn_weights"  # q/k/v/o projection weights
+SITE_ATTN_ACTS = "attn_acts"  # q/k/v input (normed hidden state) and o_proj input
+SITE_SHARED_EXPERT_WEIGHTS = "shared_expert_weights"  # shared expert gate/up/down (not its gate)
+SITE_SHARED_EXPERT_ACTS = "shared_expert_acts"  # shared expert gate/up input and down_proj input
+SITE_ROUTER_WEIGHTS = "router_weights"  # router (mlp.gate) weight [E, hidden]
+SITE_ROUTER_ACTS = "router_acts"  # router input (normed hidden state)
+SITE_DENSE_MLP_WEIGHTS = "dense_mlp_weights"  # SwiGLU MLP of dense (mlp_only) layers
+SITE_DENSE_MLP_ACTS = "dense_mlp_acts"  # its gate/up input and down_proj input
+SITE_LM_HEAD_WEIGHTS = "lm_head_weights"  # LM head weight [vocab, hidden]
+SITE_LM_HEAD_ACTS = "lm_head_acts"  # LM head input (final normed hidden state)
+SITE_EMBED_WEIGHTS = "embed_weights"  # embedding table [vocab, hidden], blocks along hidden
+QUANT_SITES = frozenset(
+    {
+        SITE_EXPERT_WEIGHTS,
+        SITE_EXPERT_ACTS,
+        SITE_KV,
+        SITE_ATTN_WEIGHTS,
+        SITE_ATTN_ACTS,
+        SITE_SHARED_EXPERT_WEIGHTS,
+        SITE_SHARED_EXPERT_ACTS,
+        SITE_ROUTER_WEIGHTS,
+        SITE_ROUTER_ACTS,
+        SITE_DENSE_MLP_WEIGHTS,
+        SITE_DENSE_MLP_ACTS,
+        SITE_LM_HEAD_WEIGHTS,
+        SITE_LM_HEAD_ACTS,
+        SITE_EMBED_WEIGHTS,
+    }
+)
+# The paper's setting: routed experts W4A4 and an FP4 KV cache; everything else high precision.
+DEFAULT_QUANT_SITES = frozenset({SITE_EXPERT_WEIGHTS, SITE_EXPERT_ACTS, SITE_KV})
+# Names a user might reasonably ask for that TRACE refuses, with the reason.
+REFUSED_QUANT_SITES = {
+    "norm_weights": "RMSNorm gains are 1-D vectors multiplied elementwise (no GEMM reads them), "
+    "so FP4 would save a few KiB and only add error; no FP4 system (ModelOpt, vLLM) quantizes "
+    "them. Norms always stay high precision.",
+    "embed_acts": "the embedding is a table lookup by token id: it has no activation input to "
+    "quantize (use 'embed_weights' for the table).",
+}
 
-# Activation sites at which the rollout can record guidance (GuidanceConfig.sites).
+# Activation sites the model reports to `hooks.act(layer, site, x)`, x = rows [N, width].
 GSITE_MOE_IN = "moe_in"  # normalized hidden state entering the routed experts  [T, hidden]
 GSITE_K = "k"  # post-RoPE keys as appended to the KV cache  [T, n_kv*head_dim]
 GSITE_V = "v"  # values as appended to the KV cache  [T, n_kv*head_dim]
-GUIDED_SITES = (GSITE_MOE_IN, GSITE_K, GSITE_V)
-# The SwiGLU output entering each routed expert's down_proj is quantized (RTN, per row) on both
-# paths but never guided: the paper's size arithmetic points at one hidden-state site per layer.
-ASITE_DOWN_IN = "down_in"
+GSITE_ATTN_IN = "attn_in"  # q/k/v input  [T, hidden]
+GSITE_O_IN = "o_in"  # o_proj input (attention output)  [T, n_heads*head_dim]
+GSITE_ROUTER_IN = "router_in"  # router input  [T, hidden]
+GSITE_SHARED_IN = "shared_in"  # shared expert gate/up input  [T, hidden]
+GSITE_SHARED_DOWN_IN = "shared_down_in"  # shared expert down_proj input  [T, shared inter]
+GSITE_DENSE_IN = "dense_in"  # dense MLP gate/up input  [T, hidden]
+GSITE_DENSE_DOWN_IN = "dense_down_in"  # dense MLP down_proj input  [T, intermediate]
+# Activation sites at which the rollout can record guidance (GuidanceConfig.sites): every
+# per-token input of a decoder layer's GEMMs. Not guidable: the routed experts' down_proj
+# input (ASITE_DOWN_IN: rows are (token, expert) pairs, not tokens; the paper's size arithmetic
+# points at one hidden-state site per layer) and the LM head input (ASITE_LM_HEAD_IN: not in a
+# decoder layer; only the logits follow it).
+GUIDED_SITES = (
+    GSITE_MOE_IN,
+    GSITE_K,
+    GSITE_V,
+    GSITE_ATTN_IN,
+    GSITE_O_IN,
+    GSITE_ROUTER_IN,
+    GSITE_SHARED_IN,
+    GSITE_SHARED_DOWN_IN,
+    GSITE_DENSE_IN,
+    GSITE_DENSE_DOWN_IN,
+)
+ASITE_DOWN_IN = "down_in"  # routed-expert down_proj input  [n_e, moe inter] per expert
+ASITE_LM_HEAD_IN = "lm_head_in"  # LM head input  [T, hidden], reported as layer num_layers
 DEFAULT_GUIDED_SITES = (GSITE_MOE_IN, GSITE_K, GSITE_V)
-# Which QuantConfig site must be on for a guidance site to exist.
-GSITE_REQUIRES = {
+# Which QuantConfig site governs each activation site (and must be on to guide it).
+ACT_SITE_TO_QUANT_SITE = {
     GSITE_MOE_IN: SITE_EXPERT_ACTS,
+    ASITE_DOWN_IN: SITE_EXPERT_ACTS,
     GSITE_K: SITE_KV,
     GSITE_V: SITE_KV,
+    GSITE_ATTN_IN: SITE_ATTN_ACTS,
+    GSITE_O_IN: SITE_ATTN_ACTS,
+    GSITE_ROUTER_IN: SITE_ROUTER_ACTS,
+    GSITE_SHARED_IN: SITE_SHARED_EXPERT_ACTS,
+    GSITE_SHARED_DOWN_IN: SITE_SHARED_EXPERT_ACTS,
+    GSITE_DENSE_IN: SITE_DENSE_MLP_ACTS,
+    GSITE_DENSE_DOWN_IN: SITE_DENSE_MLP_ACTS,
+    ASITE_LM_HEAD_IN: SITE_LM_HEAD_ACTS,
+}
+# Weight site -> the activation site of the same GEMMs (same layers, same reduction widths).
+WEIGHT_SITE_TO_ACT_SITE = {
+    SITE_EXPERT_WEIGHTS: SITE_EXPERT_ACTS,
+    SITE_ATTN_WEIGHTS: SITE_ATTN_ACTS,
+    SITE_SHARED_EXPERT_WEIGHTS: SITE_SHARED_EXPERT_ACTS,
+    SITE_ROUTER_WEIGHTS: SITE_ROUTER_ACTS,
+    SITE_DENSE_MLP_WEIGHTS: SITE_DENSE_MLP_ACTS,
+    SITE_LM_HEAD_WEIGHTS: SITE_LM_HEAD_ACTS,
 }
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
@@ -98,6 +179,42 @@ class ModelConfig:
     @property
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def act_width(self, site: str) -> int:
+        """Row width of activation site `site` (see ACT_SITE_TO_QUANT_SITE)."""
+        h = self.hidden_size
+        widths = {
+            GSITE_MOE_IN: h,
+            GSITE_K: self.kv_width,
+            GSITE_V: self.kv_width,
+            GSITE_ATTN_IN: h,
+            GSITE_O_IN: self.num_heads * self.head_dim,
+            GSITE_ROUTER_IN: h,
+            GSITE_SHARED_IN: h,
+            GSITE_SHARED_DOWN_IN: self.shared_expert_intermediate_size,
+            GSITE_DENSE_IN: h,
+            GSITE_DENSE_DOWN_IN: self.intermediate_size,
+            ASITE_DOWN_IN: self.moe_intermediate_size,
+            ASITE_LM_HEAD_IN: h,
+        }
+        if site not in widths:
+            raise ValueError(f"unknown activation site {site!r}; known: {sorted(widths)}")
+        return widths[site]
+
+    def has_act_site(self, layer: int, site: str) -> bool:
+        """Whether layer `layer` runs activation site `site` (the LM head is layer num_layers)."""
+        if site == ASITE_LM_HEAD_IN:
+            return layer == self.num_layers
+        if not 0 <= layer < self.num_layers:
+            return False
+        if site in (GSITE_MOE_IN, GSITE_ROUTER_IN, ASITE_DOWN_IN):
+            return self.is_moe_layer(layer)
+        if site in (GSITE_SHARED_IN, GSITE_SHARED_DOWN_IN):
+            return self.is_moe_layer(layer) and self.shared_expert_intermediate_size > 0
+        if site in (GSITE_DENSE_IN, GSITE_DENSE_DOWN_IN):
+            return not self.is_moe_layer(layer)
+        self.act_width(site)  # unknown site -> ValueError
+        return True
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -226,8 +343,23 @@ def get_config(name: str) -> ModelConfig:
 class QuantConfig:
     """Which sites run FP4 and how. Everything not listed stays high precision.
 
+    sites: any of QUANT_SITES (default: the paper's expert_weights + expert_acts + kv):
+      expert_weights / expert_acts     routed experts' weights / GEMM inputs (W4A4)
+      kv                               K and V as stored in the KV cache
+      attn_weights / attn_acts         q/k/v/o projections / their inputs (q/k/v read one
+                                       quantized input, as one fused qkv GEMM would)
+      shared_expert_weights / _acts    Qwen2-MoE shared expert gate/up/down (its 1-wide
+                                       sigmoid gate `shared_expert_gate` stays high precision)
+      router_weights / router_acts     the router (`mlp.gate`)
+      dense_mlp_weights / _acts        the SwiGLU MLP of dense (`mlp_only_layers`) layers
+      lm_head_weights / lm_head_acts   the LM head
+      embed_weights                    the embedding table (rows blocked along hidden)
+    Refused with the reason (REFUSED_QUANT_SITES): norm_weights, embed_acts.
+
     Weights are quantized once per policy version with a per-tensor second-level scale
-    (ModelOpt layout); activations and KV use a per-token (per-row) second-level scale.
+    (ModelOpt layout; weights one fused GEMM reads share it: q/k/v, gate/up); activations and
+    KV use a per-token (per-row) second-level scale. `check_model` cross-checks a config
+    against an architecture (quantize_policy and loading call it).
     """
 
     sites: frozenset[str] = field(default_factory=lambda: DEFAULT_QUANT_SITES)
@@ -235,6 +367,12 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sites", frozenset(self.sites))
+        refused = sorted(set(self.sites) & set(REFUSED_QUANT_SITES))
+        if refused:
+            raise ValueError(
+                f"quantization site {refused[0]!r} is not supported: "
+                f"{REFUSED_QUANT_SITES[refused[0]]}"
+            )
         unknown = sorted(set(self.sites) - QUANT_SITES)
         if unknown:
             raise ValueError(
@@ -251,12 +389,51 @@ class QuantConfig:
     def has(self, site: str) -> bool:
         return site in self.sites
 
+    def check_model(self, cfg: ModelConfig) -> None:
+        """ValueError unless every configured site exists in `cfg`, every width it quantizes
+        is a whole number of FP4 blocks, and tied embeddings are quantized on both ends."""
+        block = get_format(self.format).block_size
+        for site in sorted(self.sites):
+            widths = _site_widths(cfg, site)
+            if not widths:
+                raise ValueError(
+                    f"quantization site {site!r} is configured but the model has no such "
+                    f"GEMMs (moe_layers={list(cfg.moe_layers)}, shared_expert_intermediate_"
+                    f"size={cfg.shared_expert_intermediate_size}, mlp_only_layers="
+                    f"{list(cfg.mlp_only_layers)})"
+                )
+            bad = {name: w for name, w in widths.items() if w % block}
+            if bad:
+                raise ValueError(
+                    f"quantization site {site!r}: width(s) {bad} not a multiple of the "
+                    f"{self.format} block size {block}"
+                )
+        lm, emb = self.has(SITE_LM_HEAD_WEIGHTS), self.has(SITE_EMBED_WEIGHTS)
+        if cfg.tie_word_embeddings and lm != emb:
+            raise ValueError(
+                "tie_word_embeddings=True: the LM head and the embedding share one tensor, so "
+                f"'{SITE_LM_HEAD_WEIGHTS}' and '{SITE_EMBED_WEIGHTS}' must be configured "
+                f"together (got {SITE_LM_HEAD_WEIGHTS}={lm}, {SITE_EMBED_WEIGHTS}={emb})"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return {"sites": sorted(self.sites), "format": self.format}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QuantConfig:
         return cls(sites=frozenset(d["sites"]), format=d["format"])
+
+
+def _site_widths(cfg: ModelConfig, site: str) -> dict[str, int]:
+    """{activation site (or tensor): width quantized} of a quant site present in `cfg`."""
+    if site == SITE_EMBED_WEIGHTS:
+        return {"embed_tokens": cfg.hidden_size}
+    acts = WEIGHT_SITE_TO_ACT_SITE.get(site, site)
+    return {
+        a: cfg.act_width(a)
+        for a, q in ACT_SITE_TO_QUANT_SITE.items()
+        if q == acts and any(cfg.has_act_site(i, a) for i in range(cfg.num_layers + 1))
+    }
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -271,6 +448,13 @@ class GuidanceConfig:
     mode: Literal["compact", "full"] = "compact"
 
     def __post_init__(self) -> None:
+        unguidable = [s for s in self.sites if s in (ASITE_DOWN_IN, ASITE_LM_HEAD_IN)]
+        if unguidable:
+            raise ValueError(
+                f"activation site(s) {unguidable} cannot be guided: routed-expert down_in rows "
+                "are (token, expert) pairs, not tokens, and the LM head input is outside the "
+                f"decoder layers; guidable: {list(GUIDED_SITES)}"
+            )
         unknown = [s for s in self.sites if s not in GUIDED_SITES]
         if unknown:
             raise ValueError(f"unknown guidance site(s) {unknown}; known: {list(GUIDED_SITES)}")
@@ -307,15 +491,14 @@ class GuidanceConfig:
     def resolve(self, cfg: ModelConfig, quant: QuantConfig) -> tuple[tuple[int, str], ...]:
         """All guided (layer, site) pairs, checked against the model and quantized sites."""
         for s in self.sites:
-            if not quant.has(GSITE_REQUIRES[s]):
+            if not quant.has(ACT_SITE_TO_QUANT_SITE[s]):
                 raise ValueError(
-                    f"guidance site {s!r} needs quantization site {GSITE_REQUIRES[s]!r}, "
+                    f"guidance site {s!r} needs quantization site {ACT_SITE_TO_QUANT_SITE[s]!r}, "
                     f"which is off (QuantConfig.sites={sorted(quant.sites)})"
                 )
         pairs = []
         for layer in self.resolve_layers(cfg):
             for s in self.sites:
-                if s == GSITE_MOE_IN and not cfg.is_moe_layer(layer):
-                    continue  # dense layers have no routed experts
-                pairs.append((layer, s))
+                if cfg.has_act_site(layer, s):  # e.g. dense layers have no moe_in
+                    pairs.append((layer, s))
         return tuple(pairs)

@@ -7,14 +7,16 @@ dicts map one to one (routed experts are stacked here, per-expert tensors in HF 
 
 The model itself never decides how a site is quantized or how tokens are routed: every
 quantizable activation goes through `hooks.act(layer, site, x)`, every routing decision through
-`hooks.route(layer, probs)` and every expert weight through `hooks.weight_mode`. The rollout
-path (`generate.py`) and the training path (`train_forward.py`) differ only in the hooks they
-pass (`runtime.py`), which is what makes "identical by construction" checkable.
+`hooks.route(layer, probs)` and every quantizable weight through `FP4Weights.effective_weight`
+with the mode `hooks.weight_mode(site)` picks. Every projection (attention, shared expert,
+router, dense MLP, LM head) is a `Linear`, the one place that applies both to a GEMM. The
+rollout path (`generate.py`) and the training path (`train_forward.py`) differ only in the
+hooks they pass (`runtime.py`), which is what makes "identical by construction" checkable.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +25,24 @@ from torch import nn
 from trace_common.fp4.fake import straight_through
 from trace_common.model.config import (
     ASITE_DOWN_IN,
+    ASITE_LM_HEAD_IN,
+    GSITE_ATTN_IN,
+    GSITE_DENSE_DOWN_IN,
+    GSITE_DENSE_IN,
     GSITE_K,
     GSITE_MOE_IN,
+    GSITE_O_IN,
+    GSITE_ROUTER_IN,
+    GSITE_SHARED_DOWN_IN,
+    GSITE_SHARED_IN,
     GSITE_V,
+    SITE_ATTN_WEIGHTS,
+    SITE_DENSE_MLP_WEIGHTS,
+    SITE_EMBED_WEIGHTS,
+    SITE_EXPERT_WEIGHTS,
+    SITE_LM_HEAD_WEIGHTS,
+    SITE_ROUTER_WEIGHTS,
+    SITE_SHARED_EXPERT_WEIGHTS,
     ModelConfig,
     QuantConfig,
 )
@@ -37,7 +54,9 @@ WeightMode = Literal["master", "quantized", "ste"]
 class Hooks(Protocol):
     """What the forward pass asks its caller (see runtime.py for the implementations)."""
 
-    weight_mode: WeightMode
+    def weight_mode(self, site: str) -> WeightMode:
+        """How to read the weights of quantization site `site` (e.g. "attn_weights")."""
+        ...
 
     def act(self, layer: int, site: str, x: torch.Tensor) -> torch.Tensor:
         """Quantize (or not) activation rows x [N, W] at (layer, site); returns [N, W]."""
@@ -51,13 +70,132 @@ class Hooks(Protocol):
 class PlainHooks:
     """High precision everywhere, master weights, the model's own routing."""
 
-    weight_mode: WeightMode = "master"
+    def weight_mode(self, site: str) -> WeightMode:
+        return "master"
 
     def act(self, layer: int, site: str, x: torch.Tensor) -> torch.Tensor:
         return x
 
     def route(self, layer: int, probs: torch.Tensor, top_k: int) -> torch.Tensor:
         return torch.topk(probs, top_k, dim=-1).indices
+
+
+class FP4Weights:
+    """Mixin for a module whose weights form one quantization site (`weight_site`).
+
+    `quantized[name]` holds, once `trace_common.model.quant.quantize_policy` ran (or a
+    quantized state dict was loaded), the FP4 codes of weight `name` (one QTensor, or a list
+    of per-expert ones for stacked expert weights), and the non-persistent buffer
+    `<name>_dequant` their dequantized value, which is what both paths multiply with (a buffer
+    so that `.to(device/dtype)` moves it with the model). Quantized once per policy version.
+    """
+
+    weight_site: str
+    fp4_weight_names: tuple[str, ...]
+    quantized: dict[str, Any]
+
+    def _init_fp4(self, site: str, names: tuple[str, ...]) -> None:
+        self.weight_site = site
+        self.fp4_weight_names = names
+        self.quantized = {}
+        for name in names:
+            self.register_buffer(f"{name}_dequant", None, persistent=False)  # type: ignore[attr-defined]
+
+    @property
+    def dequant(self) -> dict[str, torch.Tensor]:
+        """{name: dequantized codes, shaped like the weight} for the quantized weights."""
+        out = {}
+        for name in self.fp4_weight_names:
+            t = getattr(self, f"{name}_dequant")
+            if t is not None:
+                out[name] = t
+        return out
+
+    def set_dequant(self, name: str, value: torch.Tensor | None) -> None:
+        setattr(self, f"{name}_dequant", value)
+
+    def clear_quantized(self) -> None:
+        self.quantized.clear()
+        for name in self.fp4_weight_names:
+            self.set_dequant(name, None)
+
+    def refresh_dequant(self) -> None:
+        """Recompute `<name>_dequant` from `quantized[name]` (in the master weight's dtype)."""
+        for name, qs in self.quantized.items():
+            master = getattr(self, name)
+            if isinstance(qs, list):
+                deq = torch.stack([q.dequantize(torch.float32) for q in qs])
+            else:
+                deq = qs.dequantize(torch.float32)
+            self.set_dequant(name, deq.to(device=master.device, dtype=master.dtype))
+
+    def effective_weight(self, name: str, mode: WeightMode) -> torch.Tensor:
+        """The weight a forward multiplies with: master, FP4 codes' value, or that value with
+        the gradient straight through to the master weight ("ste")."""
+        master = getattr(self, name)
+        if mode == "master":
+            return master
+        deq = getattr(self, f"{name}_dequant")
+        if deq is None:
+            raise RuntimeError(
+                f"{self.weight_site} weight {name!r} has no FP4 codes: call "
+                "quantize_policy(model, quant) or load a quantized state dict before a "
+                "quantized forward"
+            )
+        deq = deq.to(master.dtype)
+        if mode == "quantized":
+            return deq
+        # Straight-through: forward exactly the codes' value, gradient to the master weight.
+        return straight_through(master, deq)
+
+
+class Linear(FP4Weights, nn.Linear):
+    """The one place a projection's configured quantization is applied: its input rows go
+    through activation site `act_site` of `layer`, its weight is read per `weight_site`.
+
+    Projections that read one input (q/k/v; gate/up) call `quantize_input` once and
+    `project` each, as one fused GEMM would.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        layer: int,
+        weight_site: str,
+        act_site: str,
+        bias: bool = False,
+    ) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias=bias)
+        self.layer, self.act_site = layer, act_site
+        self._init_fp4(weight_site, ("weight",))
+
+    def quantize_input(self, x: torch.Tensor, hooks: Hooks) -> torch.Tensor:
+        """x [..., in] -> the same through the activation site (one row per token)."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
+        return hooks.act(self.layer, self.act_site, rows).view(x.shape)
+
+    def project(self, x_q: torch.Tensor, hooks: Hooks) -> torch.Tensor:
+        """x_q [..., in] (already through the activation site) -> [..., out]."""
+        w = self.effective_weight("weight", hooks.weight_mode(self.weight_site))
+        return F.linear(x_q, w, self.bias)
+
+    def forward(self, x: torch.Tensor, hooks: Hooks) -> torch.Tensor:  # type: ignore[override]
+        return self.project(self.quantize_input(x, hooks), hooks)
+
+
+class Embedding(FP4Weights, nn.Embedding):
+    """Token embedding whose table may be FP4 (`embed_weights`; blocks along hidden)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        nn.Embedding.__init__(self, num_embeddings, embedding_dim)
+        self._init_fp4(SITE_EMBED_WEIGHTS, ("weight",))
+
+    def forward(self, ids: torch.Tensor, hooks: Hooks) -> torch.Tensor:  # type: ignore[override]
+        return F.embedding(
+            ids, self.effective_weight("weight", hooks.weight_mode(self.weight_site))
+        )
 
 
 class RMSNorm(nn.Module):
@@ -94,14 +232,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    # Projections one fused GEMM reads: they share one input and one weight second-level scale.
+    FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"),)
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        kw = {"layer": layer, "weight_site": SITE_ATTN_WEIGHTS, "bias": cfg.attention_bias}
+        self.q_proj = Linear(h, cfg.num_heads * d, act_site=GSITE_ATTN_IN, **kw)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, act_site=GSITE_ATTN_IN, **kw)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, act_site=GSITE_ATTN_IN, **kw)
+        self.o_proj = Linear(cfg.num_heads * d, h, act_site=GSITE_O_IN, **kw)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -116,9 +258,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        x_q = self.q_proj.quantize_input(x, hooks)  # [B, T, hidden], shared by q/k/v
+        q = self.q_norm(self.q_proj.project(x_q, hooks).view(b, t, cfg.num_heads, cfg.head_dim))
+        k = self.k_norm(self.k_proj.project(x_q, hooks).view(b, t, cfg.num_kv_heads, cfg.head_dim))
+        v = self.v_proj.project(x_q, hooks).view(b, t, cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # K and V are quantized per token row exactly as they enter the cache.
         k = hooks.act(self.layer, GSITE_K, k.reshape(b * t, cfg.kv_width)).view(k.shape)
@@ -133,73 +276,47 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, vh).transpose(1, 2).reshape(b, t, -1)  # [B, T, H*D]
-        return self.o_proj(out)
+        return self.o_proj(out, hooks)
 
 
 class SwiGLU(nn.Module):
     """Dense SwiGLU MLP (shared expert, or the MLP of `mlp_only_layers`)."""
 
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+    FUSED_LINEARS = (("gate_proj", "up_proj"),)  # one w13 GEMM: shared input and scale_2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __init__(
+        self, hidden: int, inter: int, *, layer: int, weight_site: str, act_sites: tuple[str, str]
+    ) -> None:
+        super().__init__()
+        kw = {"layer": layer, "weight_site": weight_site}
+        self.gate_proj = Linear(hidden, inter, act_site=act_sites[0], **kw)
+        self.up_proj = Linear(hidden, inter, act_site=act_sites[0], **kw)
+        self.down_proj = Linear(inter, hidden, act_site=act_sites[1], **kw)
+
+    def forward(self, x: torch.Tensor, hooks: Hooks) -> torch.Tensor:
+        x_q = self.gate_proj.quantize_input(x, hooks)  # shared by gate and up
+        h = F.silu(self.gate_proj.project(x_q, hooks)) * self.up_proj.project(x_q, hooks)
+        return self.down_proj(h, hooks)
 
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-class Experts(nn.Module):
+class Experts(FP4Weights, nn.Module):
     """Routed experts, weights stacked: gate/up [E, I, H], down [E, H, I].
 
-    `quantized[name]` holds, once `trace_common.model.quant.quantize_policy` ran (or a
-    quantized state dict was loaded), the FP4 codes of each weight, and the non-persistent
-    buffer `<name>_dequant` their dequantized value [E, out, in], which is what both paths
-    multiply with (a buffer so that `.to(device/dtype)` moves it with the model).
+    FP4 codes per expert (`quantized[name]` is a list of E QTensors; `<name>_dequant`
+    [E, out, in]), see `FP4Weights`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts = e
         self.gate_proj = nn.Parameter(torch.empty(e, i, h))
         self.up_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.quantized: dict[str, list[object]] = {}  # name -> per-expert FP4 tensors
-        for name in EXPERT_PROJS:
-            self.register_buffer(f"{name}_dequant", None, persistent=False)
-
-    @property
-    def dequant(self) -> dict[str, torch.Tensor]:
-        """{name: [E, out, in] dequantized codes} for the quantized weights."""
-        out = {}
-        for name in EXPERT_PROJS:
-            t = getattr(self, f"{name}_dequant")
-            if t is not None:
-                out[name] = t
-        return out
-
-    def set_dequant(self, name: str, value: torch.Tensor | None) -> None:
-        setattr(self, f"{name}_dequant", value)
-
-    def weight(self, name: str, mode: WeightMode) -> torch.Tensor:
-        master = getattr(self, name)
-        if mode == "master":
-            return master
-        deq = getattr(self, f"{name}_dequant")
-        if deq is None:
-            raise RuntimeError(
-                f"expert weight {name!r} has no FP4 codes: call quantize_policy(model, quant) "
-                "or load a quantized state dict before a quantized forward"
-            )
-        deq = deq.to(master.dtype)
-        if mode == "quantized":
-            return deq
-        # Straight-through: forward exactly the codes' value, gradient to the master weight.
-        return straight_through(master, deq)
+        self._init_fp4(SITE_EXPERT_WEIGHTS, EXPERT_PROJS)
 
     def forward(
         self,
@@ -209,9 +326,10 @@ class Experts(nn.Module):
         hooks: Hooks,
         layer: int,
     ) -> torch.Tensor:
-        wg = self.weight("gate_proj", hooks.weight_mode)
-        wu = self.weight("up_proj", hooks.weight_mode)
-        wd = self.weight("down_proj", hooks.weight_mode)
+        mode = hooks.weight_mode(self.weight_site)
+        wg = self.effective_weight("gate_proj", mode)
+        wu = self.effective_weight("up_proj", mode)
+        wd = self.effective_weight("down_proj", mode)
         n, k = ids.shape
         # Each (token, slot) output lands in its own row; the k slots are then summed in fp32
         # in slot order, so a token's result does not depend on which other tokens are batched.
@@ -232,10 +350,23 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router
+        self.gate = Linear(  # router
+            cfg.hidden_size,
+            cfg.num_experts,
+            layer=layer,
+            weight_site=SITE_ROUTER_WEIGHTS,
+            act_site=GSITE_ROUTER_IN,
+        )
         self.experts = Experts(cfg)
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert = SwiGLU(
+                cfg.hidden_size,
+                cfg.shared_expert_intermediate_size,
+                layer=layer,
+                weight_site=SITE_SHARED_EXPERT_WEIGHTS,
+                act_sites=(GSITE_SHARED_IN, GSITE_SHARED_DOWN_IN),
+            )
+            # A 1-wide sigmoid gate: no quantization site (ModelOpt and vLLM keep it BF16 too).
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
@@ -243,7 +374,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, hooks: Hooks) -> torch.Tensor:
         b, t, h = x.shape
         flat = x.reshape(b * t, h)  # [N, H]
-        probs = torch.softmax(self.gate(flat), dim=-1, dtype=torch.float32)  # [N, E]
+        probs = torch.softmax(self.gate(flat, hooks), dim=-1, dtype=torch.float32)  # [N, E]
         ids = hooks.route(self.layer, probs, self.cfg.top_k)  # [N, k]
         weights = probs.gather(1, ids)  # [N, k] differentiable w.r.t. the router
         if self.cfg.norm_topk_prob:
@@ -251,7 +382,8 @@ class SparseMoE(nn.Module):
         x_q = hooks.act(self.layer, GSITE_MOE_IN, flat)
         out = self.experts(x_q, ids, weights.to(x.dtype), hooks, self.layer)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat) * torch.sigmoid(self.shared_expert_gate(flat))
+            shared = self.shared_expert(flat, hooks)  # [N, H]
+            out = out + shared * torch.sigmoid(self.shared_expert_gate(flat))
         return out.view(b, t, h)
 
 
@@ -262,23 +394,26 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (
             SparseMoE(cfg, layer)
             if cfg.is_moe_layer(layer)
-            else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            else SwiGLU(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                layer=layer,
+                weight_site=SITE_DENSE_MLP_WEIGHTS,
+                act_sites=(GSITE_DENSE_IN, GSITE_DENSE_DOWN_IN),
+            )
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, hooks: Hooks, cache: KVCache | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, hooks, cache)
-        h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, SparseMoE):
-            return x + self.mlp(h, hooks)
-        return x + self.mlp(h)
+        return x + self.mlp(self.post_attention_layernorm(x), hooks)
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -306,7 +441,13 @@ class MoECausalLM(nn.Module):
         self.cfg = cfg
         self.quant = QuantConfig.none()  # set by quant.quantize_policy / a quantized load
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(  # its input site is reported as layer num_layers
+            cfg.hidden_size,
+            cfg.vocab_size,
+            layer=cfg.num_layers,
+            weight_site=SITE_LM_HEAD_WEIGHTS,
+            act_site=ASITE_LM_HEAD_IN,
+        )
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -344,10 +485,10 @@ class MoECausalLM(nn.Module):
         start = cache.length if cache is not None else 0
         query_cols = torch.arange(start, start + t, device=input_ids.device)
         mask = attention_mask(query_cols, key_valid)
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids, hooks)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, hooks, cache)
         if cache is not None:
             cache.advance(t)
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model.norm(x), hooks)

@@ -1,32 +1,40 @@
 """Quantized policy weights: quantize once, export, load without re-quantizing.
 
-The trainer owns high-precision master weights. `quantize_policy` quantizes every routed-expert
-weight once (NVFP4: per-tensor fp32 second-level scale, gate and up of one expert sharing it as
-vLLM's fused w13 expects; MXFP4: E8M0 block scales) and keeps both the codes and their
-dequantized value. Both paths multiply with that dequantized value, so weights are identical
-by construction. `export_quantized_state_dict` produces what the trainer pushes to weight-sync
-(ModelOpt layout, HF names: `...experts.{e}.gate_proj.weight` uint8 [out, in/2],
-`.weight_scale` e4m3 [out, in/16], `.weight_scale_2` fp32) and `load_quantized_state_dict`
-rebuilds a policy from it, reusing the codes as they are.
+The trainer owns high-precision master weights. `quantize_policy` quantizes the weights of
+every configured weight site once (NVFP4: per-tensor fp32 second-level scale; weights that one
+fused GEMM reads share it, as ModelOpt exports them and vLLM's fused w13/qkv expect: gate and
+up of one expert, q/k/v, a SwiGLU's gate and up; MXFP4: E8M0 block scales) and keeps both the
+codes and their dequantized value. Both paths multiply with that dequantized value, so weights
+are identical by construction. `export_quantized_state_dict` produces what the trainer pushes
+to weight-sync (ModelOpt layout, HF names: `<module>.weight` uint8 [out, in/2],
+`.weight_scale` e4m3 [out, in/16], `.weight_scale_2` fp32; routed experts per expert,
+`...experts.{e}.gate_proj.weight`) with unconfigured sites in high precision, and
+`load_quantized_state_dict` rebuilds a policy from it, reusing the codes as they are.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import torch
 
-from trace_common.fp4 import get_format
+from trace_common.fp4 import FP4Format, QTensor, get_format
 from trace_common.fp4.mxfp4 import MXFP4Tensor
 from trace_common.fp4.nvfp4 import NVFP4Tensor, scale_2_from_amax
-from trace_common.model.config import SITE_EXPERT_WEIGHTS, ModelConfig, QuantConfig
+from trace_common.model.config import ModelConfig, QuantConfig
 from trace_common.model.hf import load_native_state_dict
-from trace_common.model.model import EXPERT_PROJS, Experts, MoECausalLM
+from trace_common.model.model import EXPERT_PROJS, Embedding, FP4Weights, Linear, MoECausalLM
 
 POLICY_FORMAT_VERSION = "1"
 _META_VERSION = "trace_policy_format_version"
 _META_MODEL = "trace_model_config"
 _META_QUANT = "trace_quant_config"
+_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2")
+# Gate and up of one expert are read by one fused w13 GEMM (shared scale_2); down alone.
+_EXPERT_GROUPS = (("gate_proj", "up_proj"), ("down_proj",))
+
+FP4Module = Linear | Embedding
 
 
 def set_quant_config(model: MoECausalLM, quant: QuantConfig) -> None:
@@ -38,47 +46,85 @@ def quant_config_of(model: MoECausalLM) -> QuantConfig:
     return model.quant
 
 
+def fp4_modules(model: MoECausalLM) -> Iterator[tuple[str, FP4Module]]:
+    """(HF name, module) of every projection/embedding with a weight site, once per tensor:
+    a tied LM head is left out (the embedding holds its weight and codes)."""
+    tied = model.cfg.tie_word_embeddings
+    for name, mod in model.named_modules():
+        if isinstance(mod, (Linear, Embedding)) and not (tied and mod is model.lm_head):
+            yield name, mod
+
+
+def _fused_groups(model: MoECausalLM) -> list[list[FP4Module]]:
+    """The projections/embedding grouped by the GEMM that reads them (`FUSED_LINEARS`)."""
+    groups, grouped = [], set()
+    for mod in model.modules():
+        for names in getattr(mod, "FUSED_LINEARS", ()):
+            group = [getattr(mod, n) for n in names]
+            groups.append(group)
+            grouped.update(map(id, group))
+    groups += [[m] for _, m in fp4_modules(model) if id(m) not in grouped]
+    return groups
+
+
+def _quantize_group(fmt: FP4Format, weights: list[torch.Tensor]) -> list[QTensor]:
+    """Quantize the weights one fused GEMM reads; NVFP4: one shared per-tensor scale_2."""
+    if fmt.name != "nvfp4":
+        return [fmt.quantize(w) for w in weights]
+    amax = torch.stack([w.abs().amax() for w in weights]).amax()
+    scale_2 = scale_2_from_amax(amax.float())
+    return [fmt.quantize(w, scale_granularity="tensor", per_tensor_scale=scale_2) for w in weights]
+
+
 @torch.no_grad()
 def quantize_policy(model: MoECausalLM, quant: QuantConfig) -> MoECausalLM:
-    """Attach `quant` to the model and quantize its expert weights (if that site is on) once.
+    """Attach `quant` to the model and quantize the weights of its weight sites once.
 
     Call again after every optimizer step that should produce a new policy version.
+    ValueError (QuantConfig.check_model) if the config does not fit the architecture.
     """
+    quant.check_model(model.cfg)
     set_quant_config(model, quant)
     fmt = get_format(quant.format)
     for _, block in model.moe_blocks():
-        ex: Experts = block.experts
-        ex.quantized.clear()
-        for name in EXPERT_PROJS:
-            ex.set_dequant(name, None)
-        if not quant.has(SITE_EXPERT_WEIGHTS):
+        ex = block.experts
+        ex.clear_quantized()
+        if not quant.has(ex.weight_site):
             continue
         for name in EXPERT_PROJS:
             ex.quantized[name] = []
         for e in range(ex.num_experts):
-            shared = None
-            if fmt.name == "nvfp4":
-                # gate and up of one expert share scale_2 (vLLM fuses them into one w13 GEMM).
-                amax = torch.maximum(ex.gate_proj[e].abs().amax(), ex.up_proj[e].abs().amax())
-                shared = scale_2_from_amax(amax.float())
-            for name in EXPERT_PROJS:
-                w = getattr(ex, name)[e].detach()
-                if fmt.name == "nvfp4":
-                    pts = shared if name != "down_proj" else None
-                    q = fmt.quantize(w, scale_granularity="tensor", per_tensor_scale=pts)
-                else:
-                    q = fmt.quantize(w)
-                ex.quantized[name].append(q)
-        _refresh_dequant(ex, fmt.name)
+            for names in _EXPERT_GROUPS:
+                qs = _quantize_group(fmt, [getattr(ex, n)[e].detach() for n in names])
+                for n, q in zip(names, qs, strict=True):
+                    ex.quantized[n].append(q)
+        ex.refresh_dequant()
+    model.lm_head.clear_quantized()
+    for group in _fused_groups(model):
+        for mod in group:
+            mod.clear_quantized()
+        if quant.has(group[0].weight_site):
+            qs = _quantize_group(fmt, [m.weight.detach() for m in group])
+            for mod, q in zip(group, qs, strict=True):
+                mod.quantized["weight"] = q
+                mod.refresh_dequant()
+    _share_tied_codes(model)
     return model
 
 
-def _refresh_dequant(ex: Experts, fmt_name: str) -> None:
-    fmt = get_format(fmt_name)
-    for name, qs in ex.quantized.items():
-        master = getattr(ex, name)
-        deq = torch.stack([fmt.dequantize(q, dtype=torch.float32) for q in qs])
-        ex.set_dequant(name, deq.to(device=master.device, dtype=master.dtype))
+def _share_tied_codes(model: MoECausalLM) -> None:
+    """A tied LM head reads the embedding's codes (one tensor, quantized once)."""
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.quantized.update(model.model.embed_tokens.quantized)
+        model.lm_head.refresh_dequant()
+
+
+def _put_qtensor(tensors: dict[str, torch.Tensor], base: str, q: QTensor) -> None:
+    """ModelOpt layout under `base` (e.g. "model.layers.0.self_attn.q_proj")."""
+    tensors[f"{base}.weight"] = q.qdata.clone()  # uint8 [out, in/2]
+    tensors[f"{base}.weight_scale"] = q.scale.clone()  # [out, in/block]
+    if isinstance(q, NVFP4Tensor):
+        tensors[f"{base}.weight_scale_2"] = q.per_tensor_scale.clone()  # fp32 0-d
 
 
 def export_quantized_state_dict(
@@ -86,9 +132,10 @@ def export_quantized_state_dict(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of the quantized policy, for weight-sync / safetensors.
 
-    Routed-expert weights as packed FP4 codes + scales (HF per-expert names, ModelOpt layout),
-    everything else high precision under its HF name. Metadata (all str, safetensors-ready)
-    carries the model and quant configs and the format version, never guessed from names.
+    Weights of configured weight sites as packed FP4 codes + scales (ModelOpt layout; routed
+    experts under HF per-expert names), everything else high precision under its HF name.
+    Metadata (all str, safetensors-ready) carries the model and quant configs and the format
+    version: what is packed is read from there, never guessed from names or dtypes.
     """
     quant = quant_config_of(model)
     tensors: dict[str, torch.Tensor] = {}
@@ -98,6 +145,9 @@ def export_quantized_state_dict(
         if key == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
         tensors[key] = t.detach().clone()
+    for name, mod in fp4_modules(model):
+        if "weight" in mod.quantized:
+            _put_qtensor(tensors, name, mod.quantized["weight"])
     for layer, block in model.moe_blocks():
         ex = block.experts
         prefix = f"model.layers.{layer}.mlp.experts"
@@ -105,11 +155,7 @@ def export_quantized_state_dict(
             for e in range(ex.num_experts):
                 base = f"{prefix}.{e}.{name}"
                 if name in ex.quantized:
-                    q = ex.quantized[name][e]
-                    tensors[f"{base}.weight"] = q.qdata.clone()  # uint8 [out, in/2]
-                    tensors[f"{base}.weight_scale"] = q.scale.clone()  # [out, in/block]
-                    if isinstance(q, NVFP4Tensor):
-                        tensors[f"{base}.weight_scale_2"] = q.per_tensor_scale.clone()
+                    _put_qtensor(tensors, base, ex.quantized[name][e])
                 else:
                     tensors[f"{base}.weight"] = getattr(ex, name)[e].detach().clone()
     metadata = {
@@ -127,7 +173,7 @@ def load_quantized_state_dict(
     dtype: torch.dtype = torch.float32,
 ) -> MoECausalLM:
     """Rebuild a policy from `export_quantized_state_dict` output. Codes are used as stored:
-    the expert master weights become their dequantized value, nothing is re-quantized."""
+    master weights of quantized sites become their dequantized value, nothing is re-quantized."""
     version = metadata.get(_META_VERSION)
     if version != POLICY_FORMAT_VERSION:
         raise ValueError(
@@ -135,64 +181,80 @@ def load_quantized_state_dict(
         )
     cfg = ModelConfig.from_dict(json.loads(metadata[_META_MODEL]))
     quant = QuantConfig.from_dict(json.loads(metadata[_META_QUANT]))
+    quant.check_model(cfg)
     model = MoECausalLM(cfg).to(dtype)
     set_quant_config(model, quant)
     fmt = get_format(quant.format)
-    native = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
-    quantized_w = quant.has(SITE_EXPERT_WEIGHTS)
+    native = {
+        k: v
+        for k, v in tensors.items()
+        if ".mlp.experts." not in k and not k.endswith(_SCALE_SUFFIXES)
+    }
+    consumed = set(native)
+    loaded: list[FP4Weights] = []
+    for name, mod in fp4_modules(model):
+        if quant.has(mod.weight_site):
+            q = _take_qtensor(tensors, name, tuple(mod.weight.shape), fmt, dtype, consumed)
+            native[f"{name}.weight"] = q.dequantize(torch.float32)
+            mod.quantized["weight"] = q
+            loaded.append(mod)
     for layer, block in model.moe_blocks():
         ex = block.experts
         prefix = f"model.layers.{layer}.mlp.experts"
         for name in EXPERT_PROJS:
-            master = getattr(ex, name)
-            out_dim, in_dim = master.shape[1:]
+            shape = tuple(getattr(ex, name).shape[1:])
             qs, ws = [], []
             for e in range(cfg.num_experts):
                 base = f"{prefix}.{e}.{name}"
-                w = _take(tensors, f"{base}.weight")
-                if not quantized_w:
-                    ws.append(w)
-                    continue
-                _expect(w, f"{base}.weight", (out_dim, in_dim // 2), torch.uint8)
-                scale = _take(tensors, f"{base}.weight_scale")
-                shape = torch.Size((out_dim, in_dim))
-                if fmt.name == "nvfp4":
-                    _expect(
-                        scale,
-                        f"{base}.weight_scale",
-                        (out_dim, in_dim // fmt.block_size),
-                        torch.float8_e4m3fn,
-                    )
-                    s2 = _take(tensors, f"{base}.weight_scale_2").float()
-                    _expect(s2, f"{base}.weight_scale_2", (), torch.float32)
-                    q = NVFP4Tensor(
-                        qdata=w,
-                        scale=scale,
-                        per_tensor_scale=s2,
-                        shape=shape,
-                        dtype=dtype,
-                        scale_granularity="tensor",
-                    )
+                if quant.has(ex.weight_site):
+                    qs.append(_take_qtensor(tensors, base, shape, fmt, dtype, consumed))
+                    ws.append(qs[-1].dequantize(torch.float32))
                 else:
-                    _expect(
-                        scale,
-                        f"{base}.weight_scale",
-                        (out_dim, in_dim // fmt.block_size),
-                        torch.uint8,
-                    )
-                    q = MXFP4Tensor(qdata=w, scale=scale, shape=shape, dtype=dtype)
-                qs.append(q)
-                ws.append(fmt.dequantize(q, dtype=torch.float32))
+                    ws.append(_take(tensors, f"{base}.weight"))
+                    consumed.add(f"{base}.weight")
             native[f"{prefix}.{name}"] = torch.stack(ws)
-            if quantized_w:
+            if qs:
                 ex.quantized[name] = qs
-        if quantized_w:
-            _refresh_dequant(ex, fmt.name)
-    leftover = sorted(set(tensors) - _consumed(tensors, cfg, model))
+        loaded.append(ex)
+    leftover = sorted(set(tensors) - consumed)
     if leftover:
         raise ValueError(f"quantized state dict has unexpected tensors {leftover[:8]}")
     load_native_state_dict(model, native, source="quantized state dict")
+    for mod in loaded:
+        mod.refresh_dequant()
+    _share_tied_codes(model)
     return model
+
+
+def _take_qtensor(
+    tensors: dict[str, torch.Tensor],
+    base: str,
+    shape: tuple[int, int],
+    fmt: FP4Format,
+    dtype: torch.dtype,
+    consumed: set[str],
+) -> QTensor:
+    """The FP4 weight [out, in] stored under `base` in ModelOpt layout, checked, as stored."""
+    out_dim, in_dim = shape
+    w = _take(tensors, f"{base}.weight")
+    _expect(w, f"{base}.weight", (out_dim, in_dim // 2), torch.uint8)
+    scale = _take(tensors, f"{base}.weight_scale")
+    scale_dtype = torch.float8_e4m3fn if fmt.name == "nvfp4" else torch.uint8  # e4m3 / e8m0
+    _expect(scale, f"{base}.weight_scale", (out_dim, in_dim // fmt.block_size), scale_dtype)
+    consumed.update({f"{base}.weight", f"{base}.weight_scale"})
+    if fmt.name != "nvfp4":
+        return MXFP4Tensor(qdata=w, scale=scale, shape=torch.Size(shape), dtype=dtype)
+    s2 = _take(tensors, f"{base}.weight_scale_2").float()
+    _expect(s2, f"{base}.weight_scale_2", (), torch.float32)
+    consumed.add(f"{base}.weight_scale_2")
+    return NVFP4Tensor(
+        qdata=w,
+        scale=scale,
+        per_tensor_scale=s2,
+        shape=torch.Size(shape),
+        dtype=dtype,
+        scale_granularity="tensor",
+    )
 
 
 def _take(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
@@ -206,17 +268,3 @@ def _expect(t: torch.Tensor, key: str, shape: tuple[int, ...], dtype: torch.dtyp
         raise ValueError(
             f"tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)}"
         )
-
-
-def _consumed(
-    tensors: dict[str, torch.Tensor],
-    cfg: ModelConfig,
-    model: MoECausalLM,
-) -> set[str]:
-    used = {k for k in tensors if ".mlp.experts." not in k}
-    for layer, _ in model.moe_blocks():
-        for name in EXPERT_PROJS:
-            for e in range(cfg.num_experts):
-                base = f"model.layers.{layer}.mlp.experts.{e}.{name}"
-                used.update({f"{base}.weight", f"{base}.weight_scale", f"{base}.weight_scale_2"})
-    return used

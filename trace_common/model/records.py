@@ -26,7 +26,7 @@ import torch
 
 from trace_common.fp4.e2m1 import pack_bits, unpack_uint4
 from trace_common.fp4.guided import GuidanceRecord, concat_records
-from trace_common.model.config import GSITE_K, GSITE_MOE_IN, GSITE_V, ModelConfig
+from trace_common.model.config import GUIDED_SITES, ModelConfig
 
 RECORDS_MAGIC = b"TRSR"
 RECORDS_VERSION = 1
@@ -91,13 +91,11 @@ class SampleRecords:
                     raise ValueError(
                         f"guidance record for layer {layer}; model has {cfg.num_layers}"
                     )
-                width = {
-                    GSITE_MOE_IN: cfg.hidden_size,
-                    GSITE_K: cfg.kv_width,
-                    GSITE_V: cfg.kv_width,
-                }.get(site)
-                if width is None:
+                if site not in GUIDED_SITES:
                     raise ValueError(f"guidance record for unknown site {site!r}")
+                if not cfg.has_act_site(layer, site):
+                    raise ValueError(f"guidance record ({layer}, {site!r}): layer has no {site}")
+                width = cfg.act_width(site)
                 if rec.k != width:
                     raise ValueError(
                         f"guidance record ({layer}, {site!r}) has width {rec.k}, "

@@ -17,30 +17,14 @@ from trace_common.fp4 import get_format
 from trace_common.fp4.e2m1 import e2m1_to_f32
 from trace_common.fp4.fake import fake_quantize
 from trace_common.fp4.guided import GuidanceRecord, capture, guided_codes, guided_quantize
-from trace_common.model.config import (
-    ASITE_DOWN_IN,
-    GSITE_K,
-    GSITE_MOE_IN,
-    GSITE_V,
-    SITE_EXPERT_ACTS,
-    SITE_EXPERT_WEIGHTS,
-    SITE_KV,
-    QuantConfig,
-)
+from trace_common.model.config import ACT_SITE_TO_QUANT_SITE, GUIDED_SITES, QuantConfig
 from trace_common.model.model import WeightMode
 
 QatMode = Literal["none", "rtn", "trace"]
 QAT_MODES: tuple[str, ...] = ("none", "rtn", "trace")
 
-# Which QuantConfig site governs each activation site the model reports.
-ACT_SITE_TO_QUANT_SITE = {
-    GSITE_MOE_IN: SITE_EXPERT_ACTS,
-    ASITE_DOWN_IN: SITE_EXPERT_ACTS,
-    GSITE_K: SITE_KV,
-    GSITE_V: SITE_KV,
-}
-# Sites whose per-token values are worth reporting for discrepancy metrics.
-MEASURED_SITES = (GSITE_MOE_IN, GSITE_K, GSITE_V)
+# Sites whose per-token values are worth reporting for discrepancy metrics: the guidable ones.
+MEASURED_SITES = frozenset(GUIDED_SITES)
 
 Key = tuple[int, str]  # (layer, site)
 
@@ -78,13 +62,15 @@ class RolloutHooks:
         self.fmt = get_format(quant.format).name
         self.guided = guided
         self.mode = mode
-        self.weight_mode: WeightMode = "quantized" if quant.has(SITE_EXPERT_WEIGHTS) else "master"
         self.captured: dict[Key, GuidanceRecord] = {}
         self.routing: dict[int, torch.Tensor] = {}
 
     def reset(self) -> None:
         self.captured = {}
         self.routing = {}
+
+    def weight_mode(self, site: str) -> WeightMode:
+        return "quantized" if self.quant.has(site) else "master"
 
     def act(self, layer: int, site: str, x: torch.Tensor) -> torch.Tensor:
         if not self.quant.has(ACT_SITE_TO_QUANT_SITE[site]):
@@ -128,12 +114,14 @@ class TrainHooks:
         self.guidance = dict(guidance or {})
         self.replay = dict(replay or {})
         self.collect = collect
-        quant_w = qat_mode != "none" and quant.has(SITE_EXPERT_WEIGHTS)
-        self.weight_mode: WeightMode = "ste" if quant_w else "master"
         self.site_values: dict[Key, torch.Tensor] = {}  # [N_valid, W] values used, detached
         # [N_valid, W] fp32 E2M1 grid values chosen (for "none": those RTN would choose)
         self.site_codes: dict[Key, torch.Tensor] = {}
         self.own_routing: dict[int, torch.Tensor] = {}  # [N_valid, k] the model's own top-k
+
+    def weight_mode(self, site: str) -> WeightMode:
+        """QAT modes read the policy's FP4 weights (STE to the master); "none" the master."""
+        return "ste" if self.qat_mode != "none" and self.quant.has(site) else "master"
 
     def act(self, layer: int, site: str, x: torch.Tensor) -> torch.Tensor:
         quantized = self.quant.has(ACT_SITE_TO_QUANT_SITE[site])

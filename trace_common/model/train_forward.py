@@ -1,9 +1,10 @@
 """The training path: one full-sequence forward with autograd and a QAT mode.
 
 qat_mode:
-  "none"  high precision activations, KV and expert weights (master weights);
+  "none"  high precision activations, KV and weights (master weights);
   "rtn"   vanilla QAT: the trainer's own round-to-nearest FP4 fake quantization at every site
-          the policy quantizes, expert weights = dequantized codes of the policy (STE);
+          the policy quantizes, weights of every quantized weight site = dequantized codes
+          of the policy (STE);
   "trace" rollout-guided QAT: like "rtn", but at every (layer, site) the records guide, the
           rollout's scales and codes steer the rounding (`fp4.guided.guided_quantize`, STE).
 routing_replay forces the experts the rollout chose; the router still gets gradients through
@@ -17,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trace_common.model.config import ACT_SITE_TO_QUANT_SITE
 from trace_common.model.model import MoECausalLM
 from trace_common.model.quant import quant_config_of
 from trace_common.model.records import SampleRecords, batch_guidance, batch_routing
-from trace_common.model.runtime import ACT_SITE_TO_QUANT_SITE, QAT_MODES, Key, TrainHooks
+from trace_common.model.runtime import QAT_MODES, Key, TrainHooks
 
 
 @dataclass(kw_only=True, slots=True)
