@@ -115,8 +115,9 @@ def quantize_policy(model: MoECausalLM, quant: QuantConfig) -> MoECausalLM:
 def _share_tied_codes(model: MoECausalLM) -> None:
     """A tied LM head reads the embedding's codes (one tensor, quantized once)."""
     if model.cfg.tie_word_embeddings:
-        model.lm_head.quantized.update(model.model.embed_tokens.quantized)
-        model.lm_head.refresh_dequant()
+        embed = model.model.embed_tokens
+        model.lm_head.quantized.update(embed.quantized)
+        model.lm_head.set_dequant("weight", embed.dequant.get("weight"))
 
 
 def _put_qtensor(tensors: dict[str, torch.Tensor], base: str, q: QTensor) -> None:

@@ -20,6 +20,8 @@ from trace_common.model import (
     load_quantized_state_dict,
     quantize_policy,
 )
+from trace_common.model.config import DEFAULT_QUANT_SITES, QUANT_SITES
+from trace_common.model.model import FP4Weights
 
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8]]
 
@@ -46,11 +48,21 @@ def test_export_uses_modelopt_layout(debug_model: MoECausalLM) -> None:
     assert all(isinstance(v, str) for v in meta.values())
 
 
+# Every site the debug model has (it has no shared expert and no dense layer).
+DEBUG_SITES = QUANT_SITES - {
+    "shared_expert_weights",
+    "shared_expert_acts",
+    "dense_mlp_weights",
+    "dense_mlp_acts",
+}
+
+
+@pytest.mark.parametrize("sites", [DEFAULT_QUANT_SITES, DEBUG_SITES], ids=["default", "all"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_load_reuses_codes_and_reproduces_rollout(fmt, hp_model, monkeypatch) -> None:
+def test_load_reuses_codes_and_reproduces_rollout(fmt, sites, hp_model, monkeypatch) -> None:
     policy = MoECausalLM(hp_model.cfg).eval()
     policy.load_state_dict(hp_model.state_dict())
-    quantize_policy(policy, QuantConfig(format=fmt))
+    quantize_policy(policy, QuantConfig(sites=sites, format=fmt))
     tensors, meta = export_quantized_state_dict(policy)
 
     def refuse(*a, **k):
@@ -60,9 +72,15 @@ def test_load_reuses_codes_and_reproduces_rollout(fmt, hp_model, monkeypatch) ->
         m.setattr(trace_common.fp4.nvfp4, "quantize", refuse)
         m.setattr(trace_common.fp4.mxfp4, "quantize", refuse)
         engine = load_quantized_state_dict(tensors, meta)
-    for (_, a), (_, b) in zip(policy.moe_blocks(), engine.moe_blocks(), strict=True):
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            assert torch.equal(a.experts.dequant[name], b.experts.dequant[name])
+    quantized = [(n, m) for n, m in policy.named_modules() if isinstance(m, FP4Weights)]
+    assert sum(bool(m.dequant) for _, m in quantized) == (
+        26 if sites == DEBUG_SITES else 4
+    )  # layers x (q,k,v,o,gate,experts) + 2
+    loaded = dict(engine.named_modules())
+    for name, mod in quantized:
+        assert mod.dequant.keys() == loaded[name].dequant.keys(), name
+        for w, deq in mod.dequant.items():
+            assert torch.equal(deq, loaded[name].dequant[w]), f"{name}.{w}"
     sp = SamplingParams(max_new_tokens=6, seed=4)
     g = GuidanceConfig(mode="full")
     x, y = generate(policy, PROMPTS, sp, guidance=g), generate(engine, PROMPTS, sp, guidance=g)
