@@ -386,6 +386,11 @@ class QuantConfig:
         """Everything in high precision."""
         return cls(sites=frozenset())
 
+    @classmethod
+    def every_site(cls, cfg: ModelConfig, fmt: Literal["nvfp4", "mxfp4"] = "nvfp4") -> QuantConfig:
+        """Every quantization site `cfg` has, FP4 (e.g. no shared_expert_* without one)."""
+        return cls(sites=frozenset(s for s in QUANT_SITES if _site_widths(cfg, s)), format=fmt)
+
     def has(self, site: str) -> bool:
         return site in self.sites
 

@@ -20,7 +20,7 @@ from trace_common.model import (
     load_quantized_state_dict,
     quantize_policy,
 )
-from trace_common.model.config import DEFAULT_QUANT_SITES, QUANT_SITES
+from trace_common.model.config import DEFAULT_QUANT_SITES
 from trace_common.model.model import FP4Weights
 
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8]]
@@ -49,12 +49,7 @@ def test_export_uses_modelopt_layout(debug_model: MoECausalLM) -> None:
 
 
 # Every site the debug model has (it has no shared expert and no dense layer).
-DEBUG_SITES = QUANT_SITES - {
-    "shared_expert_weights",
-    "shared_expert_acts",
-    "dense_mlp_weights",
-    "dense_mlp_acts",
-}
+DEBUG_SITES = QuantConfig.every_site(get_config("debug")).sites
 
 
 @pytest.mark.parametrize("sites", [DEFAULT_QUANT_SITES, DEBUG_SITES], ids=["default", "all"])

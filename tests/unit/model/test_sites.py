@@ -34,7 +34,7 @@ from trace_common.model.runtime import RolloutHooks
 
 # Shared expert on every MoE layer and a dense layer 0: every site exists in this model.
 CFG = get_config("debug-shared").replace(mlp_only_layers=(0,), intermediate_size=64)
-ALL_SITES = frozenset(QUANT_SITES)
+ALL_SITES = QuantConfig.every_site(CFG).sites
 NEW_SITES = sorted(QUANT_SITES - DEFAULT_QUANT_SITES)
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2, 11], [6], [3, 3, 12, 40, 2, 17, 21]]
 
@@ -252,6 +252,18 @@ def test_trace_all_layers_all_sites_reproduces_rollout_exactly(master_state, mod
     assert set(disc) == expected
     for key, d in disc.items():
         assert d.d_act == 0.0 and d.flip_rate == 0.0, f"{key}: {d}"
+
+
+def test_every_site_is_what_the_model_has() -> None:
+    assert ALL_SITES == QUANT_SITES  # CFG has a shared expert and a dense layer
+    debug = QuantConfig.every_site(get_config("debug"), "mxfp4")
+    assert debug.format == "mxfp4"
+    assert QUANT_SITES - debug.sites == {
+        "shared_expert_weights",
+        "shared_expert_acts",
+        "dense_mlp_weights",
+        "dense_mlp_acts",
+    }
 
 
 def test_site_config_errors_name_the_values() -> None:
