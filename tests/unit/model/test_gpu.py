@@ -20,18 +20,25 @@ from trace_common.model.discrepancy import activation_discrepancy, rollout_refer
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2, 11], [6]]
 
 
+# The debug model's guidable sites when every site is FP4 (all of them are guided).
+ALL_DEBUG_GUIDED = ("moe_in", "k", "v", "attn_in", "o_in", "router_in")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("all_sites", [False, True], ids=["paper-sites", "all-sites"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_trace_reproduces_rollout_exactly(dtype: torch.dtype) -> None:
+def test_cuda_trace_reproduces_rollout_exactly(dtype: torch.dtype, all_sites: bool) -> None:
     cfg = get_config("debug")
     model = MoECausalLM(cfg).init_weights(seed=0, std=0.1)
-    quantize_policy(model, QuantConfig())  # codes made on CPU, moved with the model
+    quant = QuantConfig.every_site(cfg) if all_sites else QuantConfig()
+    quantize_policy(model, quant)  # codes made on CPU, moved with the model
     model = model.to("cuda", dtype).eval()
+    sites = ALL_DEBUG_GUIDED if all_sites else ("moe_in", "k", "v")
     out = generate(
         model,
         PROMPTS,
         SamplingParams(max_new_tokens=8, seed=1),
-        guidance=GuidanceConfig(layers=tuple(range(cfg.num_layers)), mode="full"),
+        guidance=GuidanceConfig(layers=tuple(range(cfg.num_layers)), sites=sites, mode="full"),
     )
     seqs = [p + t for p, t in zip(out.prompts, out.tokens, strict=True)]
     values, codes = rollout_reference(out.records, dtype)
@@ -44,7 +51,7 @@ def test_cuda_trace_reproduces_rollout_exactly(dtype: torch.dtype) -> None:
         collect=True,
     )
     disc = activation_discrepancy(res.site_values, res.site_codes, values, codes)
-    assert len(disc) == 3 * cfg.num_layers
+    assert len(disc) == len(sites) * cfg.num_layers
     for key, d in disc.items():
         assert d.d_act == 0.0 and d.flip_rate == 0.0, f"{key}: {d}"
 
