@@ -1,8 +1,11 @@
 """Throughput of the two store services against the raw transports they sit on.
 
-quant-cache: put then get of record blobs (64 KiB .. 16 MiB) through the service (gRPC +
-checksums + Redis) vs redis-py on the same Redis in the same run, both one SET/GET per
-record and pipelined (SETs in a pipeline, MGET) with the service's batch size.
+quant-cache: put then get of record blobs (64 KiB .. 16 MiB) with QuantCacheClient on its
+default (direct) data path -- the client reads and writes Redis itself in the service's
+layout (header, CRC-32, TTL, counters), with the coordinates from the service -- and on
+its gRPC path (every byte through the service), vs redis-py on the same Redis in the same
+run, both one SET/GET per record and pipelined (SETs in a pipeline, MGET) with the client's
+batch size.
 weight-sync: push of one policy version, then a concurrent pull by 1 and 4 replica
 processes, vs a raw TCP socket copy of the same bytes to the same number of processes.
 All on loopback. Prints a table (and writes a PNG with --plot).
@@ -55,6 +58,7 @@ class Row:
     raw_mb_s: float
     raw_batched_mb_s: float | None = None  # quant-cache only: redis-py pipelined/MGET
     grpc_only_mb_s: float | None = None  # quant-cache only: the gRPC hop alone, no Redis
+    grpc_path_mb_s: float | None = None  # quant-cache only: the service's gRPC data path
 
     @property
     def ratio(self) -> float:
@@ -73,14 +77,15 @@ def median_of(repeats: int, fn: Callable[[], float]) -> float:
 
 # -- quant-cache ------------------------------------------------------------------------------
 def _qc_runs(
-    qc: QuantCacheClient, raw: redis.Redis, size: int, n: int, blobs: list[bytes]
-) -> tuple[Callable[[], float], Callable[[], float], Callable[[], float]]:
-    """(service, raw SET/GET, raw pipelined) runs: put n records, get them back, MB/s."""
+    raw: redis.Redis, size: int, n: int, blobs: list[bytes]
+) -> tuple[Callable[[QuantCacheClient], float], Callable[[], float], Callable[[], float]]:
+    """(service via a client, raw SET/GET, raw pipelined) runs: put n records, get them
+    back, MB/s."""
     batch = max(1, QC_BATCH_BYTES // size)
     groups = [list(range(i, min(n, i + batch))) for i in range(0, n, batch)]
     moved = 2 * n * size
 
-    def service() -> float:
+    def service(qc: QuantCacheClient) -> float:
         start = time.perf_counter()
         for g in groups:
             qc.put_many("bench", 0, {f"s{i}": blobs[i % len(blobs)] for i in g})
@@ -212,23 +217,28 @@ def bench_quant_cache(total_bytes: int, repeats: int, progress: Progress) -> lis
             "TRACE_LOG_LEVEL": "WARNING",
         }
         with ServiceProcess("services.quant_cache", env) as svc:
-            qc = QuantCacheClient(svc.grpc_address, TOKEN)
+            qc = QuantCacheClient(svc.grpc_address, TOKEN)  # the default: direct here
+            assert qc.path == "direct", f"expected the direct data path, got {qc.path}"
+            qc_grpc = QuantCacheClient(svc.grpc_address, TOKEN, data_path="grpc")
             echo = Echo()
             task = progress.add_task("quant-cache", total=len(RECORD_SIZES))
             for size in RECORD_SIZES:
                 n = max(8, total_bytes // size)
                 blobs = [os.urandom(size) for _ in range(min(n, 8))]  # reused round-robin
-                service, single, pipelined = _qc_runs(qc, raw, size, n, blobs)
-                # Interleave the three so that load changes hit all of them alike.
+                service, single, pipelined = _qc_runs(raw, size, n, blobs)
+                # Interleave the paths so that load changes hit all of them alike.
                 batch = max(1, QC_BATCH_BYTES // size)
                 groups = [list(range(i, min(n, i + batch))) for i in range(0, n, batch)]
-                results: dict[str, list[float]] = {"svc": [], "one": [], "pipe": [], "grpc": []}
+                results: dict[str, list[float]] = {
+                    "svc": [], "one": [], "pipe": [], "hop": [], "svc_grpc": []
+                }  # fmt: skip
                 for rep in range(repeats + 1):  # the first round warms up, not counted
                     for name, run in (
-                        ("svc", service),
+                        ("svc", functools.partial(service, qc)),
                         ("one", single),
                         ("pipe", pipelined),
-                        ("grpc", functools.partial(echo.run, groups, size, blobs)),
+                        ("hop", functools.partial(echo.run, groups, size, blobs)),
+                        ("svc_grpc", functools.partial(service, qc_grpc)),
                     ):
                         value = run()
                         if rep:
@@ -241,13 +251,16 @@ def bench_quant_cache(total_bytes: int, repeats: int, progress: Progress) -> lis
                         med["svc"],
                         med["one"],
                         med["pipe"],
-                        med["grpc"],
+                        med["hop"],
+                        med["svc_grpc"],
                     )
                 )
                 qc.delete("bench")
                 raw.flushdb()
                 progress.advance(task)
             echo.close()
+            qc.close()
+            qc_grpc.close()
         raw.close()
     return rows
 
@@ -440,6 +453,8 @@ def print_table(rows: list[Row]) -> None:
         "service / raw",
         "raw batched MB/s",
         "service / batched",
+        "via gRPC MB/s",
+        "via gRPC / raw",
         "gRPC hop only MB/s",
     )
     for col in cols:
@@ -451,6 +466,8 @@ def print_table(rows: list[Row]) -> None:
             if batched is None
             else (f"{batched:,.0f}", f"{r.service_mb_s / batched:.0%}")
         )
+        via = r.grpc_path_mb_s
+        via_cols = ("-", "-") if via is None else (f"{via:,.0f}", f"{via / r.raw_mb_s:.0%}")
         hop = "-" if r.grpc_only_mb_s is None else f"{r.grpc_only_mb_s:,.0f}"
         table.add_row(
             r.name,
@@ -459,6 +476,7 @@ def print_table(rows: list[Row]) -> None:
             f"{r.raw_mb_s:,.0f}",
             f"{r.ratio:.0%}",
             *extra,
+            *via_cols,
             hop,
         )
     console.print(table)
@@ -473,19 +491,23 @@ def plot(rows: list[Row], path: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 4.5))
     labels = [f"{r.name}\n{r.size}" for r in rows]
     x = list(range(len(rows)))
-    w = 0.2
+    w = 0.16
     series = [
         ("raw: redis-py SET/GET, TCP socket copy", [r.raw_mb_s for r in rows]),
         ("raw: redis-py pipelined", [r.raw_batched_mb_s or 0 for r in rows]),
         ("gRPC hop only (no Redis)", [r.grpc_only_mb_s or 0 for r in rows]),
-        ("TRACE service", [r.service_mb_s for r in rows]),
+        (
+            "quant-cache via gRPC (every byte through the service)",
+            [r.grpc_path_mb_s or 0 for r in rows],
+        ),
+        ("TRACE service (quant-cache: direct data path)", [r.service_mb_s for r in rows]),
     ]
     for k, (label, values) in enumerate(series):
-        ax.bar([i + (k - 1.5) * w for i in x], values, w, label=label)
+        ax.bar([i + (k - 2) * w for i in x], values, w, label=label)
     ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("MB/s")
     ax.set_title("quant-cache vs redis-py, weight-sync vs raw TCP (loopback)")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     console.print(f"wrote {path}")
@@ -524,8 +546,10 @@ def main() -> None:
     if qc:
         one = statistics.median(r.ratio for r in qc)
         piped = statistics.median(r.service_mb_s / r.raw_batched_mb_s for r in qc)
+        via = statistics.median(r.grpc_path_mb_s / r.raw_mb_s for r in qc if r.grpc_path_mb_s)
         console.print(
-            f"quant-cache / redis-py: median {one:.0%} of SET/GET, {piped:.0%} of pipelined (target >= 70%)"
+            f"quant-cache (direct) / redis-py: median {one:.0%} of SET/GET, {piped:.0%} of "
+            f"pipelined (target >= 70%); via gRPC: median {via:.0%} of SET/GET"
         )
     ws = [r.ratio for r in rows if "push+pull" in r.name]
     if ws:

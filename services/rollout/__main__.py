@@ -29,7 +29,9 @@ def main() -> None:
 
     rt = ServiceRuntime("rollout", settings)
     token = settings.token()
-    quant_cache = QuantCacheClient(settings.quant_cache_address, token)
+    quant_cache = QuantCacheClient(
+        settings.quant_cache_address, token, data_path=settings.quant_cache_data_path
+    )
     weight_sync = WeightSyncClient(settings.weight_sync_address, token)
     holder = EngineHolder()
     audit = RecordAudit(settings.record_audit_file) if settings.record_audit_file else None

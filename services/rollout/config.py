@@ -17,6 +17,11 @@ class RolloutSettings(ServiceSettings):
     http_port: int = Field(8053, ge=0, le=65535)
     weight_sync_address: str = Field(..., description="host:port of weight-sync (required)")
     quant_cache_address: str = Field(..., description="host:port of quant-cache (required)")
+    quant_cache_data_path: Literal["auto", "direct", "grpc"] = Field(
+        "auto",
+        description="record bytes straight to/from Redis (direct, coordinates from quant-cache) "
+        "or through quant-cache (grpc); auto = direct when Redis is reachable",
+    )
     replica_id: str = Field(
         default_factory=lambda: f"rollout-{socket.gethostname()}-{os.getpid()}",
         description="this replica's id in weight-sync's registry",

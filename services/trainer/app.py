@@ -88,7 +88,9 @@ class TrainerApp:
         self.task = make_task(s.task, s.task_difficulty)
         model = build_model(s, tok.vocab_size)
         self.weight_sync = WeightSyncClient(s.weight_sync_address, token)
-        self.quant_cache = QuantCacheClient(s.quant_cache_address, token)
+        self.quant_cache = QuantCacheClient(
+            s.quant_cache_address, token, data_path=s.quant_cache_data_path
+        )
         self.directory = WeightSyncDirectory(
             self.weight_sync, token, generate_timeout=s.generate_timeout_seconds
         )

@@ -21,6 +21,11 @@ class TrainerSettings(ServiceSettings):
     http_port: int = Field(8054, ge=0, le=65535)
     weight_sync_address: str = Field(..., description="host:port of weight-sync (required)")
     quant_cache_address: str = Field(..., description="host:port of quant-cache (required)")
+    quant_cache_data_path: Literal["auto", "direct", "grpc"] = Field(
+        "auto",
+        description="record bytes straight to/from Redis (direct, coordinates from quant-cache) "
+        "or through quant-cache (grpc); auto = direct when Redis is reachable",
+    )
 
     run_id: str = Field("trace-run", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     mode: Literal["bf16", "fp4", "rtn", "trace"] = Field("trace", description="training mode")

@@ -279,3 +279,53 @@ def test_get_data_plane(servicer: QuantCacheServicer, redis_url: str) -> None:
     request = pb.GetDataPlaneRequest(layout_version=LAYOUT_VERSION)
     code, message = code_of(lambda: servicer.GetDataPlane(request, None))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "DATA_PLANE_ENABLED" in message
+
+
+class _RewriteAfterFirstRound:
+    """A redis client whose first pipeline execute is followed by a rewrite of `key`."""
+
+    def __init__(self, client: redis.Redis, key: str, value: bytes) -> None:
+        self._client, self._key, self._value, self._done = client, key, value, False
+
+    def pipeline(self, transaction: bool = False):
+        pipe = self._client.pipeline(transaction=transaction)
+        execute = pipe.execute
+
+        def execute_then_rewrite():
+            replies = execute()
+            if not self._done:
+                self._done = True
+                self._client.set(self._key, self._value)
+            return replies
+
+        pipe.execute = execute_then_rewrite
+        return pipe
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("new_size", [50, 30], ids=["same-length", "other-length"])
+def test_get_many_rereads_a_record_rewritten_between_round_trips(
+    redis_url: str, new_size: int
+) -> None:
+    """A multi-piece record rewritten between get_many's two round trips is read again
+    (never reported corrupt, never returned as a mix of the two writes)."""
+    from trace_common.quant_cache_store import encode
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    old, new = bytes(range(50)), bytes(range(100, 100 + new_size))
+    store = RecordStore(client, "t:qc", ttl_seconds=60, piece_bytes=8)
+    store.put_many([(store.key("r", 0, "s"), encode(old))])
+    racing = RecordStore(
+        _RewriteAfterFirstRound(client, store.key("r", 0, "s"), encode(new)),  # type: ignore[arg-type]
+        "t:qc",
+        ttl_seconds=60,
+        piece_bytes=8,
+    )
+    [found] = racing.get_many([store.key("r", 0, "s")])
+    assert found.status is Lookup.OK, found.detail
+    assert found.blob() == new, "the record as written last, read again whole"
+    assert store.stats()["hits"] == 1, "one lookup counted once"
+    client.close()
