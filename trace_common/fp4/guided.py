@@ -372,6 +372,8 @@ def record_values(record: GuidanceRecord) -> torch.Tensor:
 def _guided(x_train: torch.Tensor, record: GuidanceRecord) -> tuple[torch.Tensor, torch.Tensor]:
     """(q* [R, K/bs, bs] fp32 grid values, factor [R, K/bs] fp32)."""
     z, factor = _scaled(x_train, record)  # z: [R, nb, bs] in [-6, 6]
+    if record.payload.device != z.device:  # a record captured elsewhere (e.g. on the CPU)
+        record = record.to(z.device)
     grid = _table("magnitudes", z.device)  # [8] ascending
     mag = z.abs()
     # Bracket from the nearest grid point r: the other member lies on z's side of it
