@@ -45,6 +45,21 @@ def fp4_decode_words(device: torch_device_like, mode: str | None = None) -> bool
     return mode == "ptx" and on_cuda
 
 
+# Which FP4 expert GEMM runs when the weights are held in both layouts: "cuda" (the CUDA C++
+# mma.sync kernel, trace_common/kernels/cuda/moe_fp4.cu) or "triton". Override with
+# TRACE_FP4_GEMM.
+FP4_GEMM_IMPLS = ("cuda", "triton")
+DEFAULT_FP4_GEMM = "cuda"
+
+
+def fp4_gemm_impl(impl: str | None = None) -> str:
+    """The FP4 expert GEMM implementation to use: `impl`, else TRACE_FP4_GEMM, else default."""
+    impl = impl or os.environ.get("TRACE_FP4_GEMM", DEFAULT_FP4_GEMM)
+    if impl not in FP4_GEMM_IMPLS:
+        raise ValueError(f"TRACE_FP4_GEMM={impl!r}; expected one of {FP4_GEMM_IMPLS}")
+    return impl
+
+
 def load_kernels(name: str) -> ModuleType:
     """Import the Triton kernel module `trace_common.kernels.<name>` (needs Triton)."""
     require_triton()
@@ -52,9 +67,12 @@ def load_kernels(name: str) -> ModuleType:
 
 
 __all__ = [
+    "DEFAULT_FP4_GEMM",
     "FP4_DECODE_MODES",
+    "FP4_GEMM_IMPLS",
     "TRITON_INSTALL_HINT",
     "fp4_decode_words",
+    "fp4_gemm_impl",
     "load_kernels",
     "require_triton",
 ]

@@ -103,6 +103,7 @@ def e2m1_to_f32(c):
 E2M1_FP16_MAG_SHIFT = tl.constexpr(9)
 E2M1_FP16_SIGN_SHIFT = tl.constexpr(12)
 FP16_DECODE_GAIN = tl.constexpr(16384.0)  # 2**14
+FP16_DECODE_INV = tl.constexpr(1.0 / 16384.0)  # 2**-14
 
 
 @triton.jit
@@ -131,6 +132,7 @@ def nvfp4_quant_kernel(
     mbits_ptr,  # uint8 out (CAPTURE): [R, C/8] mantissa bits, element i -> bit i % 8
     rec_scale_ptr,  # uint8 out (CAPTURE): [R, C/16]
     rec_g_ptr,  # fp32 out (CAPTURE): [R]
+    dq_ptr,  # fp16 out (DQ16): [R, C] code * block scale * 2**-14, B-fragment order per block
     pos_ptr,  # int32 [B] (KV_APPEND): cache position each sequence writes at
     n_seq,  # B (KV_APPEND): rows are (kv, b) = (r // B, r % B)
     seq_cap,  # S (KV_APPEND): cache capacity in tokens
@@ -141,6 +143,7 @@ def nvfp4_quant_kernel(
     GIVEN_ROWS: tl.constexpr,  # given scale_2 per row (else one for all rows)
     KV_APPEND: tl.constexpr,
     CAPTURE: tl.constexpr,
+    DQ16: tl.constexpr,
 ):
     """One program quantizes one row of C elements (NVFP4, blocks of 16 along the row)."""
     r = tl.program_id(0).to(tl.int64)
@@ -163,6 +166,13 @@ def nvfp4_quant_kernel(
     s_val, s_byte = e4m3_round(s)
     divisor = tl.broadcast_to((s_val * g)[:, None], [NB, BLOCK])  # fp32 block * scale_2
     codes = f32_to_e2m1(tl.math.div_rn(xb, divisor))  # [NB, 16] int32
+    if DQ16:  # the CUDA expert GEMM's B operand: exact in fp16 (see cuda/moe_fp4.cu)
+        kk = tl.arange(0, BLOCK)
+        perm = ((kk % 8) // 2) * 4 + (kk // 8) * 2 + kk % 2  # lane quad t: 2t, 2t+1, 2t+8, 2t+9
+        jd = tl.arange(0, NB)
+        dq = e2m1_to_f32(codes) * s_val[:, None] * FP16_DECODE_INV
+        tl.store(dq_ptr + r * C + jd[:, None] * BLOCK + perm[None, :], dq.to(tl.float16),
+                 mask=(jd < C // BLOCK)[:, None])  # fmt: skip
     codes = tl.reshape(codes, [BLOCK_C // 2, 2])
     lo, hi = tl.split(codes)
     packed = (lo | (hi << 4)).to(tl.uint8)  # [BLOCK_C/2]

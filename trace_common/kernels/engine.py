@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import moe
+from trace_common.kernels import fp4_gemm_impl, moe
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
 WEIGHT_STD = 0.02
@@ -101,14 +101,19 @@ class EngineWeights:
             )
         return w
 
-    def quantize_experts_(self) -> None:
+    def quantize_experts_(self, gemm: str | None = None) -> None:
         """Replace every BF16 expert weight by its NVFP4 quantization (GPU quantizer), layer
-        by layer, freeing the BF16 copy as it goes."""
+        by layer, freeing the BF16 copy as it goes; for the CUDA expert GEMM (`gemm`, default
+        TRACE_FP4_GEMM) the codes are held in its packed layout only."""
+        cuda = fp4_gemm_impl(gemm) == "cuda"
         for lw in self.layers:
             if not lw.gate_up.is_fp4:
                 assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None
                 lw.gate_up = moe.quantize_weights(lw.gate_up.bf16, shared_halves=True)
                 lw.down = moe.quantize_weights(lw.down.bf16, shared_halves=False)
+                if cuda:
+                    lw.gate_up.pack_for_cuda_()
+                    lw.down.pack_for_cuda_()
 
     def nbytes(self) -> int:
         n = sum(t.numel() * t.element_size() for t in (self.embed, self.lm_head, self.final_norm))
@@ -128,7 +133,12 @@ class DecodeEngine:
     ) -> None:  # fmt: skip
         s = self.shape = shape
         self.w = weights
-        self.fp4 = weights.layers[0].gate_up.is_fp4
+        gu0 = weights.layers[0].gate_up
+        self.fp4 = gu0.is_fp4
+        # the CUDA expert GEMM when the weights are packed for it (and only so, or it is chosen)
+        self.cuda_gemm = (
+            self.fp4 and gu0.packed is not None and (gu0.codes is None or fp4_gemm_impl() == "cuda")
+        )
         if not 0 < batch <= moe.MAX_FUSED_ROUTE_TOKENS:
             raise ValueError(
                 f"batch={batch}: the graph-captured router handles 1..{moe.MAX_FUSED_ROUTE_TOKENS}"
@@ -155,7 +165,12 @@ class DecodeEngine:
         self.inv_freq = 1.0 / (
             s.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
         )
-        self.block_m = moe.DECODE_BLOCK_M
+        if self.cuda_gemm:
+            from trace_common.kernels.cuda_moe import block_m_for
+
+            self.block_m = block_m_for(b * s.top_k, s.num_experts)
+        else:
+            self.block_m = moe.DECODE_BLOCK_M
         self.plans = [
             moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
@@ -178,12 +193,18 @@ class DecodeEngine:
         if self.fp4:
             u8 = dict(dtype=torch.uint8, device=device)
             f32 = dict(dtype=torch.float32, device=device)
-            self.xq = moe.FP4Rows(torch.empty(b, h // 2, **u8), torch.empty(b, h // 16, **u8),
-                                  torch.empty(b, **f32))  # fmt: skip
             n = b * s.top_k
             i = s.moe_inter
+
+            def dq16(rows: int, k: int) -> torch.Tensor | None:
+                if not self.cuda_gemm:
+                    return None
+                return torch.empty(rows, k, dtype=torch.float16, device=device)
+
+            self.xq = moe.FP4Rows(torch.empty(b, h // 2, **u8), torch.empty(b, h // 16, **u8),
+                                  torch.empty(b, **f32), dq16(b, h))  # fmt: skip
             self.actq = moe.FP4Rows(torch.empty(n, i // 2, **u8), torch.empty(n, i // 16, **u8),
-                                    torch.empty(n, **f32))  # fmt: skip
+                                    torch.empty(n, **f32), dq16(n, i))  # fmt: skip
             self.records = {
                 layer: (
                     CompactRecordBuffers.allocate(b, h, device),  # moe_in
@@ -220,14 +241,17 @@ class DecodeEngine:
             plan = self.plans[li]
             moe.route_align_into(self.rlogits, plan)
             if self.fp4:
+                impl = "cuda" if self.cuda_gemm else "triton"
                 quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
-                              out=(self.xq.codes, self.xq.scales, self.xq.scale_2))  # fmt: skip
+                              out=(self.xq.codes, self.xq.scales, self.xq.scale_2),
+                              dq16=self.xq.dq16)  # fmt: skip
                 moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
-                             mul_route_w=False, out=self.act)  # fmt: skip
+                             mul_route_w=False, out=self.act, impl=impl)  # fmt: skip
                 quantize_rows(self.act, scale_2=None,
-                              out=(self.actq.codes, self.actq.scales, self.actq.scale_2))  # fmt: skip
+                              out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
+                              dq16=self.actq.dq16)  # fmt: skip
                 moe.moe_gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
-                             out=self.y)  # fmt: skip
+                             out=self.y, impl=impl)  # fmt: skip
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
                              mul_route_w=False, out=self.act)  # fmt: skip

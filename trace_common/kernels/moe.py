@@ -13,10 +13,14 @@ A pair p = t * k + j is token t's j-th expert. The plain-PyTorch references here
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from trace_common.kernels import fp4_decode_words, load_kernels
+from trace_common.kernels import fp4_decode_words, fp4_gemm_impl, load_kernels
+
+if TYPE_CHECKING:
+    from trace_common.kernels.cuda_moe import PackedFP4
 
 DECODE_BLOCK_M = 16  # rows per tile when experts see few tokens (decode): tensor-core minimum
 PREFILL_BLOCK_M = 64  # rows per tile for prefill-sized token counts
@@ -69,7 +73,8 @@ class RoutePlan:
 @dataclass(slots=True)
 class ExpertWeights:
     """One projection of all experts: BF16 [E, N, K], or NVFP4 codes uint8 [E, N, K/2] with
-    e4m3 block scales uint8 [E, N, K/16] and a per-expert fp32 second-level scale [E]."""
+    e4m3 block scales uint8 [E, N, K/16] and a per-expert fp32 second-level scale [E]; the
+    NVFP4 codes and scales may be held (also, or only) in the CUDA kernel's layout (`packed`)."""
 
     n: int
     k: int
@@ -77,23 +82,39 @@ class ExpertWeights:
     codes: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     scale_2: torch.Tensor | None = None
+    packed: PackedFP4 | None = None
 
     @property
     def is_fp4(self) -> bool:
-        return self.codes is not None
+        return self.codes is not None or self.packed is not None
 
     def nbytes(self) -> int:
         ts = (self.bf16,) if not self.is_fp4 else (self.codes, self.scales, self.scale_2)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        n = sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return n + (0 if self.packed is None else self.packed.nbytes())
+
+    def pack_for_cuda_(self, *, keep_rows: bool = False) -> None:
+        """Repack the NVFP4 codes/scales for the CUDA kernel (once, at load); drop the row
+        layout unless `keep_rows` (then both GEMM implementations can run)."""
+        from trace_common.kernels.cuda_moe import pack_fp4_weights
+
+        if self.codes is None or self.scales is None:
+            raise ValueError("pack_for_cuda_ needs NVFP4 weights in the row layout")
+        self.packed = pack_fp4_weights(self.codes, self.scales)
+        if not keep_rows:
+            self.codes = self.scales = None
 
 
 @dataclass(slots=True)
 class FP4Rows:
-    """Packed NVFP4 rows (per-row scale_2): codes [R, K/2], scales uint8 [R, K/16], g [R]."""
+    """Packed NVFP4 rows (per-row scale_2): codes [R, K/2], scales uint8 [R, K/16], g [R];
+    dq16 fp16 [R, K] (optional): the same values decoded for the CUDA kernel (see
+    `quant.quantize_rows`)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     scale_2: torch.Tensor
+    dq16: torch.Tensor | None = None
 
 
 def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
@@ -186,12 +207,21 @@ def moe_gemm(
     block_n: int | None = None,
     block_k: int = 128,
     decode: str | None = None,  # "ptx" | "bits" (default: TRACE_FP4_DECODE or "ptx")
+    impl: str | None = None,  # FP4: "cuda" | "triton" (default: TRACE_FP4_GEMM, see below)
 ) -> torch.Tensor:
-    """Grouped expert GEMM (see module docstring); returns out [T*k, N_out]."""
-    k_mod = load_kernels("_tl_moe")
+    """Grouped expert GEMM (see module docstring); returns out [T*k, N_out].
+
+    FP4 weights held only in the CUDA layout run the CUDA kernel (`cuda_moe`), held only in
+    the row layout the Triton kernel; holding both, `impl` (or TRACE_FP4_GEMM) chooses."""
     fp4 = isinstance(a, FP4Rows)
     if fp4 != w.is_fp4:
         raise ValueError(f"activation fp4={fp4} but weights fp4={w.is_fp4}: W4A4 or BF16 only")
+    if fp4 and (w.codes is None or (w.packed is not None and fp4_gemm_impl(impl) == "cuda")):
+        from trace_common.kernels.cuda_moe import moe_gemm_cuda
+
+        return moe_gemm_cuda(a, w, plan, gated=gated, a_div=a_div, mul_route_w=mul_route_w,
+                             out=out)  # type: ignore[arg-type]  # fmt: skip
+    k_mod = load_kernels("_tl_moe")
     n_out = w.n // 2 if gated else w.n
     if block_n is None:
         block_n = 32 if gated else 64

@@ -71,9 +71,12 @@ def quantize_rows(
     scale_2: torch.Tensor | None,  # None: per-row amax; fp32 [1] (one for all) or [R] (given)
     capture: CompactRecordBuffers | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    dq16: torch.Tensor | None = None,  # fp16 [R, K] out: the CUDA expert GEMM's operand
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch: (codes uint8 [R, K/2], scale uint8 [R, K/16], scale_2 fp32 [R]), written
-    into `out` when given (preallocated buffers for CUDA-graph capture)."""
+    into `out` when given (preallocated buffers for CUDA-graph capture). With `dq16`, also
+    writes code * block scale * 2**-14 (exact in fp16) in the B-fragment order of
+    `cuda_moe.dq16_permutation` within each block of 16."""
     k_mod = load_kernels("_tl_fp4")
     r, k = x2d.shape
     if x2d.stride(1) != 1:
@@ -87,15 +90,17 @@ def quantize_rows(
     codes, scale, g_out = out
     g_in = g_out if scale_2 is None else scale_2.float().contiguous()
     cap = capture or CompactRecordBuffers(codes, scale, g_out)  # unused when not capturing
+    if dq16 is not None and (dq16.shape != (r, k) or dq16.dtype != torch.float16):
+        raise ValueError(f"dq16 must be float16 {(r, k)}, got {dq16.dtype} {tuple(dq16.shape)}")
     block_c, warps = _launch_meta(k)
     if r:
         k_mod.nvfp4_quant_kernel[(r,)](
             x2d, x2d.stride(0), g_in, codes, scale, g_out,
-            cap.mbits, cap.block_scales, cap.row_scales,
+            cap.mbits, cap.block_scales, cap.row_scales, codes if dq16 is None else dq16,
             g_out, 1, 1,  # no KV addressing
             C=k, BLOCK_C=block_c, SEG=k, PER_ROW=scale_2 is None,
             GIVEN_ROWS=scale_2 is not None and scale_2.numel() > 1, KV_APPEND=False,
-            CAPTURE=capture is not None, num_warps=warps,
+            CAPTURE=capture is not None, DQ16=dq16 is not None, num_warps=warps,
         )  # fmt: skip
     return codes, scale, g_out
 
@@ -198,10 +203,10 @@ def kv_append_fp4(
     block_c, warps = _launch_meta(width)
     k_mod.nvfp4_quant_kernel[(2 * b,)](
         kv_new, width, row_scales, codes, scales, row_scales,
-        cap.mbits, cap.block_scales, cap.row_scales,
+        cap.mbits, cap.block_scales, cap.row_scales, codes,
         pos, b, s,
         C=width, BLOCK_C=block_c, SEG=d, PER_ROW=True, GIVEN_ROWS=False, KV_APPEND=True,
-        CAPTURE=capture is not None, num_warps=warps,
+        CAPTURE=capture is not None, DQ16=False, num_warps=warps,
     )  # fmt: skip
 
 

@@ -261,6 +261,66 @@ def test_moe_gemm_fp4_w4a4(t, decode):
     assert sqnr_db(full_ref, y) > 25, f"W4A4 chain SQNR {sqnr_db(full_ref, y):.1f} dB <= 25"
 
 
+@pytest.mark.parametrize("k", [512, 768, 2048])
+def test_quantize_dq16_bit_exact(k):
+    """The CUDA GEMM's activation operand: fp16 code * block scale * 2**-14 in B-fragment
+    order, equal (rtol=0, atol=0) to the reference's dequantized value / scale_2 * 2**-14."""
+    from trace_common.fp4 import nvfp4
+    from trace_common.kernels import quant
+    from trace_common.kernels.cuda_moe import dq16_permutation
+
+    x = _nasty((37, k), torch.bfloat16, seed=k)
+    dq = torch.full((37, k), float("nan"), dtype=torch.float16, device=DEV)
+    quant.quantize_rows(x, scale_2=None, dq16=dq)
+    ref = nvfp4.quantize(x.cpu(), scale_granularity="row")
+    vals = nvfp4.dequantize(ref, torch.float32) / ref.per_tensor_scale  # code * block scale
+    want = torch.empty(37, k, dtype=torch.float16)
+    want.view(37, k // 16, 16)[:, :, dq16_permutation()] = (vals * 2.0**-14).half().view(
+        37, k // 16, 16)  # fmt: skip
+    assert torch.equal(dq.cpu().view(torch.int16), want.view(torch.int16)), "dq16 bits differ"
+
+
+@pytest.mark.parametrize("block_m", [8, 16])
+@pytest.mark.parametrize("t", [1, 5, 64, 256])
+def test_moe_gemm_fp4_cuda(t, block_m):
+    """The CUDA kernel on identical FP4 operands: only accumulation order (and the bf16
+    output) differ from fp32 math on the dequantized operands; and it matches Triton."""
+    from trace_common.kernels import moe, quant
+
+    plan, x, wgu, wd, k = _moe_setup(t, seed=200 + t)
+    plan = moe.RoutePlan(plan.topk_ids, plan.topk_w,
+                         *moe.align_reference(plan.topk_ids, 16, block_m), block_m)  # fmt: skip
+    gu = moe.quantize_weights(wgu, shared_halves=True)
+    dn = moe.quantize_weights(wd, shared_halves=False)
+    wgu_dq, wd_dq = _dequant_experts(gu), _dequant_experts(dn)
+    gu.pack_for_cuda_(keep_rows=True)
+    dn.pack_for_cuda_(keep_rows=True)
+    h, inter = wgu.shape[2], wd.shape[2]
+    xq = moe.FP4Rows(*quant.quantize_rows(x, scale_2=None))
+    xq.dq16 = torch.empty(t, h, dtype=torch.float16, device=DEV)
+    quant.quantize_rows(x, scale_2=None, dq16=xq.dq16)
+    poison = torch.full((t * k, inter), float("nan"), dtype=torch.bfloat16, device=DEV)
+    act = moe.moe_gemm(xq, gu, plan, gated=True, a_div=k, mul_route_w=False, out=poison,
+                       impl="cuda")  # fmt: skip
+    assert torch.isfinite(act.float()).all(), "unwritten output rows"
+    e_of = plan.topk_ids.reshape(-1).long()
+    x_dq = _dequant_rows(xq).repeat_interleave(k, 0)
+    gu_ref = torch.einsum("ph,pnh->pn", x_dq, wgu_dq[e_of].float())
+    act_ref = torch.nn.functional.silu(gu_ref[:, :inter]) * gu_ref[:, inter:]
+    assert sqnr_db(act_ref, act) > 40, f"CUDA gate_up SQNR {sqnr_db(act_ref, act):.1f} dB <= 40"
+    act_tl = moe.moe_gemm(xq, gu, moe.RoutePlan(plan.topk_ids, plan.topk_w,
+                          *moe.align_reference(plan.topk_ids, 16, 16), 16), gated=True,
+                          a_div=k, mul_route_w=False, impl="triton")  # fmt: skip
+    assert sqnr_db(act_tl, act) > 40, "CUDA and Triton gate_up disagree"
+    aq = moe.FP4Rows(*quant.quantize_rows(act, scale_2=None))
+    aq.dq16 = torch.empty(t * k, inter, dtype=torch.float16, device=DEV)
+    quant.quantize_rows(act, scale_2=None, dq16=aq.dq16)
+    y = moe.moe_gemm(aq, dn, plan, gated=False, a_div=1, mul_route_w=True, impl="cuda")
+    y_ref = torch.einsum("pi,phi->ph", _dequant_rows(aq), wd_dq[e_of].float())
+    y_ref = y_ref * plan.topk_w.reshape(-1, 1)
+    assert sqnr_db(y_ref, y) > 40, f"CUDA down SQNR {sqnr_db(y_ref, y):.1f} dB <= 40"
+
+
 @pytest.mark.parametrize("fp4,decode", [(False, None), (True, "bits"), (True, "ptx")])
 @pytest.mark.parametrize("b,cap,lens", [(3, 5000, [1, 777, 5000]),
                                         (4, 33000, [32769, 100, 20000, 4097])])  # fmt: skip
@@ -280,15 +340,16 @@ def test_decode_attention(fp4, decode, b, cap, lens):
     assert sqnr_db(ref, out) > 35, f"decode attention SQNR {sqnr_db(ref, out):.1f} dB <= 35"
 
 
-@pytest.mark.parametrize("fp4", [False, True])
-def test_engine_graph_replay_equals_eager(fp4):
+@pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "triton"), (True, "cuda")])
+def test_engine_graph_replay_equals_eager(fp4, gemm):
     """A captured decode step replays to the same tokens and logits as the eager step."""
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
     shape = EngineShape(num_layers=3, hidden=512, num_experts=32, moe_inter=256, vocab=4096)
     w = EngineWeights.random(shape, DEV, seed=1)
     if fp4:
-        w.quantize_experts_()
+        w.quantize_experts_(gemm)
+        assert (w.layers[0].gate_up.packed is not None) == (gemm == "cuda")
     eng = DecodeEngine(shape, w, batch=4, capacity=600, context=500,
                        guided_layers=(2,) if fp4 else (), device=DEV)  # fmt: skip
     eng.fill_context_()

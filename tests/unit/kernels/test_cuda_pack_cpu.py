@@ -1,0 +1,99 @@
+"""CPU tests of the CUDA FP4 expert GEMM's data layouts (the kernel itself runs in
+tests/unit/gpu): weight packing + the kernel's decode formulas reproduce every code at its
+mma.sync A-fragment position, scales land where the kernel reads them, and the activation
+B-fragment permutation. Importing the wrapper needs no CuPy and no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_common.kernels import cuda_moe
+
+# fp16 bits of E2M1 code c times 2**-14 (the kernel's decode): sign -> bit 15, e1 e0 m -> 11..9
+E2M1_FP16_BITS = [(c & 8) << 12 | (c & 7) << 9 for c in range(16)]
+
+
+def test_fp16_bit_trick_is_value_times_2_pow_minus_14():
+    from trace_common.fp4.constants import E2M1_VALUES
+
+    assert E2M1_FP16_BITS[0b1011] == 0b1_00001_1000000000  # -1.5 * 2**-14
+    bits = torch.tensor(E2M1_FP16_BITS, dtype=torch.int32).to(torch.int16)
+    vals = bits.view(torch.float16).float() * 2.0**14
+    assert torch.equal(vals, torch.tensor(E2M1_VALUES)), "code -> fp16 * 2**14 != E2M1 value"
+
+
+def test_pack_bits_partition_the_word():
+    lut = cuda_moe._slot_lut("cpu")  # [8 slots, 16 codes]
+    full = lut[:, 15]  # code 0b1111 sets all 4 bits of its slot
+    assert int(full.sum()) == 0xFFFFFFFF, "slots must cover all 32 bits"
+    for i in range(8):
+        for j in range(i):
+            assert int(full[i]) & int(full[j]) == 0, f"slots {i} and {j} overlap"
+
+
+@pytest.mark.parametrize("e,n,k", [(2, 32, 128), (3, 48, 64)])
+def test_pack_and_decode_give_each_fragment_element(e, n, k):
+    g = torch.Generator().manual_seed(e * n + k)
+    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 127, (e, n, k // 16), dtype=torch.uint8, generator=g)
+    p = cuda_moe.pack_fp4_weights(codes, scales, chunk=2)
+    assert p.words.shape == (e, n // 16, k // 64, 32, 4)
+    nib = torch.stack((codes & 15, codes >> 4), -1).reshape(e, n, k).long()
+    want_bits = torch.tensor(E2M1_FP16_BITS)[nib]  # [e, n, k]
+    got = cuda_moe.decode_packed_reference(p.words)  # [e, tile, kg, lane, q, reg, half]
+    for lane in (0, 5, 31):
+        gg, t = lane // 4, lane % 4
+        for r in range(4):
+            row = gg + 8 * (r & 1)
+            for h in range(2):
+                col = 2 * t + 8 * (r >> 1) + h
+                for q in range(4):
+                    ref = want_bits.reshape(e, n // 16, 16, k // 64, 4, 16)[:, :, row, :, q, col]
+                    assert torch.equal(got[:, :, :, lane, q, r, h], ref), (lane, r, h, q)
+    # scales: lane group g reads (row g, row g+8) of k-tile q as bytes 2q, 2q+1 of its 8
+    sb = p.scales.view(torch.uint8).reshape(e, n // 16, k // 64, 8, 4, 2)
+    ref_s = scales.reshape(e, n // 16, 2, 8, k // 64, 4).permute(0, 1, 4, 3, 5, 2)
+    assert torch.equal(sb, ref_s)
+
+
+def test_pack_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="N=24"):
+        cuda_moe.pack_fp4_weights(torch.zeros(1, 24, 32, dtype=torch.uint8),
+                                  torch.zeros(1, 24, 4, dtype=torch.uint8))  # fmt: skip
+
+
+def test_dq16_permutation_is_the_b_fragment_order():
+    perm = cuda_moe.dq16_permutation()
+    assert sorted(perm.tolist()) == list(range(16))
+    for t in range(4):  # lane quad t reads halves 4t..4t+3: elements 2t, 2t+1, 2t+8, 2t+9
+        inv = {int(perm[kk]): kk for kk in range(16)}
+        assert [inv[4 * t + i] for i in range(4)] == [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]
+
+
+def test_block_m_and_configs():
+    assert cuda_moe.block_m_for(8, 128) == 8  # batch 1, top-8
+    assert cuda_moe.block_m_for(256, 128) == 8  # batch 32
+    assert cuda_moe.block_m_for(1024, 128) == 16  # batch 128
+    for (k, bm, gated), (rw, wk, kgw, _minb) in cuda_moe.CONFIGS.items():
+        assert wk * kgw * cuda_moe.K_GROUP == k and bm in cuda_moe.BLOCK_MS
+        assert cuda_moe.smem_bytes(bm, rw, wk, gated) <= cuda_moe.SMEM_LIMIT
+    rw, wk, kgw, _ = cuda_moe.default_config(512, 8, gated=False)
+    assert wk * kgw * 64 == 512
+
+
+def test_config_override_file(tmp_path, monkeypatch):
+    f = tmp_path / "cfg.json"
+    f.write_text('{"2048,8,True": [2, 16, 2, 2]}')
+    monkeypatch.setenv("TRACE_FP4_CUDA_CONFIGS", str(f))
+    assert cuda_moe.default_config(2048, 8, True) == (2, 16, 2, 2)
+    assert cuda_moe.default_config(768, 8, False) == cuda_moe.CONFIGS[(768, 8, False)]
+
+
+def test_gemm_impl_validation(monkeypatch):
+    from trace_common.kernels import fp4_gemm_impl
+
+    monkeypatch.setenv("TRACE_FP4_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="'cutlass'"):
+        fp4_gemm_impl()
+    assert fp4_gemm_impl("triton") == "triton"

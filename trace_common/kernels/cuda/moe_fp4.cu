@@ -1,0 +1,213 @@
+// Grouped routed-expert GEMM, W4A4 NVFP4, for decode-sized token counts (Hopper, mma.sync).
+//
+// out[pair, n] = sum_k A[pair / a_div, k] * W[expert(pair), n, k]   (GATED: silu(gate) * up)
+//
+// Swap-AB: the weights are the MMA's A operand (16 output features per tile) and the tokens of
+// one expert block are its B operand (8 per n-tile), so a block of <= 8 tokens wastes nothing.
+//
+// Weights are re-packed once at load (trace_common/kernels/cuda_moe.py, `pack_fp4_weights`):
+// one 32-bit word holds the 8 E2M1 codes one lane needs for one m16n8k16 A fragment, with
+// their bits placed so that each fp16x2 fragment register is 1-4 integer ops away:
+//   fp16 bits of an E2M1 code c = (c & 8) << 12 | (c & 7) << 9  ==  value(c) * 2**-14
+// (code 0b001 becomes the fp16 subnormal 2**-15 = 0.5 * 2**-14). The e4m3 block scale covers
+// exactly one 16-wide k-tile, so each register gets one fp16 multiply by its row's scale:
+// code * scale * 2**-14 is exact in fp16 (<= 6 significant bits, >= 2**-24, <= 0.17).
+// Activations arrive already decoded the same way (fp16 code * block scale * 2**-14, written
+// by the quantize kernel in B-fragment order), so every product is exact and the fp32
+// accumulator differs from the reference only by summation order. The epilogue multiplies by
+// 2**28, the activation row's and the expert's fp32 second-level scales (and the routing
+// weight), then rounds to bf16.
+//
+// One CTA = WK warps over one expert block (NT*8 token slots) and RW output tiles of 16
+// features (GATED: RW gate tiles + the RW matching up tiles); the warps split K (KGW groups
+// of 64 per warp, all loads issued up front) and reduce through shared memory. MINB is the
+// CTAs per SM asked of the register allocator (__launch_bounds__).
+//
+// No headers: compiled by NVRTC (CuPy RawModule) or nvcc alike.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define FP16_GAIN_SQ 268435456.0f  // (2**14)**2: the fp16 decode gains of both operands
+
+__device__ __forceinline__ void ldg_v4(const u32* p, u32& a, u32& b, u32& c, u32& d) {
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
+}
+
+__device__ __forceinline__ void ldg_v2(const u32* p, u32& a, u32& b) {
+  asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+}
+
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v16) {
+  u32 r;
+  u16 h = (u16)v16;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
+  return r;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ void mma_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                          u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+// One packed word -> the 4 fp16x2 A-fragment registers (value * 2**-14, unscaled).
+// Bit layout (see pack_fp4_weights): register r, half h takes its magnitude bits (m, e0, e1)
+// from word bits MAG[r] + 16 h .. +2 and its sign from SIGN[r] + 16 h, with
+// MAG = (0, 3, 7, 10), SIGN = (6, 15, 13, 14).
+__device__ __forceinline__ void decode_word(u32 w, u32& r0, u32& r1, u32& r2, u32& r3) {
+  r0 = (w << 9) & 0x8E008E00u;
+  r1 = ((w << 6) & 0x0E000E00u) | (w & 0x80008000u);
+  r2 = (w << 2) & 0x8E008E00u;
+  r3 = ((w >> 1) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
+}
+
+template <int NT, int RW, int WK, int KGW, bool GATED, int MINB>
+__global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
+    const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
+    const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
+    const float* __restrict__ w_g,     // [E] per-expert second-level scale
+    const u32* __restrict__ x_dq,      // fp16 activations, B-fragment order [rows][K/16][4][4]
+    const float* __restrict__ x_g,     // [rows] per-row second-level scale
+    const int* __restrict__ sorted_pair,   // [MAXB * NT * 8]
+    const int* __restrict__ block_expert,  // [MAXB]
+    const float* __restrict__ route_w,     // [n_pairs]
+    u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
+    int n_pairs, int n_out, int a_div, int mul_route_w) {
+  constexpr int K = WK * KGW * 64;
+  constexpr int KT = K / 16;
+  constexpr int KG = K / 64;
+  constexpr int BT = NT * 8;
+  constexpr int TILES = GATED ? 2 * RW : RW;
+  __shared__ float red[WK][TILES][NT][4][32];
+  __shared__ int pair_s[BT];
+  __shared__ float xg_s[BT], rw_s[BT];
+
+  const int blk = blockIdx.x;
+  const int e = block_expert[blk];
+  if (e < 0) return;
+  // epilogue scalars, loaded now so that their latency hides under the weight loads
+  const float wgain = w_g[e] * FP16_GAIN_SQ;
+  if (threadIdx.x < BT) {
+    const int p = sorted_pair[blk * BT + threadIdx.x];
+    const bool ok = p < n_pairs;
+    pair_s[threadIdx.x] = p;
+    xg_s[threadIdx.x] = ok ? x_g[p / a_div] : 0.f;
+    rw_s[threadIdx.x] = ok && mul_route_w ? route_w[p] : 1.f;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
+  const int kg0 = warp * KGW;
+
+  // B fragments of this warp's K slice: token slot nt*8 + g, k-tile kt, lane quad t.
+  u32 b[KGW * 4][NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int pair = sorted_pair[blk * BT + nt * 8 + g];
+    const bool valid = pair < n_pairs;
+    const long row = valid ? pair / a_div : 0;
+#pragma unroll
+    for (int kk = 0; kk < KGW * 4; ++kk) {
+      if (valid) {
+        ldg_v2(x_dq + ((row * KT + kg0 * 4 + kk) * 4 + t) * 2, b[kk][nt][0], b[kk][nt][1]);
+      } else {
+        b[kk][nt][0] = 0u;
+        b[kk][nt][1] = 0u;
+      }
+    }
+  }
+
+  // A: packed codes and scales of every tile of this warp's K slice.
+  u32 a[TILES][KGW][4];
+  u32 s[TILES][KGW][2];
+#pragma unroll
+  for (int ti = 0; ti < TILES; ++ti) {
+    const int tile = (GATED && ti >= RW) ? n_out / 16 + blockIdx.y * RW + (ti - RW)
+                                         : blockIdx.y * RW + ti;
+    const long base = ((long)e * n_w_tiles + tile) * KG + kg0;
+#pragma unroll
+    for (int j = 0; j < KGW; ++j) {
+      ldg_v4(wq + ((base + j) * 32 + lane) * 4, a[ti][j][0], a[ti][j][1], a[ti][j][2],
+             a[ti][j][3]);
+      ldg_v2(ws + ((base + j) * 8 + g) * 2, s[ti][j][0], s[ti][j][1]);
+    }
+  }
+
+  float acc[TILES][NT][4];
+#pragma unroll
+  for (int ti = 0; ti < TILES; ++ti)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[ti][nt][i] = 0.f;
+
+#pragma unroll
+  for (int ti = 0; ti < TILES; ++ti) {
+#pragma unroll
+    for (int j = 0; j < KGW; ++j) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        // scale bytes (row g, row g+8) of k-tile q -> fp16x2, then broadcast each half
+        const u32 sc = e4m3x2_to_f16x2(s[ti][j][q >> 1] >> ((q & 1) * 16));
+        const u32 s_lo = __byte_perm(sc, 0u, 0x1010);
+        const u32 s_hi = __byte_perm(sc, 0u, 0x3232);
+        u32 r0, r1, r2, r3;
+        decode_word(a[ti][j][q], r0, r1, r2, r3);
+        r0 = hmul2(r0, s_lo);
+        r1 = hmul2(r1, s_hi);
+        r2 = hmul2(r2, s_lo);
+        r3 = hmul2(r3, s_hi);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma_16816(acc[ti][nt], r0, r1, r2, r3, b[j * 4 + q][nt][0], b[j * 4 + q][nt][1]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int ti = 0; ti < TILES; ++ti)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][ti][nt][i][lane] = acc[ti][nt][i];
+  __syncthreads();
+
+  // Epilogue: output (feature f, token slot c), features fastest for coalesced stores.
+  for (int o = threadIdx.x; o < RW * 16 * BT; o += WK * 32) {
+    const int f = o % (RW * 16), c = o / (RW * 16);
+    const int pair = pair_s[c];
+    if (pair >= n_pairs) continue;
+    const int ti = f >> 4, rr = f & 15, nt = c >> 3, cc = c & 7;
+    const int ln = (rr & 7) * 4 + (cc >> 1), idx = (rr >> 3) * 2 + (cc & 1);
+    float v = 0.f, u = 0.f;
+#pragma unroll
+    for (int w = 0; w < WK; ++w) {
+      v += red[w][ti][nt][idx][ln];
+      if (GATED) u += red[w][ti + RW][nt][idx][ln];
+    }
+    const float gain = wgain * xg_s[c];
+    v *= gain;
+    if (GATED) {
+      u *= gain;
+      v = v / (1.0f + __expf(-v)) * u;
+    }
+    v *= rw_s[c];
+    out[(long)pair * n_out + blockIdx.y * RW * 16 + f] = f32_to_bf16(v);
+  }
+}
