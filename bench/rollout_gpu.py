@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pathlib
 import sys
 import time
@@ -212,10 +213,13 @@ def main() -> None:
     ap.add_argument("--hf-only", action="store_true", help="only the transformers baseline")
     ap.add_argument("--quick", action="store_true", help="smoke: 1K context, batches 1 and 8")
     ap.add_argument("--profile", action="store_true", help="kernel-time table per config")
+    ap.add_argument("--fp4-gemm", choices=("cuda", "triton"), default="cuda",
+                    help="FP4 expert GEMM: CUDA C++ mma.sync kernel or Triton")  # fmt: skip
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("rollout_gpu_out"))
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.batches = [1024], [1, 8]
+    os.environ["TRACE_FP4_GEMM"] = args.fp4_gemm
     decode = check_fp4_decode()
     args.out.mkdir(parents=True, exist_ok=True)
     shape = EngineShape(num_layers=args.layers)
@@ -224,7 +228,7 @@ def main() -> None:
     env = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda,
-        "command": " ".join(sys.argv), "fp4_decode": decode,
+        "command": " ".join(sys.argv), "fp4_decode": decode, "fp4_gemm": args.fp4_gemm,
     }  # fmt: skip
     print(env, flush=True)
     bw = copy_bandwidth()
@@ -260,7 +264,7 @@ def main() -> None:
         fp4 = engine == "fp4"
         if fp4:
             t0 = time.perf_counter()
-            weights.quantize_experts_()
+            weights.quantize_experts_(args.fp4_gemm)
             gc.collect()
             torch.cuda.empty_cache()
             print(f"quantized experts: {weights.nbytes() / GIB:.1f} GiB in "

@@ -1,14 +1,18 @@
 """Per-kernel bandwidth of the FP4 fast path on one GPU: grouped expert GEMMs (one Qwen3-30B-A3B
 MoE layer: 128 experts, hidden 2048, width 768, top-8) and decode attention (32 q / 4 kv heads,
-head_dim 128), BF16 vs FP4 with each FP4 decode ("bits": plain Triton integer ops, "ptx":
-int32 words + inline PTX). Expert selections rotate over many router draws so the weights do
-not sit in L2 between repetitions.
+head_dim 128), BF16 vs FP4: Triton with each FP4 decode ("bits": plain Triton integer ops,
+"ptx": int32 words + inline PTX) and the CUDA C++ mma.sync kernel ("cuda", packed weights).
+Expert selections rotate over many router draws so the weights do not sit in L2 between
+repetitions.
 
-    python bench/rollout_gpu_kernels.py
+    python bench/rollout_gpu_kernels.py                 # tables
+    python bench/rollout_gpu_kernels.py --cuda-sweep    # + launch configs of the CUDA kernel
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import pathlib
 import sys
 
@@ -17,7 +21,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import moe
+from trace_common.kernels import cuda_moe, moe
 from trace_common.kernels.quant import quantize_rows
 
 E, H, INTER, TOPK = 128, 2048, 768, 8
@@ -34,7 +38,17 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-def bench_moe(bw: float) -> None:
+def _fp4_rows(x: torch.Tensor) -> moe.FP4Rows:
+    dq = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    return moe.FP4Rows(*quantize_rows(x, scale_2=None, dq16=dq), dq)
+
+
+def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    err = (ref.double() - got.double()).pow(2).sum().clamp_min(1e-300)
+    return float(10 * torch.log10(ref.double().pow(2).sum() / err))
+
+
+def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None) -> None:
     import triton.testing
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -49,39 +63,109 @@ def bench_moe(bw: float) -> None:
     )
     per_expert = {"bf16": (w16[0].nbytes() + w16[1].nbytes()) / E,
                   "fp4": (w4[0].nbytes() + w4[1].nbytes()) / E}  # fmt: skip
+    for w in w4:
+        w.pack_for_cuda_(keep_rows=True)
+    del wgu, wd
     print("| tokens | variant | gate_up us | down us | experts | GB moved | TB/s | % copy |")
     print("|---|---|---|---|---|---|---|---|")
+    sweep_rows = []
+    best: dict[str, dict[tuple, float]] = {}  # block key -> config -> summed us over tokens
     for t in (1, 8, 32, 128):
-        plans = [moe.route_align(torch.randn(t, E, device="cuda"), TOPK, moe.DECODE_BLOCK_M)
-                 for _ in range(N_PLANS)]  # fmt: skip
+        logits = [torch.randn(t, E, device="cuda") for _ in range(N_PLANS)]
+        plans = [moe.route_align(lg, TOPK, moe.DECODE_BLOCK_M) for lg in logits]
+        bm = cuda_moe.block_m_for(t * TOPK, E)
+        plans_cuda = [moe.route_align(lg, TOPK, bm) for lg in logits]
         used = sum(int(torch.unique(p.topk_ids).numel()) for p in plans) / N_PLANS
         x = torch.randn(t, H, device="cuda").bfloat16()
         act = torch.randn(t * TOPK, INTER, device="cuda").bfloat16()
-        xq = moe.FP4Rows(*quantize_rows(x, scale_2=None))
-        aq = moe.FP4Rows(*quantize_rows(act, scale_2=None))
-        for variant, dec, bk in (("bf16", None, 128), ("fp4-bits", "bits", 128),
-                                 ("fp4-ptx", "ptx", 128), ("fp4-ptx-bk256", "ptx", 256)):  # fmt: skip
+        xq, aq = _fp4_rows(x), _fp4_rows(act)
+        variants = [
+            ("bf16", None, "triton", None, None),
+            ("fp4-bits", "bits", "triton", None, None),
+            ("fp4-ptx", "ptx", "triton", None, None),
+            ("fp4-cuda", None, "cuda", None, None),
+        ]
+        if sweep:
+            for cfg in SWEEP_GATE_UP:
+                if cuda_moe.smem_bytes(bm, cfg[0], cfg[1], True) <= cuda_moe.SMEM_LIMIT:
+                    variants.append((f"cuda gu{cfg}", None, "cuda", cfg, None))
+            for cfg in SWEEP_DOWN:
+                if cuda_moe.smem_bytes(bm, cfg[0], cfg[1], False) <= cuda_moe.SMEM_LIMIT:
+                    variants.append((f"cuda dn{cfg}", None, "cuda", None, cfg))
+        ref = {}
+        for variant, dec, impl, cfg_gu, cfg_dn in variants:
             fp4 = variant != "bf16"
             wg, wdn = w4 if fp4 else w16
             a_in, a_mid = (xq, aq) if fp4 else (x, act)
+            pl = plans_cuda if impl == "cuda" else plans
             i = [0]
 
-            def gate_up(wg=wg, a_in=a_in, dec=dec, i=i, bk=bk, plans=plans) -> None:
-                i[0] += 1
-                moe.moe_gemm(a_in, wg, plans[i[0] % N_PLANS], gated=True, a_div=TOPK,
-                             mul_route_w=False, decode=dec, block_k=bk)  # fmt: skip
+            def run_gu(p, wg=wg, a_in=a_in, dec=dec, impl=impl, cfg=cfg_gu):
+                if impl == "cuda":
+                    return cuda_moe.moe_gemm_cuda(a_in, wg, p, gated=True, a_div=TOPK,
+                                                  mul_route_w=False, config=cfg)  # fmt: skip
+                return moe.moe_gemm(a_in, wg, p, gated=True, a_div=TOPK, mul_route_w=False,
+                                    decode=dec, impl=impl)  # fmt: skip
 
-            def down(wdn=wdn, a_mid=a_mid, dec=dec, i=i, bk=bk, plans=plans) -> None:
-                i[0] += 1
-                moe.moe_gemm(a_mid, wdn, plans[i[0] % N_PLANS], gated=False, a_div=1,
-                             mul_route_w=True, decode=dec, block_k=bk)  # fmt: skip
+            def run_dn(p, wdn=wdn, a_mid=a_mid, dec=dec, impl=impl, cfg=cfg_dn):
+                if impl == "cuda":
+                    return cuda_moe.moe_gemm_cuda(a_mid, wdn, p, gated=False, a_div=1,
+                                                  mul_route_w=True, config=cfg)  # fmt: skip
+                return moe.moe_gemm(a_mid, wdn, p, gated=False, a_div=1, mul_route_w=True,
+                                    decode=dec, impl=impl)  # fmt: skip
 
-            us_gu = triton.testing.do_bench(gate_up, warmup=25, rep=200, return_mode="median") * 1e3
-            us_dn = triton.testing.do_bench(down, warmup=25, rep=200, return_mode="median") * 1e3
+            def gate_up(i=i, pl=pl, run_gu=run_gu) -> None:
+                i[0] += 1
+                run_gu(pl[i[0] % N_PLANS])
+
+            def down(i=i, pl=pl, run_dn=run_dn) -> None:
+                i[0] += 1
+                run_dn(pl[i[0] % N_PLANS])
+
+            # correctness guard: every FP4 variant against the Triton ptx result (same operands)
+            y_gu = run_gu(pl[0]).float()
+            y_dn = run_dn(pl[0]).float()
+            if variant == "fp4-ptx":
+                ref = {"gu": y_gu, "dn": y_dn}
+            note = ""
+            if fp4 and ref and variant != "fp4-ptx":
+                db = min(_sqnr_db(ref["gu"], y_gu), _sqnr_db(ref["dn"], y_dn))
+                note = f" (SQNR vs ptx {db:.0f} dB)"
+            us_gu = triton.testing.do_bench(gate_up, warmup=25, rep=100, return_mode="median") * 1e3
+            us_dn = triton.testing.do_bench(down, warmup=25, rep=100, return_mode="median") * 1e3
             gb = used * per_expert["fp4" if fp4 else "bf16"] / 1e9
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
-            print(f"| {t} | {variant} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | {gb:.3f} | "
-                  f"{tbs:.2f} | {100 * tbs / bw:.0f} |", flush=True)  # fmt: skip
+            line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
+                    f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
+            if impl == "cuda" and (not note or float(note.split()[3]) > 60):
+                for key, cfg, us in ((f"{H},{bm},True", cfg_gu, us_gu),
+                                     (f"{INTER},{bm},False", cfg_dn, us_dn)):  # fmt: skip
+                    cfg = cfg or cuda_moe.default_config(*_key(key))
+                    best[key] = best.get(key, {})
+                    best[key][cfg] = best[key].get(cfg, 0.0) + us
+            (sweep_rows if variant.startswith("cuda ") else [None]).append(line)
+            if not variant.startswith("cuda "):
+                print(line, flush=True)
+    if sweep_rows:
+        print("\nCUDA launch configs (RW, WK, KGW, MINB); only the named GEMM uses the config:")
+        print("\n".join(sweep_rows))
+        chosen = {key: list(min(cfgs, key=cfgs.get)) for key, cfgs in best.items()}
+        print(f"fastest configs (summed over token counts of each block size): {chosen}")
+        if write_configs is not None:
+            write_configs.write_text(json.dumps(chosen))
+    print(
+        f"CUDA kernel compile seconds (NVRTC): "
+        f"{ {k: round(v, 2) for k, v in cuda_moe.COMPILE_SECONDS.items()} }",
+        flush=True,
+    )
+
+
+# (RW, WK, KGW, MINB): output tiles per CTA, warps along K, 64-wide k groups per warp, CTAs
+# per SM asked of the register allocator (0: no ask)
+SWEEP_GATE_UP = [(1, 8, 4, 0), (1, 8, 4, 4), (1, 8, 4, 3), (2, 16, 2, 0), (2, 16, 2, 2), (2, 8, 4, 0),
+                 (2, 8, 4, 2), (1, 4, 8, 0), (1, 16, 2, 4)]  # fmt: skip
+SWEEP_DOWN = [(2, 4, 3, 0), (2, 4, 3, 8), (4, 4, 3, 0), (4, 4, 3, 4), (4, 6, 2, 0),
+              (2, 3, 4, 0), (4, 3, 4, 0), (2, 6, 2, 4)]  # fmt: skip
 
 
 def bench_attention(bw: float) -> None:
@@ -111,11 +195,22 @@ def bench_attention(bw: float) -> None:
             del cache
 
 
+def _key(key: str) -> tuple[int, int, bool]:
+    k, bm, gated = key.split(",")
+    return int(k), int(bm), gated == "True"
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cuda-sweep", action="store_true", help="time CUDA launch configs too")
+    ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--write-configs", type=pathlib.Path, help="json of the fastest configs")
+    args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.2f} TB/s (read + write)\n")
-    bench_moe(bw)
-    bench_attention(bw)
+    bench_moe(bw, args.cuda_sweep, args.write_configs)
+    if not args.no_attention:
+        bench_attention(bw)
 
 
 if __name__ == "__main__":
