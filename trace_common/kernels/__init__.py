@@ -11,6 +11,7 @@ tested against it (tests/unit/gpu/, marked `gpu`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from types import ModuleType
 from typing import Any
@@ -45,16 +46,20 @@ def fp4_decode_words(device: torch_device_like, mode: str | None = None) -> bool
     return mode == "ptx" and on_cuda
 
 
-# Which FP4 expert GEMM runs when the weights are held in both layouts: "cuda" (the CUDA C++
-# mma.sync kernel, trace_common/kernels/cuda/moe_fp4.cu) or "triton". Override with
+# Which FP4 expert GEMM runs: "cuda" (the CUDA C++ mma.sync kernel,
+# trace_common/kernels/cuda/moe_fp4.cu, compiled through CuPy; the default where CuPy is
+# installed: faster at every measured size, docs/benchmarks.md) or "triton". Override with
 # TRACE_FP4_GEMM.
 FP4_GEMM_IMPLS = ("cuda", "triton")
 DEFAULT_FP4_GEMM = "cuda"
 
 
 def fp4_gemm_impl(impl: str | None = None) -> str:
-    """The FP4 expert GEMM implementation to use: `impl`, else TRACE_FP4_GEMM, else default."""
-    impl = impl or os.environ.get("TRACE_FP4_GEMM", DEFAULT_FP4_GEMM)
+    """The FP4 expert GEMM implementation to use: `impl`, else TRACE_FP4_GEMM, else "cuda"
+    where CuPy is importable and "triton" where it is not."""
+    if impl is None and "TRACE_FP4_GEMM" not in os.environ:
+        return DEFAULT_FP4_GEMM if importlib.util.find_spec("cupy") is not None else "triton"
+    impl = impl or os.environ["TRACE_FP4_GEMM"]
     if impl not in FP4_GEMM_IMPLS:
         raise ValueError(f"TRACE_FP4_GEMM={impl!r}; expected one of {FP4_GEMM_IMPLS}")
     return impl
