@@ -21,14 +21,17 @@ torch_device_like = Any  # torch.device | str (torch is not imported here)
 TRITON_INSTALL_HINT = "pip install 'triton>=3.2' (it ships with CUDA builds of PyTorch)"
 
 
+def require_module(name: str, needed_by: str, hint: str) -> ModuleType:
+    """Import and return module `name`, or raise ImportError saying how to install it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(f"{needed_by} need {name}, which is not installed: {hint}") from exc
+
+
 def require_triton() -> ModuleType:
     """Import and return `triton`, or raise ImportError saying how to install it."""
-    try:
-        return importlib.import_module("triton")
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            f"the TRACE GPU kernels need Triton, which is not installed: {TRITON_INSTALL_HINT}"
-        ) from exc
+    return require_module("triton", "the TRACE GPU kernels", TRITON_INSTALL_HINT)
 
 
 # How FP4 codes are decoded in the GEMM/attention kernels: "ptx" (int32 words, inline PTX,
@@ -79,5 +82,6 @@ __all__ = [
     "fp4_decode_words",
     "fp4_gemm_impl",
     "load_kernels",
+    "require_module",
     "require_triton",
 ]

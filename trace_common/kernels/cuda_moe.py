@@ -12,7 +12,6 @@ called and raises ImportError naming the install command when it is missing.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
@@ -163,12 +162,9 @@ def default_config(k: int, block_m: int, gated: bool) -> tuple[int, int, int, in
 
 
 def require_cupy() -> ModuleType:
-    try:
-        return importlib.import_module("cupy")
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            f"the CUDA FP4 expert GEMM needs CuPy, which is not installed: {CUPY_INSTALL_HINT}"
-        ) from exc
+    from trace_common.kernels import require_module
+
+    return require_module("cupy", "the CUDA FP4 expert GEMM's launches", CUPY_INSTALL_HINT)
 
 
 _MODULES: dict[tuple, object] = {}
