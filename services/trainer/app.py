@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.config import TrainerSettings
+from services.trainer.config import TrainerSettings, site_names
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.remote import (
     QuantCacheRecords,
@@ -19,7 +19,7 @@ from services.trainer.remote import (
     WeightSyncPublisher,
 )
 from trace_common.clients import QuantCacheClient, WeightSyncClient
-from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
+from trace_common.model import GuidanceConfig, ModelConfig, MoECausalLM, QuantConfig, get_config
 from trace_common.model.hf import load_native_state_dict
 from trace_common.rl.audit import RecordAudit, state_digest
 from trace_common.rl.checkpoint import (
@@ -73,7 +73,23 @@ def guidance_of(settings: TrainerSettings, num_layers: int) -> GuidanceConfig:
         layers = tuple(range(num_layers))
     else:
         layers = tuple(int(x) for x in g.split(","))
-    return GuidanceConfig(layers=layers, mode=settings.guidance_mode)
+    if settings.guidance_sites == "default":
+        return GuidanceConfig(layers=layers, mode=settings.guidance_mode)
+    sites = tuple(site_names(settings.guidance_sites))
+    return GuidanceConfig(layers=layers, sites=sites, mode=settings.guidance_mode)
+
+
+def quant_of(settings: TrainerSettings, model_cfg: ModelConfig) -> QuantConfig:
+    """The run's FP4 sites, checked against the model (a site it lacks is a ValueError)."""
+    if settings.quant_sites == "default":
+        quant = QuantConfig(format=settings.quant_format)
+    elif settings.quant_sites == "all":
+        quant = QuantConfig.every_site(model_cfg, settings.quant_format)
+    else:
+        sites = frozenset(site_names(settings.quant_sites))
+        quant = QuantConfig(sites=sites, format=settings.quant_format)
+    quant.check_model(model_cfg)
+    return quant
 
 
 class TrainerApp:
@@ -87,6 +103,9 @@ class TrainerApp:
         self.tokenizer = tok = load_tokenizer(s.tokenizer)
         self.task = make_task(s.task, s.task_difficulty)
         model = build_model(s, tok.vocab_size)
+        quant = quant_of(s, model.cfg)
+        guidance = guidance_of(s, model.cfg.num_layers)
+        guidance.resolve(model.cfg, quant)  # a guided site whose FP4 site is off stops start-up
         self.weight_sync = WeightSyncClient(s.weight_sync_address, token)
         self.quant_cache = QuantCacheClient(
             s.quant_cache_address, token, data_path=s.quant_cache_data_path
@@ -102,8 +121,8 @@ class TrainerApp:
                 tis_cap=s.tis_cap, routing_replay=s.routing_replay, temperature=s.temperature,
                 measure_records=s.measure_records,
             ),
-            quant=QuantConfig(format=s.quant_format),
-            guidance=guidance_of(s, model.cfg.num_layers),
+            quant=quant,
+            guidance=guidance,
             eos_id=tok.eos_id,
             pad_id=tok.pad_id,
         )  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from trace_common.model import GuidanceConfig, QuantConfig
 from trace_common.rl.objective import DEFAULT_CLIP_EPS, DEFAULT_MAX_STALENESS, DEFAULT_TIS_CAP
 from trace_common.service import ServiceSettings
 
@@ -50,8 +51,16 @@ class TrainerSettings(ServiceSettings):
         None, description="safetensors of master weights to start from (e.g. a warm start)"
     )
     quant_format: Literal["nvfp4", "mxfp4"] = "nvfp4"
+    quant_sites: str = Field(
+        "default",
+        description='FP4 sites: "default" (routed experts W4A4 + KV, the paper\'s setting), '
+        '"all" (every site the model has) or comma-separated site names (README table)',
+    )
     guidance_layers: str = Field(
         "deeper-half", description='"deeper-half", "all", or comma-separated layer ids'
+    )
+    guidance_sites: str = Field(
+        "default", description='"default" (moe_in,k,v) or comma-separated guidable site names'
     )
     guidance_mode: Literal["compact", "full"] = "compact"
     routing_replay: bool = True
@@ -81,4 +90,20 @@ class TrainerSettings(ServiceSettings):
                 raise ValueError(
                     f"TRACE_GUIDANCE_LAYERS={g!r}: expected deeper-half, all or e.g. 2,3"
                 ) from None
+        # Site names are checked here so a typo stops the trainer at start-up, naming it.
+        if self.quant_sites not in ("default", "all"):
+            try:
+                QuantConfig(sites=site_names(self.quant_sites), format=self.quant_format)
+            except ValueError as e:
+                raise ValueError(f"TRACE_QUANT_SITES={self.quant_sites!r}: {e}") from None
+        if self.guidance_sites != "default":
+            try:
+                GuidanceConfig(sites=tuple(site_names(self.guidance_sites)))
+            except ValueError as e:
+                raise ValueError(f"TRACE_GUIDANCE_SITES={self.guidance_sites!r}: {e}") from None
         return self
+
+
+def site_names(csv: str) -> list[str]:
+    """Comma-separated names as a list (blanks dropped)."""
+    return [x.strip() for x in csv.split(",") if x.strip()]
