@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 from trace_common.clients import WeightSyncClient
+from trace_common.model import QuantConfig, get_config
+from trace_common.model.config import ACT_SITE_TO_QUANT_SITE, GUIDED_SITES
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trace_common.rl.audit import read_audit
@@ -166,6 +168,36 @@ def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
     ):
         assert series in rtext, f"{series} missing from the rollout's /metrics"
     assert latest_checkpoint(out / "ckpt") is not None
+
+
+def test_every_site_fp4_and_guided_through_the_services(cluster: LocalCluster) -> None:
+    """TRACE_QUANT_SITES=all: every projection, embedding and LM head goes through the export,
+    weight-sync and the replicas' load in FP4; every guidable site's records go through
+    quant-cache; the trainer still reproduces the rollout exactly."""
+    cfg = get_config("debug")
+    quant = QuantConfig.every_site(cfg)
+    guided = [s for s in GUIDED_SITES if quant.has(ACT_SITE_TO_QUANT_SITE[s])]
+    assert {"attn_in", "o_in", "router_in"} <= set(guided)
+    out = cluster.root / "e2e-all-sites"  # type: ignore[attr-defined]
+    run_trainer(
+        cluster,
+        {
+            "TRACE_RUN_ID": "e2e-all-sites",
+            "TRACE_STEPS": "1",
+            "TRACE_QUANT_SITES": "all",
+            "TRACE_GUIDANCE_SITES": ",".join(guided),
+            "TRACE_GUIDANCE_LAYERS": "all",
+            "TRACE_GUIDANCE_MODE": "full",  # compact records hold 1 bit: D_act needs full ones
+            "TRACE_MAX_STALENESS": "0",
+            "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
+        },
+    )
+    (row,) = read_metrics(out / "metrics.jsonl")
+    assert row["samples_trained"] == 16 and row["samples_dropped_records"] == 0, row
+    assert row["d_act_max"] == 0.0 and row["code_flip_rate"] == 0.0, row
+    # every guided layer x site was measured (d_act_per_layer: max over that layer's sites)
+    assert sorted(row["d_act_per_layer"]) == [str(i) for i in range(cfg.num_layers)], row
+    assert row["logp_abs_diff_max"] < 1e-4, row["logp_abs_diff_max"]
 
 
 def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -> None:
