@@ -190,15 +190,16 @@ ROWS: tuple[Row, ...] = (
             ),
             Panel(
                 "quant-cache hits / misses / evictions",
-                "Record lookups that found a valid record, none, or a corrupt one; keys Redis "
-                "evicted at its memory bound and expired by TTL.",
+                "Record lookups that found a valid record, none, or a corrupt one (direct and "
+                "gRPC paths); keys Redis evicted at its memory bound and expired by TTL. Counted "
+                "in Redis, so every quant-cache replica reports the same value: max, not sum.",
                 "ops",
                 (
-                    q(f"sum(rate(trace_quant_cache_hits_total[{RATE}]))", "hits"),
-                    q(f"sum(rate(trace_quant_cache_misses_total[{RATE}]))", "misses"),
-                    q(f"sum(rate(trace_quant_cache_corrupt_records_total[{RATE}]))", "corrupt"),
-                    q(f"sum(rate(trace_quant_cache_redis_evicted_keys_total[{RATE}]))", "evicted"),
-                    q(f"sum(rate(trace_quant_cache_redis_expired_keys_total[{RATE}]))", "expired"),
+                    q(f"max(rate(trace_quant_cache_hits_total[{RATE}]))", "hits"),
+                    q(f"max(rate(trace_quant_cache_misses_total[{RATE}]))", "misses"),
+                    q(f"max(rate(trace_quant_cache_corrupt_records_total[{RATE}]))", "corrupt"),
+                    q(f"max(rate(trace_quant_cache_redis_evicted_keys_total[{RATE}]))", "evicted"),
+                    q(f"max(rate(trace_quant_cache_redis_expired_keys_total[{RATE}]))", "expired"),
                 ),
                 width=8,
             ),
@@ -207,8 +208,8 @@ ROWS: tuple[Row, ...] = (
                 "Record bytes stored and returned per second; Redis used memory against maxmemory.",
                 "bytes",
                 (
-                    q(f"sum(rate(trace_quant_cache_put_bytes_total[{RATE}]))", "put /s"),
-                    q(f"sum(rate(trace_quant_cache_got_bytes_total[{RATE}]))", "get /s"),
+                    q(f"max(rate(trace_quant_cache_put_bytes_total[{RATE}]))", "put /s"),
+                    q(f"max(rate(trace_quant_cache_got_bytes_total[{RATE}]))", "get /s"),
                     q("max(trace_quant_cache_redis_used_memory_bytes)", "redis used"),
                     q("max(trace_quant_cache_redis_maxmemory_bytes)", "redis maxmemory"),
                 ),

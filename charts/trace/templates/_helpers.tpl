@@ -241,7 +241,9 @@ spec:
     - {name: http, port: {{ $c.httpPort }}, targetPort: http}
 {{- end -}}
 
-{{/* Where the trainer and the rollout replicas find the two stores (gRPC host:port). */}}
+{{/* Where the trainer and the rollout replicas find the two stores (gRPC host:port). They
+read and write records in Redis directly at the address quant-cache hands out (its own
+TRACE_REDIS_URL, a Service name in this namespace), so no Redis setting is needed here. */}}
 {{- define "trace.storeEnv" -}}
 {{- $v := .Values -}}
 - name: TRACE_QUANT_CACHE_ADDRESS
