@@ -215,11 +215,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel-time table per config")
     ap.add_argument("--fp4-gemm", choices=("cuda", "triton"), default="cuda",
                     help="FP4 expert GEMM: CUDA C++ mma.sync kernel or Triton")  # fmt: skip
+    ap.add_argument("--fp4-attn", choices=("cuda", "triton"), default="cuda",
+                    help="FP4 decode attention: CUDA C++ mma.sync kernel or Triton")  # fmt: skip
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("rollout_gpu_out"))
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.batches = [1024], [1, 8]
     os.environ["TRACE_FP4_GEMM"] = args.fp4_gemm
+    os.environ["TRACE_FP4_ATTN"] = args.fp4_attn
     decode = check_fp4_decode()
     args.out.mkdir(parents=True, exist_ok=True)
     shape = EngineShape(num_layers=args.layers)
@@ -229,6 +232,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda,
         "command": " ".join(sys.argv), "fp4_decode": decode, "fp4_gemm": args.fp4_gemm,
+        "fp4_attn": args.fp4_attn,
     }  # fmt: skip
     print(env, flush=True)
     bw = copy_bandwidth()

@@ -168,13 +168,19 @@ SWEEP_DOWN = [(2, 4, 3, 0), (2, 4, 3, 8), (4, 4, 3, 0), (4, 4, 3, 4), (4, 6, 2, 
               (2, 3, 4, 0), (4, 3, 4, 0), (2, 6, 2, 4)]  # fmt: skip
 
 
-def bench_attention(bw: float) -> None:
+ATTN_SWEEP = [(4, 3), (4, 4), (4, 2), (8, 2), (8, 1), (2, 6)]  # CUDA (warps, CTAs per SM)
+
+
+def bench_attention(bw: float, sweep: bool = False) -> None:
     import triton.testing
 
-    print("\n| batch | context | variant | us | GB KV | TB/s | % copy |")
-    print("|---|---|---|---|---|---|---|")
-    for b, ctx in ((1, 32768), (8, 32768), (32, 8192), (128, 1024)):
-        for variant in ("bf16", "fp4-bits", "fp4-ptx"):
+    from trace_common.kernels import cuda_attn
+
+    default = cuda_attn.DEFAULT_CONFIG
+    print("\n| batch | context | variant | us | GB KV | TB/s | % copy | SQNR vs Triton dB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, ctx in ((1, 32768), (8, 32768), (32, 8192), (128, 1024), (1, 1024)):
+        for variant in ("bf16", "fp4-ptx", "fp4-cuda"):
             fp4 = variant != "bf16"
             cache = attn.KVCacheGPU.allocate(fp4=fp4, batch=b, kv_heads=HKV, capacity=ctx,
                                              head_dim=D, device="cuda")  # fmt: skip
@@ -183,15 +189,27 @@ def bench_attention(bw: float) -> None:
             lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
             plan = attn.DecodeAttnPlan.make(batch=b, q_heads=HQ, kv_heads=HKV, capacity=ctx,
                                             head_dim=D, context_hint=ctx, device="cuda")  # fmt: skip
-            dec = variant.split("-")[1] if fp4 else None
-            us = triton.testing.do_bench(
-                lambda q=q, cache=cache, lens=lens, plan=plan, dec=dec: attn.decode_attention(
-                    q, cache, lens, plan, decode=dec), warmup=25, rep=200, return_mode="median",
-            ) * 1e3  # fmt: skip
             gb = b * ctx * attn.KVCacheGPU.bytes_per_token(fp4=fp4, kv_heads=HKV, head_dim=D) / 1e9
-            tbs = gb / (us * 1e-6) / 1e3
-            print(f"| {b} | {ctx} | {variant} | {us:.1f} | {gb:.3f} | {tbs:.2f} | "
-                  f"{100 * tbs / bw:.0f} |", flush=True)  # fmt: skip
+            ref = (
+                attn.decode_attention(q, cache, lens, plan, impl="triton").float() if fp4 else None
+            )
+            cuda = variant == "fp4-cuda"
+            for cfg in ([default] + [c for c in ATTN_SWEEP if c != default] if sweep else
+                        [default]) if cuda else [None]:  # fmt: skip
+                impl = "cuda" if cuda else "triton"
+                if cuda:
+                    cuda_attn.DEFAULT_CONFIG = cfg  # what decode_attention launches
+
+                def run(q=q, cache=cache, lens=lens, plan=plan, impl=impl):
+                    return attn.decode_attention(q, cache, lens, plan, impl=impl)
+
+                us = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3
+                db = "" if ref is None else f"{_sqnr_db(ref, run().float()):.1f}"
+                tbs = gb / (us * 1e-6) / 1e3
+                name = variant if cfg is None else f"{variant} {cfg}"
+                print(f"| {b} | {ctx} | {name} | {us:.1f} | {gb:.3f} | {tbs:.2f} | "
+                      f"{100 * tbs / bw:.0f} | {db} |", flush=True)  # fmt: skip
+            cuda_attn.DEFAULT_CONFIG = default
             del cache
 
 
@@ -204,13 +222,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cuda-sweep", action="store_true", help="time CUDA launch configs too")
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--attention-only", action="store_true")
+    ap.add_argument("--attn-sweep", action="store_true", help="time CUDA attention configs too")
     ap.add_argument("--write-configs", type=pathlib.Path, help="json of the fastest configs")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.2f} TB/s (read + write)\n")
-    bench_moe(bw, args.cuda_sweep, args.write_configs)
+    if not args.attention_only:
+        bench_moe(bw, args.cuda_sweep, args.write_configs)
     if not args.no_attention:
-        bench_attention(bw)
+        bench_attention(bw, args.attn_sweep)
 
 
 if __name__ == "__main__":

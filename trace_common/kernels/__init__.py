@@ -57,15 +57,32 @@ FP4_GEMM_IMPLS = ("cuda", "triton")
 DEFAULT_FP4_GEMM = "cuda"
 
 
+def _cuda_or_triton(impl: str | None, env: str, default: str) -> str:
+    """`impl`, else $env, else `default` where CuPy is importable and "triton" where not."""
+    if impl is None and env not in os.environ:
+        return default if importlib.util.find_spec("cupy") is not None else "triton"
+    impl = impl or os.environ[env]
+    if impl not in FP4_GEMM_IMPLS:
+        raise ValueError(f"{env}={impl!r}; expected one of {FP4_GEMM_IMPLS}")
+    return impl
+
+
 def fp4_gemm_impl(impl: str | None = None) -> str:
     """The FP4 expert GEMM implementation to use: `impl`, else TRACE_FP4_GEMM, else "cuda"
     where CuPy is importable and "triton" where it is not."""
-    if impl is None and "TRACE_FP4_GEMM" not in os.environ:
-        return DEFAULT_FP4_GEMM if importlib.util.find_spec("cupy") is not None else "triton"
-    impl = impl or os.environ["TRACE_FP4_GEMM"]
-    if impl not in FP4_GEMM_IMPLS:
-        raise ValueError(f"TRACE_FP4_GEMM={impl!r}; expected one of {FP4_GEMM_IMPLS}")
-    return impl
+    return _cuda_or_triton(impl, "TRACE_FP4_GEMM", DEFAULT_FP4_GEMM)
+
+
+# Which FP4 decode attention runs: "cuda" (trace_common/kernels/cuda/attn_fp4.cu through CuPy;
+# the default where CuPy is installed: faster at every measured size, docs/benchmarks.md) or
+# "triton". Override with TRACE_FP4_ATTN. Shapes the CUDA kernel does not handle use Triton.
+DEFAULT_FP4_ATTN = "cuda"
+
+
+def fp4_attn_impl(impl: str | None = None) -> str:
+    """The FP4 decode attention to use: `impl`, else TRACE_FP4_ATTN, else "cuda" where CuPy is
+    importable and "triton" where it is not."""
+    return _cuda_or_triton(impl, "TRACE_FP4_ATTN", DEFAULT_FP4_ATTN)
 
 
 def load_kernels(name: str) -> ModuleType:
@@ -75,10 +92,12 @@ def load_kernels(name: str) -> ModuleType:
 
 
 __all__ = [
+    "DEFAULT_FP4_ATTN",
     "DEFAULT_FP4_GEMM",
     "FP4_DECODE_MODES",
     "FP4_GEMM_IMPLS",
     "TRITON_INSTALL_HINT",
+    "fp4_attn_impl",
     "fp4_decode_words",
     "fp4_gemm_impl",
     "load_kernels",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from trace_common.fp4.constants import NVFP4_BLOCK_SIZE
-from trace_common.kernels import fp4_decode_words, load_kernels
+from trace_common.kernels import fp4_attn_impl, fp4_decode_words, load_kernels
 
 LOG2E = 1.4426950408889634
 ATTN_BLOCK_N = 64  # keys per inner tile
@@ -118,12 +118,30 @@ def decode_attention(
     lens: torch.Tensor,  # int32 [B] valid tokens (new one included)
     plan: DecodeAttnPlan,
     out: torch.Tensor | None = None,  # bf16 [B, HQ * D]
-    decode: str | None = None,  # FP4 cache: "ptx" | "bits" (default: TRACE_FP4_DECODE)
+    decode: str | None = None,  # FP4 cache, Triton: "ptx" | "bits" (default: TRACE_FP4_DECODE)
+    impl: str | None = None,  # FP4 cache: "cuda" | "triton" (default: TRACE_FP4_ATTN)
 ) -> torch.Tensor:
-    """Softmax attention of one new query per sequence over its cached keys/values."""
+    """Softmax attention of one new query per sequence over its cached keys/values. With an
+    FP4 cache the split kernel is the CUDA one (`cuda_attn`) where chosen and the shape fits,
+    else Triton; the splits are combined by the Triton reduce kernel either way."""
     k_mod = load_kernels("_tl_attn")
     b, hq, d = q.shape
-    if cache.fp4:
+    qk_scale = d**-0.5 * LOG2E
+    if out is None:
+        out = torch.empty(b, hq * d, dtype=torch.bfloat16, device=q.device)
+    cuda_split = False
+    if cache.fp4 and fp4_attn_impl(impl) == "cuda":
+        from trace_common.kernels import cuda_attn
+
+        assert cache.codes is not None
+        cuda_split = cuda_attn.supports(hq, cache.codes.shape[2], d, plan.chunk)
+    if cuda_split:
+        from trace_common.kernels.cuda_attn import decode_attn_split_cuda
+
+        decode_attn_split_cuda(q, cache.codes, cache.scales, cache.row_scales, lens,  # type: ignore[arg-type]
+                               plan.part_o, plan.part_ml, chunk=plan.chunk,
+                               qk_scale=qk_scale)  # fmt: skip
+    elif cache.fp4:
         assert cache.codes is not None
         hkv, s = cache.codes.shape[2], cache.codes.shape[3]
         words = fp4_decode_words(q.device, decode)
@@ -134,14 +152,12 @@ def decode_attention(
         hkv, s = cache.values.shape[2], cache.values.shape[3]
         kc = ks = kg = cache.values
         words = False
-    if out is None:
-        out = torch.empty(b, hq * d, dtype=torch.bfloat16, device=q.device)
-    qk_scale = d**-0.5 * LOG2E
-    k_mod.decode_attn_split_kernel[(b, hkv, plan.nsplit)](
-        q, kc, ks, kg, lens, plan.part_o, plan.part_ml, b, s, qk_scale, plan.nsplit,
-        CHUNK=plan.chunk, HQ=hq, HKV=hkv, D=d, BH=max(16, hq // hkv), BN=ATTN_BLOCK_N,
-        FP4=cache.fp4, WORDS=words, num_warps=4, num_stages=3,
-    )  # fmt: skip
+    if not cuda_split:
+        k_mod.decode_attn_split_kernel[(b, hkv, plan.nsplit)](
+            q, kc, ks, kg, lens, plan.part_o, plan.part_ml, b, s, qk_scale, plan.nsplit,
+            CHUNK=plan.chunk, HQ=hq, HKV=hkv, D=d, BH=max(16, hq // hkv), BN=ATTN_BLOCK_N,
+            FP4=cache.fp4, WORDS=words, num_warps=4, num_stages=3,
+        )  # fmt: skip
     k_mod.decode_attn_reduce_kernel[(b, hq)](
         plan.part_o, plan.part_ml, lens, out, plan.nsplit, CHUNK=plan.chunk, HQ=hq, D=d,
         BS=max(2, 1 << (plan.nsplit - 1).bit_length()), num_warps=4,

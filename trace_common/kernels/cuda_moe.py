@@ -25,7 +25,7 @@ import torch
 if TYPE_CHECKING:
     from trace_common.kernels.moe import ExpertWeights, FP4Rows, RoutePlan
 
-CUPY_INSTALL_HINT = "pip install cupy-cuda12x (or cupy-cuda13x for CUDA 13)"
+CUPY_INSTALL_HINT = "pip install 'trace-rl[gpu]' (cupy-cuda13x; cupy-cuda12x for CUDA 12)"
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "moe_fp4.cu"
 
 MMA_M = 16  # output features per A tile
@@ -164,39 +164,51 @@ def default_config(k: int, block_m: int, gated: bool) -> tuple[int, int, int, in
 def require_cupy() -> ModuleType:
     from trace_common.kernels import require_module
 
-    return require_module("cupy", "the CUDA FP4 expert GEMM's launches", CUPY_INSTALL_HINT)
+    return require_module("cupy", "the CUDA FP4 kernels' launches", CUPY_INSTALL_HINT)
 
 
 _MODULES: dict[tuple, object] = {}
 COMPILE_SECONDS: dict[tuple, float] = {}
 
 
-def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int):
-    """The compiled kernel instance (NVRTC via CuPy, cached per configuration)."""
-    key = (block_m, rw, wk, kgw, gated, minb)
+def compiled_function(source: pathlib.Path, name: str):
+    """Kernel `name` (a template instance) of CUDA file `source`, compiled by NVRTC through
+    CuPy and loaded now (never inside a graph capture); cached per (source, name)."""
+    key = (source.name, name)
     fn = _MODULES.get(key)
     if fn is None:
         cp = require_cupy()
-        name = (f"moe_fp4_mma<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-                f"{minb}>")  # fmt: skip
         t0 = time.perf_counter()
-        mod = cp.RawModule(code=SOURCE.read_text(), options=("--std=c++17",),
+        mod = cp.RawModule(code=source.read_text(), options=("--std=c++17",),
                            name_expressions=[name])  # fmt: skip
         fn = mod.get_function(name)
-        fn.compile()  # compile + load now, never inside a graph capture
+        fn.compile()
         COMPILE_SECONDS[key] = time.perf_counter() - t0
         _MODULES[key] = fn
     return fn
 
 
+def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int):
+    """The compiled expert-GEMM instance for one launch configuration."""
+    name = (f"moe_fp4_mma<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
+            f"{minb}>")  # fmt: skip
+    return compiled_function(SOURCE, name)
+
+
 _STREAMS: dict[int, object] = {}
 
 
-def _cupy_stream(cp: ModuleType, ptr: int):
+def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+                           device: torch.device) -> None:  # fmt: skip
+    """Launch a CuPy kernel on PyTorch's current stream of `device` (so a CUDA graph that
+    PyTorch is capturing records it)."""
+    cp = require_cupy()
+    ptr = torch.cuda.current_stream(device).cuda_stream
     s = _STREAMS.get(ptr)
     if s is None:
         s = _STREAMS[ptr] = cp.cuda.ExternalStream(ptr)
-    return s
+    with s:
+        fn(grid, block, args)
 
 
 def moe_gemm_cuda(
@@ -231,7 +243,6 @@ def moe_gemm_cuda(
     n_pairs = plan.n_pairs
     if out is None:
         out = torch.empty(n_pairs, n_out, dtype=torch.bfloat16, device=plan.topk_w.device)
-    cp = require_cupy()
     fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb)
     grid = (plan.block_expert.numel(), n_out // (MMA_M * rw))
     ptr = np.uint64
@@ -242,8 +253,7 @@ def moe_gemm_cuda(
         ptr(plan.topk_w.data_ptr()), ptr(out.data_ptr()),
         np.int32(n_pairs), np.int32(n_out), np.int32(a_div), np.int32(int(mul_route_w)),
     )  # fmt: skip
-    with _cupy_stream(cp, torch.cuda.current_stream(out.device).cuda_stream):
-        fn(grid, (wk * LANES,), args)
+    launch_on_torch_stream(fn, grid, (wk * LANES,), args, out.device)
     return out
 
 
@@ -264,8 +274,10 @@ __all__ = [
     "CONFIGS",
     "PackedFP4",
     "block_m_for",
+    "compiled_function",
     "decode_packed_reference",
     "dq16_permutation",
+    "launch_on_torch_stream",
     "moe_gemm_cuda",
     "pack_fp4_weights",
     "smem_bytes",

@@ -97,3 +97,49 @@ def test_gemm_impl_validation(monkeypatch):
     with pytest.raises(ValueError, match="'cutlass'"):
         fp4_gemm_impl()
     assert fp4_gemm_impl("triton") == "triton"
+
+
+def _fp4_bytes(w: int) -> tuple[int, int]:
+    """attn_fp4.cu's `fp4_bytes` in Python: word of 8 codes -> (bytes of codes 0,2,4,6; of
+    codes 1,3,5,7), each byte the high byte of the code's fp16 decode."""
+    m = 0xFFFFFFFF
+    lo = ((w << 4) & 0x80808080) | ((w << 1) & 0x0E0E0E0E)
+    hi = (w & 0x80808080) | ((w >> 3) & 0x0E0E0E0E)
+    return lo & m, hi & m
+
+
+@pytest.mark.parametrize("pos", range(8))
+def test_attention_decode_formula_every_code_every_position(pos):
+    """Every code at every nibble of a word comes out as its fp16 bits (value * 2**-14) in the
+    byte the attention kernel reads it from, with the other nibbles set to anything."""
+    g = torch.Generator().manual_seed(pos)
+    for c in range(16):
+        for _ in range(4):
+            w = int(torch.randint(0, 1 << 32, (1,), generator=g, dtype=torch.int64))
+            w = (w & ~(0xF << (4 * pos))) | (c << (4 * pos))
+            lo, hi = _fp4_bytes(w)
+            byte = ((hi if pos % 2 else lo) >> (8 * (pos // 2))) & 0xFF
+            assert byte << 8 == E2M1_FP16_BITS[c], f"code {c:#x} at nibble {pos}"
+
+
+def test_attn_impl_validation(monkeypatch):
+    from trace_common.kernels import fp4_attn_impl
+
+    monkeypatch.setenv("TRACE_FP4_ATTN", "flash")
+    with pytest.raises(ValueError, match="'flash'"):
+        fp4_attn_impl()
+    assert fp4_attn_impl("triton") == "triton"
+
+
+def test_no_cupy_at_import_time():
+    """The kernel packages import without pulling in CuPy (it is imported at first launch)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import trace_common.kernels, trace_common.kernels.attention, trace_common.kernels.engine\n"
+        "import trace_common.kernels.cuda_attn, trace_common.kernels.cuda_moe\n"
+        "assert 'cupy' not in sys.modules, 'cupy imported at import time'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
