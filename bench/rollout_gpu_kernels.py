@@ -171,15 +171,27 @@ SWEEP_DOWN = [(2, 4, 3, 0), (2, 4, 3, 8), (4, 4, 3, 0), (4, 4, 3, 4), (4, 6, 2, 
 ATTN_SWEEP = [(4, 3), (4, 4), (4, 2), (8, 2), (8, 1), (2, 6)]  # CUDA (warps, CTAs per SM)
 
 
-def bench_attention(bw: float, sweep: bool = False) -> None:
+def _graph_us(fn) -> float:
+    """Median microseconds of `fn` captured in a CUDA graph (no Python launch cost), as the
+    engine runs it."""
     import triton.testing
 
+    fn()  # compile / load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def bench_attention(bw: float, sweep: bool = False) -> None:
     from trace_common.kernels import cuda_attn
 
     default = cuda_attn.DEFAULT_CONFIG
+    print("\nDecode attention, each call captured in a CUDA graph (split + reduce kernels):")
     print("\n| batch | context | variant | us | GB KV | TB/s | % copy | SQNR vs Triton dB |")
     print("|---|---|---|---|---|---|---|---|")
-    for b, ctx in ((1, 32768), (8, 32768), (32, 8192), (128, 1024), (1, 1024)):
+    for b, ctx in ((1, 32768), (8, 32768), (128, 32768), (32, 8192), (128, 1024), (1, 1024)):
         for variant in ("bf16", "fp4-ptx", "fp4-cuda"):
             fp4 = variant != "bf16"
             cache = attn.KVCacheGPU.allocate(fp4=fp4, batch=b, kv_heads=HKV, capacity=ctx,
@@ -194,19 +206,30 @@ def bench_attention(bw: float, sweep: bool = False) -> None:
                 attn.decode_attention(q, cache, lens, plan, impl="triton").float() if fp4 else None
             )
             cuda = variant == "fp4-cuda"
-            for cfg in ([default] + [c for c in ATTN_SWEEP if c != default] if sweep else
-                        [default]) if cuda else [None]:  # fmt: skip
+            target0 = attn.TARGET_PROGRAMS
+            runs: list = [(None, target0)]
+            if cuda:
+                runs = [(default, None)]  # the engine's plan (cuda_fp4=True)
+                if sweep:
+                    runs += [(c, target0) for c in ATTN_SWEEP if c != default]
+                    runs += [(default, t * target0) for t in (1, 2, 4)]
+            for cfg, target in runs:
                 impl = "cuda" if cuda else "triton"
                 if cuda:
                     cuda_attn.DEFAULT_CONFIG = cfg  # what decode_attention launches
+                attn.TARGET_PROGRAMS = target or target0
+                plan = attn.DecodeAttnPlan.make(batch=b, q_heads=HQ, kv_heads=HKV, capacity=ctx,
+                                                head_dim=D, context_hint=ctx, device="cuda",
+                                                cuda_fp4=cuda and target is None)  # fmt: skip
+                attn.TARGET_PROGRAMS = target0
 
                 def run(q=q, cache=cache, lens=lens, plan=plan, impl=impl):
                     return attn.decode_attention(q, cache, lens, plan, impl=impl)
 
-                us = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3
+                us = _graph_us(run)
                 db = "" if ref is None else f"{_sqnr_db(ref, run().float()):.1f}"
                 tbs = gb / (us * 1e-6) / 1e3
-                name = variant if cfg is None else f"{variant} {cfg}"
+                name = variant if cfg is None else f"{variant} {cfg} splits {plan.nsplit}"
                 print(f"| {b} | {ctx} | {name} | {us:.1f} | {gb:.3f} | {tbs:.2f} | "
                       f"{100 * tbs / bw:.0f} | {db} |", flush=True)  # fmt: skip
             cuda_attn.DEFAULT_CONFIG = default

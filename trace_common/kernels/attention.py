@@ -20,6 +20,10 @@ LOG2E = 1.4426950408889634
 ATTN_BLOCK_N = 64  # keys per inner tile
 ATTN_MIN_CHUNK = 256  # keys per split, at least
 TARGET_PROGRAMS = 528  # ~4 programs per SM on a 132-SM H200
+# The CUDA FP4 kernel (3 CTAs of 4 warps per SM) is faster with twice the splits from 8K tokens
+# of context (H200, graph-timed: 32K batch 8 139 -> 121 us, 8K batch 32 130 -> 120 us) and
+# slower at 1K batch 128 (71 -> 80 us): bench/rollout_gpu_kernels.py --attention-only --attn-sweep
+CUDA_FP4_LONG_CONTEXT = 8192
 
 
 @dataclass(slots=True)
@@ -97,11 +101,15 @@ class DecodeAttnPlan:
     @classmethod
     def make(
         cls, *, batch: int, q_heads: int, kv_heads: int, capacity: int, head_dim: int,
-        context_hint: int, device: str,
+        context_hint: int, device: str, cuda_fp4: bool = False,
     ) -> DecodeAttnPlan:  # fmt: skip
         """Pick keys-per-split so that batch * kv_heads * splits of the expected context fill
-        the GPU; splits past a sequence's length return at once."""
-        want = max(1, math.ceil(TARGET_PROGRAMS / (batch * kv_heads)))
+        the GPU (`cuda_fp4`: for the CUDA FP4 kernel, which wants 2x the splits from
+        CUDA_FP4_LONG_CONTEXT tokens); splits past a sequence's length return at once."""
+        target = TARGET_PROGRAMS
+        if cuda_fp4 and context_hint >= CUDA_FP4_LONG_CONTEXT:
+            target *= 2
+        want = max(1, math.ceil(target / (batch * kv_heads)))
         chunk = max(ATTN_MIN_CHUNK, math.ceil(context_hint / want / ATTN_BLOCK_N) * ATTN_BLOCK_N)
         nsplit = math.ceil(capacity / chunk)
         return cls(

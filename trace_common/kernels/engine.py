@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import fp4_gemm_impl, moe
+from trace_common.kernels import fp4_attn_impl, fp4_gemm_impl, moe
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
 WEIGHT_STD = 0.02
@@ -189,6 +189,7 @@ class DecodeEngine:
         self.attn_plan = attn.DecodeAttnPlan.make(
             batch=b, q_heads=s.q_heads, kv_heads=s.kv_heads, capacity=capacity, head_dim=d,
             context_hint=context, device=device,
+            cuda_fp4=self.fp4 and fp4_attn_impl() == "cuda",
         )  # fmt: skip
         if self.fp4:
             u8 = dict(dtype=torch.uint8, device=device)

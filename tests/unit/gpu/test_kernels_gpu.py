@@ -370,7 +370,7 @@ def test_decode_attention_fp4_cuda(b, cap, lens):
     cache, q = _peaky_fp4_cache(b, cap, seed=cap + b)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     plan = attn.DecodeAttnPlan.make(batch=b, q_heads=32, kv_heads=4, capacity=cap, head_dim=128,
-                                    context_hint=max(lens), device=DEV)  # fmt: skip
+                                    context_hint=max(lens), device=DEV, cuda_fp4=True)  # fmt: skip
     out = torch.full((b, 32 * 128), float("nan"), dtype=torch.bfloat16, device=DEV)
     attn.decode_attention(q, cache, lens_t, plan, out=out, impl="cuda")
     ref = attn.attention_reference(q, attn.dequantize_cache(cache), lens_t)
