@@ -179,8 +179,8 @@ def compiled_function(source: pathlib.Path, name: str):
     if fn is None:
         cp = require_cupy()
         t0 = time.perf_counter()
-        mod = cp.RawModule(code=source.read_text(), options=("--std=c++17",),
-                           name_expressions=[name])  # fmt: skip
+        mod = cp.RawModule(code=source.read_text(), name_expressions=[name],
+                           options=("--std=c++17", f"-I{source.parent}"))  # fmt: skip
         fn = mod.get_function(name)
         fn.compile()
         COMPILE_SECONDS[key] = time.perf_counter() - t0

@@ -24,11 +24,9 @@
 // the per-token scale (and 2**14) multiplies the scores for K and the probabilities for V, so
 // the numerics are the Triton kernel's up to summation order.
 //
-// No headers: compiled by NVRTC (CuPy RawModule) or nvcc alike.
+// No system headers: compiled by NVRTC (CuPy RawModule, -I on this folder) or nvcc alike.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+#include "fp4_common.cuh"
 
 #define HEAD_D 128
 #define GROUP 8
@@ -61,19 +59,6 @@ __device__ __forceinline__ u32 ldg_u8(const u8* p) {
 __device__ __forceinline__ float ldg_f32(const float* p) {
   float r;
   asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v16) {
-  u32 r;
-  u16 h = (u16)v16;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
-  return r;
-}
-
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 

@@ -23,10 +23,9 @@
 // of 64 per warp, all loads issued up front) and reduce through shared memory. MINB is the
 // CTAs per SM asked of the register allocator (__launch_bounds__).
 //
-// No headers: compiled by NVRTC (CuPy RawModule) or nvcc alike.
+// No system headers: compiled by NVRTC (CuPy RawModule, -I on this folder) or nvcc alike.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
+#include "fp4_common.cuh"
 
 #define FP16_GAIN_SQ 268435456.0f  // (2**14)**2: the fp16 decode gains of both operands
 
@@ -37,19 +36,6 @@ __device__ __forceinline__ void ldg_v4(const u32* p, u32& a, u32& b, u32& c, u32
 
 __device__ __forceinline__ void ldg_v2(const u32* p, u32& a, u32& b) {
   asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
-}
-
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v16) {
-  u32 r;
-  u16 h = (u16)v16;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
-  return r;
-}
-
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
 }
 
 __device__ __forceinline__ void mma_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
