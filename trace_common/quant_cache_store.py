@@ -33,7 +33,7 @@ stored is lost; reads still work, but Redis refuses the counter updates of gets 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
 from enum import Enum
 
@@ -144,10 +144,15 @@ def encode_header(crc32: int, length: int) -> bytes:
     return HEADER.pack(MAGIC, crc32, length)
 
 
+def encode_parts(blob: bytes | bytearray | memoryview) -> tuple[bytes, memoryview]:
+    """The stored value of `blob` as its two pieces, header and blob (no copy)."""
+    view = memoryview(blob).cast("B")
+    return encode_header(crc32(view), len(view)), view
+
+
 def encode(blob: bytes | bytearray | memoryview) -> bytes:
     """The stored value of `blob`: header + blob (one copy)."""
-    view = memoryview(blob).cast("B")
-    return b"".join((encode_header(crc32(view), len(view)), view))
+    return b"".join(encode_parts(blob))
 
 
 def decode(value: bytes) -> Found:
@@ -214,9 +219,10 @@ class RecordStore:
     def key(self, run_id: str, version: int, sample_id: str) -> str:
         return record_key(self.prefix, run_id, version, sample_id)
 
-    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+    def put_many(self, items: Sequence[tuple[str, Sized]]) -> None:
         """SET each (key, stored value) with the TTL, and count them, in one round trip (a
-        pipeline, not a transaction: each record is atomic on its own)."""
+        pipeline, not a transaction: each record is atomic on its own). A value is bytes, a
+        memoryview, or a redis_bulk.Joined(header, blob) on a client with its packer."""
         if not items:
             return
         try:

@@ -39,6 +39,7 @@ from trace_common.checksum import crc32
 from trace_common.chunk_wire import bytes_field_codec, with_bytes_field
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
+from trace_common.redis_bulk import Joined, bulk_connection_options
 from trace_common.redis_local import redact_url
 from trace_common.service.errors import ServiceError
 from trace_common.service.grpc_client import GrpcClient
@@ -104,7 +105,7 @@ class DirectPath:
     ) -> int:
         """Same contract as the gRPC path: each record is all-or-nothing, and records are
         stored in pipelines of about PUT_FLUSH_BYTES (on an error the earlier ones stay)."""
-        pending: list[tuple[str, bytes]] = []
+        pending: list[tuple[str, Joined]] = []
         pending_bytes = stored = 0
 
         def flush() -> None:
@@ -123,7 +124,9 @@ class DirectPath:
                 except ServiceError:
                     flush()  # the records before the bad one are stored, as on the gRPC path
                     raise
-                pending.append((self.store.key(run_id, version, sid), layout.encode(blob)))
+                # header and blob sent as two buffers: no joining copy of the blob
+                value = Joined(*layout.encode_parts(blob))
+                pending.append((self.store.key(run_id, version, sid), value))
                 pending_bytes += nbytes
                 if pending_bytes >= layout.PUT_FLUSH_BYTES:
                     flush()
@@ -232,6 +235,7 @@ class QuantCacheClient(GrpcClient):
             socket_timeout=REDIS_TIMEOUT_S,
             socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
             socket_read_size=layout.SOCKET_READ_BYTES,
+            **bulk_connection_options(),  # Joined values, big replies read without copies
         )
         where = redact_url(plane.redis_url)
         try:
