@@ -210,40 +210,20 @@ def nvfp4_quant_kernel(
 # right by 4j has element j in bits 0..3 and element j+4 in bits 16..19, so one shift, one
 # mask, two shifts and one LOP3 build the fp16x2 pair (element j, element j+4) with the bit
 # trick above, and one mul.f16x2 applies the block scale: ~3 instructions per element.
-_DECODE_WORD_ASM = tl.constexpr("""
-{
-.reg .b32 t, u, v, s2;
-mov.b32 s2, $9;
-mov.b32 t, $8;
-shl.b32 u, t, 9;
-and.b32 v, t, 0x00080008;
-shl.b32 v, v, 12;
-lop3.b32 u, u, v, 0x0E000E00, 0xEC;
-mul.rn.f16x2 u, u, s2;
-mov.b32 {$0, $4}, u;
-shr.u32 t, $8, 4;
-shl.b32 u, t, 9;
-and.b32 v, t, 0x00080008;
-shl.b32 v, v, 12;
-lop3.b32 u, u, v, 0x0E000E00, 0xEC;
-mul.rn.f16x2 u, u, s2;
-mov.b32 {$1, $5}, u;
-shr.u32 t, $8, 8;
-shl.b32 u, t, 9;
-and.b32 v, t, 0x00080008;
-shl.b32 v, v, 12;
-lop3.b32 u, u, v, 0x0E000E00, 0xEC;
-mul.rn.f16x2 u, u, s2;
-mov.b32 {$2, $6}, u;
-shr.u32 t, $8, 12;
-shl.b32 u, t, 9;
-and.b32 v, t, 0x00080008;
-shl.b32 v, v, 12;
-lop3.b32 u, u, v, 0x0E000E00, 0xEC;
-mul.rn.f16x2 u, u, s2;
-mov.b32 {$3, $7}, u;
-}
-""")
+def _decode_word_asm() -> str:
+    """The PTX the comment above describes: per pair j, t = word >> 4j, the bit trick, the scale."""
+    steps = []
+    for j in range(4):
+        load = "mov.b32 t, $8;" if j == 0 else f"shr.u32 t, $8, {4 * j};"
+        steps.append(
+            f"{load}\nshl.b32 u, t, 9;\nand.b32 v, t, 0x00080008;\nshl.b32 v, v, 12;\n"
+            f"lop3.b32 u, u, v, 0x0E000E00, 0xEC;\nmul.rn.f16x2 u, u, s2;\n"
+            f"mov.b32 {{${j}, ${j + 4}}}, u;\n"
+        )
+    return "\n{\n.reg .b32 t, u, v, s2;\nmov.b32 s2, $9;\n" + "".join(steps) + "}\n"
+
+
+_DECODE_WORD_ASM = tl.constexpr(_decode_word_asm())
 
 
 @triton.jit
