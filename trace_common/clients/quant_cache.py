@@ -212,7 +212,8 @@ class QuantCacheClient(GrpcClient):
             return self._direct
         with self._resolve_lock:
             if not self._resolved:
-                self._direct = self._connect()
+                self._direct = self._connect()  # raises (stays unresolved) if not answered
+                self._resolved = True
         return self._direct
 
     def _connect(self) -> DirectPath | None:
@@ -228,7 +229,6 @@ class QuantCacheClient(GrpcClient):
             if strict or err.code() not in off:
                 raise  # bad token, service down...: the caller sees it as with any call
             log.info("quant-cache: gRPC data path (%s)", err.details())
-            self._resolved = True
             return None
         client = redis.Redis.from_url(
             plane.redis_url,
@@ -248,10 +248,8 @@ class QuantCacheClient(GrpcClient):
                     f"data_path='direct' but Redis at {where} is unreachable: {exc}",
                 ) from exc
             log.warning("quant-cache: gRPC data path (Redis at %s unreachable: %s)", where, exc)
-            self._resolved = True
             return None
         log.info("quant-cache: direct data path (Redis at %s)", where)
-        self._resolved = True
         return DirectPath(plane, client)
 
     # -- records ----------------------------------------------------------------------------
