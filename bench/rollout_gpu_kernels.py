@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import cuda_moe, moe
+from trace_common.kernels import cuda_launch, cuda_moe, moe
 from trace_common.kernels.quant import quantize_rows
 
 E, H, INTER, TOPK = 128, 2048, 768, 8
@@ -155,7 +155,7 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None)
             write_configs.write_text(json.dumps(chosen))
     print(
         f"CUDA kernel compile seconds (NVRTC): "
-        f"{ {k: round(v, 2) for k, v in cuda_moe.COMPILE_SECONDS.items()} }",
+        f"{ {k: round(v, 2) for k, v in cuda_launch.COMPILE_SECONDS.items()} }",
         flush=True,
     )
 

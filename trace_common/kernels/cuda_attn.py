@@ -16,7 +16,7 @@ import pathlib
 
 import torch
 
-from trace_common.kernels.cuda_moe import compiled_function, launch_on_torch_stream
+from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_fp4.cu"
 HEAD_DIM = 128

@@ -4,7 +4,7 @@ The kernel (`cuda/moe_fp4.cu`) reads the weights in an MMA-fragment layout made 
 by `pack_fp4_weights` (plain PyTorch, runs on any device), and the activations as fp16
 (code * block scale * 2**-14, exact) written in B-fragment order by the quantize kernel
 (`quantize_rows(..., dq16=...)`). It is compiled by NVRTC through CuPy on first use and
-launched on PyTorch's current stream, so a CUDA graph captured by PyTorch records it.
+launched on PyTorch's current stream (`cuda_launch`), so a CUDA graph captured by PyTorch records it.
 
 Importing this module needs neither CuPy nor a GPU; `moe_gemm_cuda` imports CuPy when first
 called and raises ImportError naming the install command when it is missing.
@@ -15,17 +15,16 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import time
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
+from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
+
 if TYPE_CHECKING:
     from trace_common.kernels.moe import ExpertWeights, FP4Rows, RoutePlan
 
-CUPY_INSTALL_HINT = "pip install 'trace-rl[gpu]' (cupy-cuda13x; cupy-cuda12x for CUDA 12)"
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "moe_fp4.cu"
 
 MMA_M = 16  # output features per A tile
@@ -161,54 +160,11 @@ def default_config(k: int, block_m: int, gated: bool) -> tuple[int, int, int, in
     return (1 if gated else 2, kg, 1, 0) if kg <= 16 else (1, 16, kg // 16, 0)
 
 
-def require_cupy() -> ModuleType:
-    from trace_common.kernels import require_module
-
-    return require_module("cupy", "the CUDA FP4 kernels' launches", CUPY_INSTALL_HINT)
-
-
-_MODULES: dict[tuple, object] = {}
-COMPILE_SECONDS: dict[tuple, float] = {}
-
-
-def compiled_function(source: pathlib.Path, name: str):
-    """Kernel `name` (a template instance) of CUDA file `source`, compiled by NVRTC through
-    CuPy and loaded now (never inside a graph capture); cached per (source, name)."""
-    key = (source.name, name)
-    fn = _MODULES.get(key)
-    if fn is None:
-        cp = require_cupy()
-        t0 = time.perf_counter()
-        mod = cp.RawModule(code=source.read_text(), name_expressions=[name],
-                           options=("--std=c++17", f"-I{source.parent}"))  # fmt: skip
-        fn = mod.get_function(name)
-        fn.compile()
-        COMPILE_SECONDS[key] = time.perf_counter() - t0
-        _MODULES[key] = fn
-    return fn
-
-
 def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int):
     """The compiled expert-GEMM instance for one launch configuration."""
     name = (f"moe_fp4_mma<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
             f"{minb}>")  # fmt: skip
     return compiled_function(SOURCE, name)
-
-
-_STREAMS: dict[int, object] = {}
-
-
-def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-                           device: torch.device) -> None:  # fmt: skip
-    """Launch a CuPy kernel on PyTorch's current stream of `device` (so a CUDA graph that
-    PyTorch is capturing records it)."""
-    cp = require_cupy()
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    s = _STREAMS.get(ptr)
-    if s is None:
-        s = _STREAMS[ptr] = cp.cuda.ExternalStream(ptr)
-    with s:
-        fn(grid, block, args)
 
 
 def moe_gemm_cuda(
@@ -274,10 +230,8 @@ __all__ = [
     "CONFIGS",
     "PackedFP4",
     "block_m_for",
-    "compiled_function",
     "decode_packed_reference",
     "dq16_permutation",
-    "launch_on_torch_stream",
     "moe_gemm_cuda",
     "pack_fp4_weights",
     "smem_bytes",

@@ -140,6 +140,7 @@ def test_no_cupy_at_import_time():
         "import sys\n"
         "import trace_common.kernels, trace_common.kernels.attention, trace_common.kernels.engine\n"
         "import trace_common.kernels.cuda_attn, trace_common.kernels.cuda_moe\n"
+        "import trace_common.kernels.cuda_launch\n"
         "assert 'cupy' not in sys.modules, 'cupy imported at import time'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
