@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from services.weight_sync.config import WeightSyncSettings
+from services.weight_sync.data_plane import DataPlane
 from services.weight_sync.registry import ReplicaRegistry
 from services.weight_sync.servicer import CODECS, WeightSyncServicer
 from services.weight_sync.versions import VersionStore
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc
 from trace_common.service import ServiceRuntime, load_settings
+from trace_common.ws_data_plane import server_ssl_context
 
 
 def main() -> None:
@@ -29,9 +31,23 @@ def main() -> None:
         codecs=CODECS,
     )
     rt.before_drain.append(servicer.shutdown)
+    if settings.data_plane_enabled:
+        servicer.data_plane = DataPlane(
+            settings.grpc_host,
+            settings.data_plane_port,
+            rt.metrics,
+            servicer.count_pull,
+            ticket_seconds=settings.data_plane_ticket_seconds,
+            max_tickets=settings.data_plane_max_tickets,
+            advertise=settings.data_plane_advertise,
+            ssl_context=server_ssl_context(settings),
+        )
+        rt.before_drain.append(servicer.data_plane.close)
 
     def status() -> dict[str, object]:
+        plane = servicer.data_plane
         return {
+            "data_plane_port": None if plane is None else plane.port,
             "latest_version": versions.latest_version(),
             "versions": [
                 {"version": v.version, "bytes": v.header.total_bytes} for v in versions.all()

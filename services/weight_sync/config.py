@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from services.weight_sync.data_plane import parse_advertise
 from trace_common.service import ServiceSettings
 
 
@@ -16,3 +17,31 @@ class WeightSyncSettings(ServiceSettings):
     heartbeat_timeout_seconds: float = Field(
         30.0, gt=0, description="a replica silent this long is reported dead"
     )
+    data_plane_enabled: bool = Field(
+        True,
+        description="serve pulls over the bulk data plane (GetPullTicket + a TCP/TLS "
+        "listener); false = replicas pull over gRPC (PullVersion)",
+    )
+    data_plane_port: int = Field(
+        50062,
+        ge=0,
+        le=65535,
+        description="data-plane TCP port (0 = any free port); binds grpc_host",
+    )
+    data_plane_advertise: str = Field(
+        "",
+        description="address handed to replicas: host or host:port; empty = the host they "
+        "reach gRPC by, with data_plane_port",
+    )
+    data_plane_ticket_seconds: float = Field(
+        30.0, gt=0, description="a pull ticket is refused after this long"
+    )
+    data_plane_max_tickets: int = Field(
+        1024, ge=1, description="outstanding tickets at most (more: RESOURCE_EXHAUSTED)"
+    )
+
+    @field_validator("data_plane_advertise")
+    @classmethod
+    def _check_advertise(cls, value: str) -> str:
+        parse_advertise(value, 0)  # ValueError names the value
+        return value

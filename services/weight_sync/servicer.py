@@ -10,13 +10,14 @@ from collections.abc import Iterable, Iterator
 import grpc
 from prometheus_client.core import GaugeMetricFamily
 
+from services.weight_sync.data_plane import DataPlane
 from services.weight_sync.registry import ReplicaRegistry
 from services.weight_sync.versions import PendingVersion, StoredVersion, VersionStore
 from trace_common.chunk_wire import ChunkView, chunk_codec
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
-from trace_common.service import Metrics, check_id, invalid
+from trace_common.service import Metrics, check_id, failed_precondition, invalid
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ CODECS = {
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServicer):
-    """Implements trace.weightsync.v1.WeightSync."""
+    """Implements trace.weightsync.v1.WeightSync. `data_plane` (set by main when enabled)
+    serves the pulls GetPullTicket hands out; without it GetPullTicket is FAILED_PRECONDITION."""
+
+    data_plane: DataPlane | None = None
 
     def __init__(
         self,
@@ -134,20 +138,45 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         )
         return pb.PushVersionResponse(published=stored.info(), dropped_versions=dropped)
 
-    def PullVersion(
-        self, request: pb.PullVersionRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.PullChunk | bytes]:
+    def _pulled(self, request: pb.PullVersionRequest | pb.PullTicketRequest) -> StoredVersion:
+        """The version a pull asks for (INVALID_ARGUMENT, NOT_FOUND)."""
         if request.replica_id:
             check_id("replica_id", request.replica_id)
         version = request.version if request.HasField("version") else None
         if version is not None and version < 0:
             raise invalid(f"version={version} must be >= 0 (leave it unset for the latest)")
-        stored = self.versions.get(version)  # NOT_FOUND if unknown or none yet
+        return self.versions.get(version)  # NOT_FOUND if unknown or none yet
+
+    def count_pull(self, replica_id: str, nbytes: int, seconds: float) -> None:
+        """One complete pull, on either path."""
+        self.pull_bytes.labels(replica_id or "-").inc(nbytes)
+        self.pull_seconds.observe(seconds)
+
+    def PullVersion(
+        self, request: pb.PullVersionRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PullChunk | bytes]:
+        stored = self._pulled(request)
         start = time.perf_counter()
         yield pb.PullChunk(header=stored.header)
         yield from stored.chunks
-        self.pull_bytes.labels(request.replica_id or "-").inc(stored.header.total_bytes)
-        self.pull_seconds.observe(time.perf_counter() - start)
+        self.count_pull(request.replica_id, stored.header.total_bytes, time.perf_counter() - start)
+
+    def GetPullTicket(
+        self, request: pb.PullTicketRequest, context: grpc.ServicerContext
+    ) -> pb.PullTicketResponse:
+        stored = self._pulled(request)
+        plane = self.data_plane
+        if plane is None:
+            raise failed_precondition(
+                "the data plane is off (TRACE_DATA_PLANE_ENABLED=false): pull with PullVersion"
+            )
+        return pb.PullTicketResponse(
+            data_host=plane.advertise_host,
+            data_port=plane.advertise_port,
+            ticket=plane.issue(stored, request.replica_id),
+            expires_in_seconds=plane.ticket_seconds,
+            header=stored.header,
+        )
 
     # -- replicas ---------------------------------------------------------------------------
     def Register(

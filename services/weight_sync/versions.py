@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from trace_common.checksum import crc32
-from trace_common.chunk_wire import ChunkView, encode_chunk
+from trace_common.chunk_wire import ChunkView, chunk_codec, encode_chunk
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.service import (
@@ -29,6 +29,8 @@ from trace_common.service import (
 )
 from trace_common.tensor_wire import expected_nbytes
 
+_PULL_DECODE, _ = chunk_codec(pb.PullChunk)
+
 
 @dataclass(slots=True)
 class StoredVersion:
@@ -38,10 +40,18 @@ class StoredVersion:
     # hold the only copy of the bytes.
     chunks: list[bytes]
     published_at: float = field(default_factory=time.time)
+    _views: list[memoryview] | None = field(default=None, repr=False)
 
     @property
     def version(self) -> int:
         return self.header.version
+
+    def data_views(self) -> list[memoryview]:
+        """The tensor bytes of every chunk, in manifest order (views into `chunks`, no
+        copies): what the data plane sends. Decoded once, at the first data-plane pull."""
+        if self._views is None:
+            self._views = [_PULL_DECODE(raw).data for raw in self.chunks]
+        return self._views
 
     def info(self) -> common_pb2.PolicyVersionInfo:
         h = self.header

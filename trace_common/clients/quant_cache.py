@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Literal
 
 import grpc
 import redis
@@ -37,6 +36,7 @@ import redis
 from trace_common import quant_cache_store as layout
 from trace_common.checksum import crc32
 from trace_common.chunk_wire import bytes_field_codec, with_bytes_field
+from trace_common.clients.data_path import DataPath, DirectPathError, check_data_path, offered
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
 from trace_common.redis_bulk import Joined, bulk_connection_options
@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB per PutRecords message (the service's GetRecords size)
 PUT_DATA_FIELD = pb.PutRecordsChunk.DESCRIPTOR.fields_by_name["data"].number
 GET_DATA_FIELD = pb.GetRecordsChunk.DESCRIPTOR.fields_by_name["data"].number
-DataPath = Literal["auto", "direct", "grpc"]
-DATA_PATHS: tuple[str, ...] = ("auto", "direct", "grpc")
 REDIS_CONNECT_TIMEOUT_S = 2.0  # the reachability check of "auto" waits this long at most
 REDIS_TIMEOUT_S = 30.0  # socket timeout of direct-path Redis calls
 
@@ -62,22 +60,6 @@ class CorruptRecordError(RuntimeError):
         super().__init__(f"corrupt records: {corrupt}")
         self.corrupt = corrupt
         self.records = records
-
-
-class DirectPathError(grpc.RpcError):
-    """A direct-path failure with the status code the gRPC path would give (`code()`,
-    `details()`), so callers handle both paths with one `except grpc.RpcError`."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 def _results(
@@ -176,10 +158,8 @@ class QuantCacheClient(GrpcClient):
         super().__init__(address, token, **kwargs)  # type: ignore[arg-type]
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-        if data_path not in DATA_PATHS:
-            raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
         self.chunk_bytes = chunk_bytes
-        self.data_path = data_path
+        self.data_path = check_data_path(data_path)
         self._direct: DirectPath | None = None
         self._resolved = data_path == "grpc"
         self._resolve_lock = threading.Lock()
@@ -218,17 +198,16 @@ class QuantCacheClient(GrpcClient):
 
     def _connect(self) -> DirectPath | None:
         strict = self.data_path == "direct"
-        try:
-            plane = self._stub.GetDataPlane(
+        plane = offered(
+            lambda: self._stub.GetDataPlane(
                 pb.GetDataPlaneRequest(layout_version=layout.LAYOUT_VERSION),
                 metadata=self.metadata,
                 timeout=self.timeout,
-            )
-        except grpc.RpcError as err:
-            off = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
-            if strict or err.code() not in off:
-                raise  # bad token, service down...: the caller sees it as with any call
-            log.info("quant-cache: gRPC data path (%s)", err.details())
+            ),
+            strict,
+            "quant-cache",
+        )
+        if plane is None:
             return None
         client = redis.Redis.from_url(
             plane.redis_url,

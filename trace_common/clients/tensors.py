@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -56,6 +58,18 @@ class TensorAssembler:
             )
         self._np[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.received += len(data)
+
+    def fill(self, recv_into: Callable[[memoryview], int]) -> None:
+        """Receive the rest of the bytes straight into the buffer (a socket's recv_into:
+        no intermediate copies); EOFError when it returns 0 (the peer closed) before the end."""
+        view = memoryview(self._np)
+        while self.received < self.spec.nbytes:
+            n = recv_into(view[self.received :])
+            if n == 0:
+                raise EOFError(
+                    f"tensor {self.spec.name!r}: connection closed after {self.received} of {self.spec.nbytes} bytes"
+                )
+            self.received += n
 
     @property
     def complete(self) -> bool:

@@ -8,12 +8,23 @@ Replica:
     for notice in ws.subscribe("rollout-0"):          # latest at once, then each new one
         version, tensors, meta = ws.pull_version(notice.version, replica_id="rollout-0")
         ws.heartbeat("rollout-0", version)
+
+Pulls take one of two data paths (trace_common.clients.data_path), the same tensors and
+the same CRC-32 checks either way:
+- direct (the bulk data plane, trace_common/ws_data_plane.py): GetPullTicket gives the
+  manifest, a single-use ticket and the data-plane address; the tensor bytes then arrive
+  over a plain TCP (or TLS) connection straight into each tensor's buffer (recv_into).
+- grpc: the PullVersion stream (header, then chunks).
+`data_path="auto"` (the default) takes the direct path when the service offers it and it
+connects, else gRPC from then on (logged); "direct" raises DirectPathError instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -21,15 +32,20 @@ from typing import Any
 import grpc
 import torch
 
+from trace_common import ws_data_plane as wire
 from trace_common.chunk_wire import ChunkView, chunk_codec, encode_chunk
+from trace_common.clients.data_path import DataPath, DirectPathError, check_data_path, offered
 from trace_common.clients.tensors import TensorAssembler, tensor_to_wire
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
-from trace_common.service.grpc_client import GrpcClient
+from trace_common.service.grpc_client import ClientTLS, GrpcClient
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per PushVersion message
 TRANSFER_TIMEOUT_S = 600.0  # push/pull deadline: a whole model may be tens of GB
+DATA_CONNECT_TIMEOUT_S = 5.0  # "auto" falls back to gRPC after this long without a connection
 
 
 class WeightSyncClient(GrpcClient):
@@ -42,6 +58,7 @@ class WeightSyncClient(GrpcClient):
         "Subscribe",
         "ListReplicas",
         "ListVersions",
+        "GetPullTicket",
     )
 
     def __init__(
@@ -51,13 +68,19 @@ class WeightSyncClient(GrpcClient):
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         transfer_timeout: float = TRANSFER_TIMEOUT_S,
+        data_path: DataPath = "auto",
+        tls: ClientTLS | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(address, token, **kwargs)
+        super().__init__(address, token, tls=tls, **kwargs)
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.transfer_timeout = transfer_timeout
+        self.data_path = check_data_path(data_path)
+        # The data plane speaks TLS exactly when gRPC does, with the same trust.
+        self._ssl = None if tls is None else tls.ssl_context()
+        self._direct_off = data_path == "grpc"  # auto: set when the plane is not usable
         self._stub = pb_grpc.WeightSyncStub(self.channel)
         # The two bulk RPCs with chunk_wire's codecs: chunks are written and read without
         # protobuf's copies of their data (same bytes on the wire as the generated stub).
@@ -106,9 +129,64 @@ class WeightSyncClient(GrpcClient):
     def pull_version(
         self, version: int | None = None, *, replica_id: str = ""
     ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
-        """(version, tensors, metadata) of `version`, or of the latest complete one if None.
+        """(version, tensors, metadata) of `version`, or of the latest complete one if None,
+        over the data path in use (module docstring).
 
-        Every tensor is checked against its CRC-32 (ValueError on a mismatch)."""
+        Every tensor is checked against its CRC-32 (ValueError on a mismatch); a transfer
+        that ends early raises (DATA_LOSS on the direct path)."""
+        if not self._direct_off:
+            pulled = self._pull_direct(version, replica_id)
+            if pulled is not None:
+                return pulled
+        return self._pull_grpc(version, replica_id)
+
+    @property
+    def path(self) -> str:
+        """The path the next pull tries first: "direct" or "grpc"."""
+        return "grpc" if self._direct_off else "direct"
+
+    def _pull_direct(
+        self, version: int | None, replica_id: str
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
+        """A pull over the data plane; None when "auto" should use gRPC instead."""
+        strict = self.data_path == "direct"
+        request = pb.PullTicketRequest(replica_id=replica_id)
+        if version is not None:
+            request.version = version
+        ticket = offered(
+            lambda: self._stub.GetPullTicket(request, metadata=self.metadata, timeout=self.timeout),
+            strict,
+            "weight-sync",
+        )
+        if ticket is None:
+            self._direct_off = True
+            return None
+        host = ticket.data_host or self.address.rsplit(":", 1)[0].strip("[]")
+        where = f"{host}:{ticket.data_port}"
+        try:
+            sock = socket.create_connection((host, ticket.data_port), DATA_CONNECT_TIMEOUT_S)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=host)
+        except OSError as exc:  # ssl.SSLError included
+            if strict:
+                raise DirectPathError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"data_path='direct' but the weight-sync data plane at {where} is unreachable: {exc}",
+                ) from exc
+            log.warning(
+                "weight-sync: gRPC data path (data plane at %s unreachable: %s)", where, exc
+            )
+            self._direct_off = True
+            return None
+        with sock:
+            sock.settimeout(self.timeout)  # per send/recv: a stalled transfer ends
+            tensors = receive_version(sock, ticket.ticket, ticket.header, where)
+        header = ticket.header
+        return header.version, tensors, json.loads(header.metadata_json or "{}")
+
+    def _pull_grpc(
+        self, version: int | None, replica_id: str
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
         request = pb.PullVersionRequest(replica_id=replica_id)
         if version is not None:
             request.version = version
@@ -186,3 +264,52 @@ class WeightSyncClient(GrpcClient):
 
         threading.Thread(target=loop, name=f"heartbeat-{replica_id}", daemon=True).start()
         return stop
+
+
+def receive_version(
+    sock: socket.socket, ticket: bytes, header: pb.VersionHeader, where: str
+) -> dict[str, torch.Tensor]:
+    """Present `ticket` on a connected data-plane socket and receive the version `header`
+    describes, each tensor straight into its buffer, CRC-32 checked (ValueError, as on the
+    gRPC path). A refusal raises DirectPathError with the reply's code and reason; a
+    connection that breaks or ends early, DirectPathError(DATA_LOSS / UNAVAILABLE)."""
+    parts = [TensorAssembler(spec) for spec in header.tensors]
+    try:
+        sock.sendall(wire.encode_request(ticket))
+        head = wire.recv_exact(sock, wire.REPLY_BYTES)
+        if len(head) < wire.REPLY_BYTES:
+            raise DirectPathError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"weight-sync data plane at {where} closed the connection before replying",
+            )
+        try:
+            status, length = wire.decode_reply(head)
+        except ValueError as exc:
+            raise DirectPathError(
+                grpc.StatusCode.DATA_LOSS, f"weight-sync data plane at {where}: {exc}"
+            ) from exc
+        if status != wire.Status.OK:
+            reason = wire.recv_exact(sock, min(length, wire.MAX_REASON_BYTES))
+            raise DirectPathError(
+                status.grpc_code,
+                f"weight-sync data plane at {where} refused the pull: {reason.decode(errors='replace')}",
+            )
+        if length != header.total_bytes:
+            raise DirectPathError(
+                grpc.StatusCode.DATA_LOSS,
+                f"weight-sync data plane at {where} sends {length} bytes for version "
+                f"{header.version}, whose manifest says {header.total_bytes}",
+            )
+        for part in parts:
+            part.fill(sock.recv_into)
+    except EOFError as exc:
+        raise DirectPathError(
+            grpc.StatusCode.DATA_LOSS,
+            f"truncated transfer of version {header.version} from {where}: {exc}",
+        ) from exc
+    except OSError as exc:
+        raise DirectPathError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"weight-sync data plane at {where} failed mid-transfer: {exc}",
+        ) from exc
+    return {p.spec.name: p.tensor() for p in parts}

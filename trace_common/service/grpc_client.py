@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,6 +77,14 @@ class ClientTLS:
             private_key=read(self.key_file),
             certificate_chain=read(self.cert_file),
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust for a plain TLS socket (weight-sync's data plane): the CA (else
+        the system's), this client's certificate for mTLS, host names verified."""
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file is not None:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
 
 
 class GrpcClient:

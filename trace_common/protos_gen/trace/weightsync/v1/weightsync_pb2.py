@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from trace_common.protos_gen.trace.common.v1 import common_pb2 as trace_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$trace/weightsync/v1/weightsync.proto\x12\x13trace.weightsync.v1\x1a\x1ctrace/common/v1/common.proto\"z\n\rVersionHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rmetadata_json\x18\x02 \x01(\t\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.trace.common.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"A\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"|\n\tPushChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeaderH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .trace.weightsync.v1.TensorChunkH\x00\x42\x06\n\x04kind\"f\n\x13PushVersionResponse\x12\x35\n\tpublished\x18\x01 \x01(\x0b\x32\".trace.common.v1.PolicyVersionInfo\x12\x18\n\x10\x64ropped_versions\x18\x02 \x03(\x03\"J\n\x12PullVersionRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nreplica_id\x18\x02 \x01(\tB\n\n\x08_version\"|\n\tPullChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeaderH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .trace.weightsync.v1.TensorChunkH\x00\x42\x06\n\x04kind\"6\n\x0fRegisterRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"M\n\x10RegisterResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12!\n\x19heartbeat_timeout_seconds\x18\x02 \x01(\x01\"<\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0cversion_held\x18\x02 \x01(\x03\"+\n\x11HeartbeatResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\"&\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x15\n\x13ListReplicasRequest\"\x8d\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cversion_held\x18\x03 \x01(\x03\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\x12\x13\n\x0bversion_lag\x18\x06 \x01(\x03\"b\n\x14ListReplicasResponse\x12\x32\n\x08replicas\x18\x01 \x03(\x0b\x32 .trace.weightsync.v1.ReplicaInfo\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\"\x15\n\x13ListVersionsRequest\"L\n\x14ListVersionsResponse\x12\x34\n\x08versions\x18\x01 \x03(\x0b\x32\".trace.common.v1.PolicyVersionInfo2\x9a\x05\n\nWeightSync\x12Y\n\x0bPushVersion\x12\x1e.trace.weightsync.v1.PushChunk\x1a(.trace.weightsync.v1.PushVersionResponse(\x01\x12X\n\x0bPullVersion\x12\'.trace.weightsync.v1.PullVersionRequest\x1a\x1e.trace.weightsync.v1.PullChunk0\x01\x12W\n\x08Register\x12$.trace.weightsync.v1.RegisterRequest\x1a%.trace.weightsync.v1.RegisterResponse\x12Z\n\tHeartbeat\x12%.trace.weightsync.v1.HeartbeatRequest\x1a&.trace.weightsync.v1.HeartbeatResponse\x12X\n\tSubscribe\x12%.trace.weightsync.v1.SubscribeRequest\x1a\".trace.common.v1.PolicyVersionInfo0\x01\x12\x63\n\x0cListReplicas\x12(.trace.weightsync.v1.ListReplicasRequest\x1a).trace.weightsync.v1.ListReplicasResponse\x12\x63\n\x0cListVersions\x12(.trace.weightsync.v1.ListVersionsRequest\x1a).trace.weightsync.v1.ListVersionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$trace/weightsync/v1/weightsync.proto\x12\x13trace.weightsync.v1\x1a\x1ctrace/common/v1/common.proto\"z\n\rVersionHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rmetadata_json\x18\x02 \x01(\t\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.trace.common.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"A\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"|\n\tPushChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeaderH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .trace.weightsync.v1.TensorChunkH\x00\x42\x06\n\x04kind\"f\n\x13PushVersionResponse\x12\x35\n\tpublished\x18\x01 \x01(\x0b\x32\".trace.common.v1.PolicyVersionInfo\x12\x18\n\x10\x64ropped_versions\x18\x02 \x03(\x03\"J\n\x12PullVersionRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nreplica_id\x18\x02 \x01(\tB\n\n\x08_version\"|\n\tPullChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeaderH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .trace.weightsync.v1.TensorChunkH\x00\x42\x06\n\x04kind\"I\n\x11PullTicketRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nreplica_id\x18\x02 \x01(\tB\n\n\x08_version\"\x9a\x01\n\x12PullTicketResponse\x12\x11\n\tdata_host\x18\x01 \x01(\t\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x1a\n\x12\x65xpires_in_seconds\x18\x04 \x01(\x01\x12\x32\n\x06header\x18\x05 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeader\"6\n\x0fRegisterRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"M\n\x10RegisterResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12!\n\x19heartbeat_timeout_seconds\x18\x02 \x01(\x01\"<\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0cversion_held\x18\x02 \x01(\x03\"+\n\x11HeartbeatResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\"&\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x15\n\x13ListReplicasRequest\"\x8d\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cversion_held\x18\x03 \x01(\x03\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\x12\x13\n\x0bversion_lag\x18\x06 \x01(\x03\"b\n\x14ListReplicasResponse\x12\x32\n\x08replicas\x18\x01 \x03(\x0b\x32 .trace.weightsync.v1.ReplicaInfo\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\"\x15\n\x13ListVersionsRequest\"L\n\x14ListVersionsResponse\x12\x34\n\x08versions\x18\x01 \x03(\x0b\x32\".trace.common.v1.PolicyVersionInfo2\xfc\x05\n\nWeightSync\x12Y\n\x0bPushVersion\x12\x1e.trace.weightsync.v1.PushChunk\x1a(.trace.weightsync.v1.PushVersionResponse(\x01\x12X\n\x0bPullVersion\x12\'.trace.weightsync.v1.PullVersionRequest\x1a\x1e.trace.weightsync.v1.PullChunk0\x01\x12`\n\rGetPullTicket\x12&.trace.weightsync.v1.PullTicketRequest\x1a\'.trace.weightsync.v1.PullTicketResponse\x12W\n\x08Register\x12$.trace.weightsync.v1.RegisterRequest\x1a%.trace.weightsync.v1.RegisterResponse\x12Z\n\tHeartbeat\x12%.trace.weightsync.v1.HeartbeatRequest\x1a&.trace.weightsync.v1.HeartbeatResponse\x12X\n\tSubscribe\x12%.trace.weightsync.v1.SubscribeRequest\x1a\".trace.common.v1.PolicyVersionInfo0\x01\x12\x63\n\x0cListReplicas\x12(.trace.weightsync.v1.ListReplicasRequest\x1a).trace.weightsync.v1.ListReplicasResponse\x12\x63\n\x0cListVersions\x12(.trace.weightsync.v1.ListVersionsRequest\x1a).trace.weightsync.v1.ListVersionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,26 +44,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLVERSIONREQUEST']._serialized_end=586
   _globals['_PULLCHUNK']._serialized_start=588
   _globals['_PULLCHUNK']._serialized_end=712
-  _globals['_REGISTERREQUEST']._serialized_start=714
-  _globals['_REGISTERREQUEST']._serialized_end=768
-  _globals['_REGISTERRESPONSE']._serialized_start=770
-  _globals['_REGISTERRESPONSE']._serialized_end=847
-  _globals['_HEARTBEATREQUEST']._serialized_start=849
-  _globals['_HEARTBEATREQUEST']._serialized_end=909
-  _globals['_HEARTBEATRESPONSE']._serialized_start=911
-  _globals['_HEARTBEATRESPONSE']._serialized_end=954
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=956
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=994
-  _globals['_LISTREPLICASREQUEST']._serialized_start=996
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1017
-  _globals['_REPLICAINFO']._serialized_start=1020
-  _globals['_REPLICAINFO']._serialized_end=1161
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1163
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1261
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=1263
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=1284
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1286
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1362
-  _globals['_WEIGHTSYNC']._serialized_start=1365
-  _globals['_WEIGHTSYNC']._serialized_end=2031
+  _globals['_PULLTICKETREQUEST']._serialized_start=714
+  _globals['_PULLTICKETREQUEST']._serialized_end=787
+  _globals['_PULLTICKETRESPONSE']._serialized_start=790
+  _globals['_PULLTICKETRESPONSE']._serialized_end=944
+  _globals['_REGISTERREQUEST']._serialized_start=946
+  _globals['_REGISTERREQUEST']._serialized_end=1000
+  _globals['_REGISTERRESPONSE']._serialized_start=1002
+  _globals['_REGISTERRESPONSE']._serialized_end=1079
+  _globals['_HEARTBEATREQUEST']._serialized_start=1081
+  _globals['_HEARTBEATREQUEST']._serialized_end=1141
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1143
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1186
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1188
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1226
+  _globals['_LISTREPLICASREQUEST']._serialized_start=1228
+  _globals['_LISTREPLICASREQUEST']._serialized_end=1249
+  _globals['_REPLICAINFO']._serialized_start=1252
+  _globals['_REPLICAINFO']._serialized_end=1393
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=1395
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=1493
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=1495
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=1516
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1518
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1594
+  _globals['_WEIGHTSYNC']._serialized_start=1597
+  _globals['_WEIGHTSYNC']._serialized_end=2361
 # @@protoc_insertion_point(module_scope)

@@ -61,6 +61,28 @@ class PullChunk(_message.Message):
     chunk: TensorChunk
     def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
+class PullTicketRequest(_message.Message):
+    __slots__ = ("version", "replica_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    replica_id: str
+    def __init__(self, version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class PullTicketResponse(_message.Message):
+    __slots__ = ("data_host", "data_port", "ticket", "expires_in_seconds", "header")
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    data_host: str
+    data_port: int
+    ticket: bytes
+    expires_in_seconds: float
+    header: VersionHeader
+    def __init__(self, data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_in_seconds: _Optional[float] = ..., header: _Optional[_Union[VersionHeader, _Mapping]] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("replica_id", "address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]

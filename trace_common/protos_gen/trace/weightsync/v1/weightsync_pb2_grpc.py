@@ -45,6 +45,11 @@ class WeightSyncStub:
                 request_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullVersionRequest.SerializeToString,
                 response_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullChunk.FromString,
                 _registered_method=True)
+        self.GetPullTicket = channel.unary_unary(
+                '/trace.weightsync.v1.WeightSync/GetPullTicket',
+                request_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketRequest.SerializeToString,
+                response_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketResponse.FromString,
+                _registered_method=True)
         self.Register = channel.unary_unary(
                 '/trace.weightsync.v1.WeightSync/Register',
                 request_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.RegisterRequest.SerializeToString,
@@ -84,6 +89,14 @@ class WeightSyncServicer:
 
     def PullVersion(self, request, context):
         """Replica: pull a complete version (header, then chunks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPullTicket(self, request, context):
+        """Replica: a ticket to pull a version over the bulk data plane (FAILED_PRECONDITION when
+        the service has it off: use PullVersion).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,6 +145,11 @@ def add_WeightSyncServicer_to_server(servicer, server):
                     servicer.PullVersion,
                     request_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullVersionRequest.FromString,
                     response_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullChunk.SerializeToString,
+            ),
+            'GetPullTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPullTicket,
+                    request_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketRequest.FromString,
+                    response_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketResponse.SerializeToString,
             ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
@@ -213,6 +231,33 @@ class WeightSync:
             '/trace.weightsync.v1.WeightSync/PullVersion',
             trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullVersionRequest.SerializeToString,
             trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPullTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trace.weightsync.v1.WeightSync/GetPullTicket',
+            trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketRequest.SerializeToString,
+            trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketResponse.FromString,
             options,
             channel_credentials,
             insecure,
