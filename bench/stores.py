@@ -47,6 +47,7 @@ RECORD_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
 QC_BATCH_BYTES = 8 * MIB  # records per call: a batch of about this many bytes (at least one)
 QC_CHUNK = QC_DEFAULT_CHUNK  # message size of QuantCacheClient and the gRPC-only echo
 RAW_CHUNK = 4 * MIB  # recv/send block for the raw socket copy
+PULL_PATHS: set[str] = set()  # data paths the pulling workers used ("direct"/"grpc", "raw")
 console = Console(width=150)
 
 
@@ -286,17 +287,20 @@ def make_policy(total_bytes: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(kind: str, address: str, replica_id: str) -> None:
-    """Subprocess: wait for 'go' on stdin, pull everything, print seconds and bytes."""
-    if kind == "grpc":
+    """Subprocess: wait for 'go' on stdin, pull everything, print seconds and bytes.
+    "service": WeightSyncClient on its default data path (auto: the bulk data plane)."""
+    if kind == "service":
         ws = WeightSyncClient(address, TOKEN)
         ws.register(replica_id, "bench:0")
         ws.wait_ready()
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.perf_counter()
-    if kind == "grpc":
+    path = "raw"
+    if kind == "service":
         _, tensors, _ = ws.pull_version(replica_id=replica_id)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        path = ws.path
     else:
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
@@ -309,7 +313,7 @@ def _worker(kind: str, address: str, replica_id: str) -> None:
                     raise ConnectionError("raw sender closed early")
                 got += n
             nbytes = got
-    print(f"{time.perf_counter() - start} {nbytes}", flush=True)
+    print(f"{time.perf_counter() - start} {nbytes} {path}", flush=True)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -335,8 +339,9 @@ def _run_pullers(kind: str, address: str, replicas: int, expected: int) -> float
         p.stdin.write("go\n")
         p.stdin.flush()
     for p in procs:
-        _, nbytes = p.stdout.readline().split()
+        _, nbytes, path = p.stdout.readline().split()
         assert int(nbytes) == expected, f"worker got {nbytes} of {expected} bytes"
+        PULL_PATHS.add(path)
     elapsed = time.perf_counter() - start  # last worker done (process exit not counted)
     for p in procs:
         p.wait()
@@ -397,7 +402,7 @@ def bench_weight_sync(total_bytes: int, repeats: int, progress: Progress) -> lis
         for replicas in (1, 4):
             pulls, raws = [], []
             for rep in range(repeats + 1):  # the first round warms up, not counted
-                pull = _run_pullers("grpc", svc.grpc_address, replicas, nbytes)
+                pull = _run_pullers("service", svc.grpc_address, replicas, nbytes)
                 progress.advance(task)
                 raw_pull = _run_pullers("raw", sender.address, replicas, nbytes)
                 progress.advance(task)
@@ -522,7 +527,7 @@ def main() -> None:
     )
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     parser.add_argument("--skip", choices=["qc", "ws"], default=None, help="leave one part out")
-    parser.add_argument("--worker", choices=["grpc", "raw"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["service", "raw"], help=argparse.SUPPRESS)
     parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--replica-id", help=argparse.SUPPRESS)
@@ -553,6 +558,7 @@ def main() -> None:
         )
     ws = [r.ratio for r in rows if "push+pull" in r.name]
     if ws:
+        console.print(f"weight-sync pulls used data paths: {sorted(PULL_PATHS - {'raw'})}")
         console.print(
             f"weight-sync push+pull / raw socket: {', '.join(f'{x:.0%}' for x in ws)} (target >= 50%)"
         )

@@ -61,6 +61,7 @@ class LocalService:
             "TRACE_HTTP_HOST": "127.0.0.1",
             "TRACE_GRPC_PORT": "0",
             "TRACE_HTTP_PORT": "0",
+            "TRACE_DATA_PLANE_PORT": "0",  # weight-sync's bulk listener (others ignore it)
             PORTS_FILE_ENV: str(self.ports_file),
             **env,
         }
