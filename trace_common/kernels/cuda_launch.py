@@ -47,13 +47,13 @@ _STREAMS: dict[int, object] = {}
 
 
 def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-                           device: torch.device) -> None:  # fmt: skip
+                           device: torch.device, shared_mem: int = 0) -> None:  # fmt: skip
     """Launch a CuPy kernel on PyTorch's current stream of `device` (so a CUDA graph that
-    PyTorch is capturing records it)."""
+    PyTorch is capturing records it), with `shared_mem` bytes of dynamic shared memory."""
     cp = require_cupy()
     ptr = torch.cuda.current_stream(device).cuda_stream
     s = _STREAMS.get(ptr)
     if s is None:
         s = _STREAMS[ptr] = cp.cuda.ExternalStream(ptr)
     with s:
-        fn(grid, block, args)
+        fn(grid, block, args, shared_mem=shared_mem)
