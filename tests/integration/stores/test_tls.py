@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+import socket
 import subprocess
 
 import grpc
 import pytest
+import torch
 
+from trace_common import ws_data_plane as wire
 from trace_common.clients import WeightSyncClient
+from trace_common.clients.weight_sync import receive_version
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from trace_common.service import ClientTLS, RetryPolicy
 from trace_common.service.testing import ServiceProcess
 
@@ -112,3 +118,54 @@ def test_mtls_requires_client_certificate(tmp_path: pathlib.Path) -> None:
         with pytest.raises(grpc.RpcError) as err:
             WeightSyncClient(svc.grpc_address, "wrong", tls=mtls, timeout=5).replicas()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_data_plane_uses_the_same_mtls(tmp_path: pathlib.Path) -> None:
+    """With TLS on, weight-sync's bulk data plane is TLS too (same certificates, client
+    certificate required): a direct pull over it is exact, a cleartext or certificate-less
+    connection gets no bytes."""
+    make_pki(tmp_path)
+    env = {
+        "TRACE_AUTH_TOKEN": TOKEN,
+        "TRACE_TLS_CERT_FILE": str(tmp_path / "server.pem"),
+        "TRACE_TLS_KEY_FILE": str(tmp_path / "server.key"),
+        "TRACE_TLS_CLIENT_CA_FILE": str(tmp_path / "ca.pem"),
+    }
+    mtls = ClientTLS(
+        ca_file=tmp_path / "ca.pem",
+        cert_file=tmp_path / "client.pem",
+        key_file=tmp_path / "client.key",
+    )
+    policy = {"w": torch.arange(100_000, dtype=torch.int32), "b": torch.ones(7).bfloat16()}
+    with ServiceProcess("services.weight_sync", env, tls=mtls) as svc:
+        ws = WeightSyncClient(svc.grpc_address, TOKEN, tls=mtls, timeout=5, data_path="direct")
+        ws.push_version(1, policy, {})
+        version, tensors, _ = ws.pull_version(replica_id="r0")
+        assert version == 1 and ws.path == "direct"
+        assert all(torch.equal(tensors[k], v) for k, v in policy.items())
+        stub = pb_grpc.WeightSyncStub(ws.channel)
+        reply = stub.GetPullTicket(pb.PullTicketRequest(), metadata=ws.metadata, timeout=5)
+        # Cleartext: the ticket goes into a TLS handshake; no reply, only a close or reset.
+        with socket.create_connection(("127.0.0.1", reply.data_port), 5) as sock:
+            sock.sendall(wire.encode_request(reply.ticket))
+            try:
+                answer = wire.recv_exact(sock, wire.REPLY_BYTES)
+            except ConnectionResetError:
+                answer = b""
+            assert not answer.startswith(wire.REPLY_MAGIC)
+        # TLS without a client certificate: the handshake fails.
+        no_cert = ClientTLS(ca_file=tmp_path / "ca.pem").ssl_context()
+        with (
+            pytest.raises(OSError),  # ssl.SSLError, or a reset, depending on timing
+            socket.create_connection(("127.0.0.1", reply.data_port), 5) as raw,
+            no_cert.wrap_socket(raw, server_hostname="127.0.0.1") as sock,
+        ):
+            sock.sendall(wire.encode_request(reply.ticket))
+            wire.recv_exact(sock, wire.REPLY_BYTES)
+        # The ticket was never redeemed by either: it still pulls, over mTLS.
+        with (
+            socket.create_connection(("127.0.0.1", reply.data_port), 5) as raw,
+            mtls.ssl_context().wrap_socket(raw, server_hostname="127.0.0.1") as sock,
+        ):
+            got = receive_version(sock, reply.ticket, reply.header, "test")
+        assert all(torch.equal(got[k], v) for k, v in policy.items())

@@ -68,9 +68,9 @@ def service() -> Iterator[ServiceProcess]:
 class Replica(threading.Thread):
     """A rollout replica's weight loop: register, subscribe, pull each notified version."""
 
-    def __init__(self, address: str, replica_id: str, want: int) -> None:
+    def __init__(self, address: str, replica_id: str, want: int, data_path: str = "auto") -> None:
         super().__init__(daemon=True)
-        self.client = WeightSyncClient(address, TOKEN)
+        self.client = WeightSyncClient(address, TOKEN, data_path=data_path)
         self.replica_id = replica_id
         self.want = want
         self.pulled: dict[int, dict[str, torch.Tensor]] = {}
@@ -96,9 +96,14 @@ class Replica(threading.Thread):
             self.registered.set()
 
 
-def test_push_reaches_two_subscribed_replicas_and_late_joiner(service: ServiceProcess) -> None:
+@pytest.mark.parametrize("data_path", ["direct", "grpc"])
+def test_push_reaches_two_subscribed_replicas_and_late_joiner(
+    service: ServiceProcess, data_path: str
+) -> None:
     trainer = WeightSyncClient(service.grpc_address, TOKEN, chunk_bytes=100_000)
-    replicas = [Replica(service.grpc_address, f"rollout-{i}", want=2) for i in range(2)]
+    replicas = [
+        Replica(service.grpc_address, f"rollout-{i}", want=2, data_path=data_path) for i in range(2)
+    ]
     for r in replicas:
         r.start()
         assert r.registered.wait(10) and r.error is None
@@ -111,11 +116,12 @@ def test_push_reaches_two_subscribed_replicas_and_late_joiner(service: ServicePr
         r.join(20)
         assert r.error is None, r.error
         assert 2 in r.pulled, f"{r.replica_id} pulled {sorted(r.pulled)}"
+        assert r.client.path == data_path
         for version, tensors in r.pulled.items():
             _assert_exact(tensors, policies[version])
 
     # A replica registering after the pushes gets the latest complete version at once.
-    late = Replica(service.grpc_address, "rollout-late", want=2)
+    late = Replica(service.grpc_address, "rollout-late", want=2, data_path=data_path)
     late.start()
     late.join(20)
     assert late.error is None and sorted(late.pulled) == [2], sorted(late.pulled)
@@ -242,6 +248,7 @@ def _all_rpcs(stub: pb_grpc.WeightSyncStub, md: tuple[tuple[str, str], ...]) -> 
         lambda: stub.ListReplicas(pb.ListReplicasRequest(), metadata=md, timeout=5),
         lambda: stub.ListVersions(pb.ListVersionsRequest(), metadata=md, timeout=5),
         lambda: list(stub.PullVersion(pb.PullVersionRequest(), metadata=md, timeout=5)),
+        lambda: stub.GetPullTicket(pb.PullTicketRequest(), metadata=md, timeout=5),
         lambda: list(stub.Subscribe(pb.SubscribeRequest(replica_id="r"), metadata=md, timeout=5)),
         lambda: stub.PushVersion(iter([pb.PushChunk()]), metadata=md, timeout=5),
     ]
