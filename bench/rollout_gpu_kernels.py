@@ -1,12 +1,13 @@
 """Per-kernel bandwidth of the FP4 fast path on one GPU: grouped expert GEMMs (one Qwen3-30B-A3B
 MoE layer: 128 experts, hidden 2048, width 768, top-8) and decode attention (32 q / 4 kv heads,
 head_dim 128), BF16 vs FP4: Triton with each FP4 decode ("bits": plain Triton integer ops,
-"ptx": int32 words + inline PTX) and the CUDA C++ mma.sync kernel ("cuda", packed weights).
+"ptx": int32 words + inline PTX; the per-kernel table times "ptx") and the CUDA C++ mma.sync kernels on packed weights
+("cuda": `moe_fp4_mma`, weights loaded up front; "stream": `moe_fp4_stream`, cp.async ring).
 Expert selections rotate over many router draws so the weights do not sit in L2 between
-repetitions.
+repetitions; every call is timed inside a CUDA graph (no Python launch cost).
 
     python bench/rollout_gpu_kernels.py                 # tables
-    python bench/rollout_gpu_kernels.py --cuda-sweep    # + launch configs of the CUDA kernel
+    python bench/rollout_gpu_kernels.py --cuda-sweep    # + launch configs of the stream kernel
 """
 
 from __future__ import annotations
@@ -48,9 +49,25 @@ def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.double().pow(2).sum() / err))
 
 
-def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None) -> None:
+def _graph_us_per_call(fns) -> float:
+    """Median microseconds per call of `fns`, all captured in one CUDA graph and replayed (no
+    Python launch cost; the calls use different router draws, so weights are not L2-resident
+    from the call before)."""
     import triton.testing
 
+    for fn in fns:
+        fn()  # compile / load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return ms * 1e3 / len(fns)
+
+
+def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
+              tokens: tuple[int, ...] = (1, 8, 32, 128)) -> None:  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(0)
     wgu = torch.empty(E, 2 * INTER, H, dtype=torch.bfloat16, device="cuda").normal_(
         0, 0.02, generator=g
@@ -66,11 +83,15 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None)
     for w in w4:
         w.pack_for_cuda_(keep_rows=True)
     del wgu, wd
+    print(
+        "Expert GEMMs, one MoE layer; each time = one call, 16 calls with different router "
+        "draws captured in one CUDA graph:\n"
+    )
     print("| tokens | variant | gate_up us | down us | experts | GB moved | TB/s | % copy |")
     print("|---|---|---|---|---|---|---|---|")
     sweep_rows = []
     best: dict[str, dict[tuple, float]] = {}  # block key -> config -> summed us over tokens
-    for t in (1, 8, 32, 128):
+    for t in tokens:
         logits = [torch.randn(t, E, device="cuda") for _ in range(N_PLANS)]
         plans = [moe.route_align(lg, TOPK, moe.DECODE_BLOCK_M) for lg in logits]
         bm = cuda_moe.block_m_for(t * TOPK, E)
@@ -79,48 +100,40 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None)
         x = torch.randn(t, H, device="cuda").bfloat16()
         act = torch.randn(t * TOPK, INTER, device="cuda").bfloat16()
         xq, aq = _fp4_rows(x), _fp4_rows(act)
+        # (name, Triton decode, impl, CUDA kernel, gate_up config, down config)
         variants = [
-            ("bf16", None, "triton", None, None),
-            ("fp4-bits", "bits", "triton", None, None),
-            ("fp4-ptx", "ptx", "triton", None, None),
-            ("fp4-cuda", None, "cuda", None, None),
+            ("bf16", None, "triton", None, None, None),
+            ("fp4-ptx", "ptx", "triton", None, None, None),
+            ("fp4-cuda", None, "cuda", "mma", None, None),
+            ("fp4-stream", None, "cuda", "stream", None, None),
         ]
         if sweep:
-            for cfg in SWEEP_GATE_UP:
-                if cuda_moe.smem_bytes(bm, cfg[0], cfg[1], True) <= cuda_moe.SMEM_LIMIT:
-                    variants.append((f"cuda gu{cfg}", None, "cuda", cfg, None))
-            for cfg in SWEEP_DOWN:
-                if cuda_moe.smem_bytes(bm, cfg[0], cfg[1], False) <= cuda_moe.SMEM_LIMIT:
-                    variants.append((f"cuda dn{cfg}", None, "cuda", None, cfg))
+            for cfg in SWEEP_STREAM_GATE_UP:
+                if cuda_moe.stream_smem_bytes(bm, *cfg[:4], True) <= cuda_moe.STREAM_SMEM_MAX:
+                    variants.append((f"stream gu{cfg}", None, "cuda", "stream", cfg, None))
+            for cfg in SWEEP_STREAM_DOWN:
+                if cuda_moe.stream_smem_bytes(bm, *cfg[:4], False) <= cuda_moe.STREAM_SMEM_MAX:
+                    variants.append((f"stream dn{cfg}", None, "cuda", "stream", None, cfg))
         ref = {}
-        for variant, dec, impl, cfg_gu, cfg_dn in variants:
+        for variant, dec, impl, kern, cfg_gu, cfg_dn in variants:
             fp4 = variant != "bf16"
             wg, wdn = w4 if fp4 else w16
             a_in, a_mid = (xq, aq) if fp4 else (x, act)
             pl = plans_cuda if impl == "cuda" else plans
-            i = [0]
 
-            def run_gu(p, wg=wg, a_in=a_in, dec=dec, impl=impl, cfg=cfg_gu):
+            def run_gu(p, wg=wg, a_in=a_in, dec=dec, impl=impl, kern=kern, cfg=cfg_gu):
                 if impl == "cuda":
                     return cuda_moe.moe_gemm_cuda(a_in, wg, p, gated=True, a_div=TOPK,
-                                                  mul_route_w=False, config=cfg)  # fmt: skip
+                                                  mul_route_w=False, config=cfg, kernel=kern)  # fmt: skip
                 return moe.moe_gemm(a_in, wg, p, gated=True, a_div=TOPK, mul_route_w=False,
                                     decode=dec, impl=impl)  # fmt: skip
 
-            def run_dn(p, wdn=wdn, a_mid=a_mid, dec=dec, impl=impl, cfg=cfg_dn):
+            def run_dn(p, wdn=wdn, a_mid=a_mid, dec=dec, impl=impl, kern=kern, cfg=cfg_dn):
                 if impl == "cuda":
                     return cuda_moe.moe_gemm_cuda(a_mid, wdn, p, gated=False, a_div=1,
-                                                  mul_route_w=True, config=cfg)  # fmt: skip
+                                                  mul_route_w=True, config=cfg, kernel=kern)  # fmt: skip
                 return moe.moe_gemm(a_mid, wdn, p, gated=False, a_div=1, mul_route_w=True,
                                     decode=dec, impl=impl)  # fmt: skip
-
-            def gate_up(i=i, pl=pl, run_gu=run_gu) -> None:
-                i[0] += 1
-                run_gu(pl[i[0] % N_PLANS])
-
-            def down(i=i, pl=pl, run_dn=run_dn) -> None:
-                i[0] += 1
-                run_dn(pl[i[0] % N_PLANS])
 
             # correctness guard: every FP4 variant against the Triton ptx result (same operands)
             y_gu = run_gu(pl[0]).float()
@@ -128,26 +141,31 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None)
             if variant == "fp4-ptx":
                 ref = {"gu": y_gu, "dn": y_dn}
             note = ""
+            db = None
             if fp4 and ref and variant != "fp4-ptx":
                 db = min(_sqnr_db(ref["gu"], y_gu), _sqnr_db(ref["dn"], y_dn))
                 note = f" (SQNR vs ptx {db:.0f} dB)"
-            us_gu = triton.testing.do_bench(gate_up, warmup=25, rep=100, return_mode="median") * 1e3
-            us_dn = triton.testing.do_bench(down, warmup=25, rep=100, return_mode="median") * 1e3
+            us_gu = _graph_us_per_call([lambda p=p, f=run_gu: f(p) for p in pl])
+            us_dn = _graph_us_per_call([lambda p=p, f=run_dn: f(p) for p in pl])
             gb = used * per_expert["fp4" if fp4 else "bf16"] / 1e9
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
-            if impl == "cuda" and (not note or float(note.split()[3]) > 60):
-                for key, cfg, us in ((f"{H},{bm},True", cfg_gu, us_gu),
-                                     (f"{INTER},{bm},False", cfg_dn, us_dn)):  # fmt: skip
-                    cfg = cfg or cuda_moe.default_config(*_key(key))
+            if kern == "stream" and (db is None or db > 60):
+                timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]
+                if variant.startswith("stream "):  # only the swept GEMM ran a new config
+                    timed = timed[:1] if cfg_gu is not None else timed[1:]
+                for key, cfg, us in timed:
+                    k_, bm_, gated_ = _key(key)
+                    n_out = INTER if gated_ else H
+                    cfg = cfg or cuda_moe.default_stream_config(k_, bm_, gated_, n_out)
                     best[key] = best.get(key, {})
                     best[key][cfg] = best[key].get(cfg, 0.0) + us
-            (sweep_rows if variant.startswith("cuda ") else [None]).append(line)
-            if not variant.startswith("cuda "):
+            (sweep_rows if variant.startswith("stream ") else [None]).append(line)
+            if not variant.startswith("stream "):
                 print(line, flush=True)
     if sweep_rows:
-        print("\nCUDA launch configs (RW, WK, KGW, MINB); only the named GEMM uses the config:")
+        print("\nStreaming kernel configs (RW, WK, KGW, S, MINB); only the named GEMM uses it:")
         print("\n".join(sweep_rows))
         chosen = {key: list(min(cfgs, key=cfgs.get)) for key, cfgs in best.items()}
         print(f"fastest configs (summed over token counts of each block size): {chosen}")
@@ -160,28 +178,24 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None)
     )
 
 
-# (RW, WK, KGW, MINB): output tiles per CTA, warps along K, 64-wide k groups per warp, CTAs
-# per SM asked of the register allocator (0: no ask)
-SWEEP_GATE_UP = [(1, 8, 4, 0), (1, 8, 4, 4), (1, 8, 4, 3), (2, 16, 2, 0), (2, 16, 2, 2), (2, 8, 4, 0),
-                 (2, 8, 4, 2), (1, 4, 8, 0), (1, 16, 2, 4)]  # fmt: skip
-SWEEP_DOWN = [(2, 4, 3, 0), (2, 4, 3, 8), (4, 4, 3, 0), (4, 4, 3, 4), (4, 6, 2, 0),
-              (2, 3, 4, 0), (4, 3, 4, 0), (2, 6, 2, 4)]  # fmt: skip
+# Streaming kernel (RW, WK, KGW, S, MINB): output tiles per item, warps along K, 64-wide k
+# groups per warp, ring stages, CTAs per SM asked of the register allocator (0: no ask)
+SWEEP_STREAM_GATE_UP = [(2, 8, 4, 4, 2), (1, 8, 4, 4, 2), (1, 16, 2, 4, 1), (2, 16, 2, 3, 1),
+                        (4, 8, 4, 3, 1)]  # fmt: skip
+SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 6, 2, 6, 3), (4, 12, 1, 8, 2), (8, 6, 2, 4, 2)]  # fmt: skip
 
 
-ATTN_SWEEP = [(4, 3), (4, 4), (4, 2), (8, 2), (8, 1), (2, 6)]  # CUDA (warps, CTAs per SM)
+# CUDA attention configs timed by --attn-sweep (cuda_attn.kernel_name says what they mean); the
+# split-count sweep (x 0.5 .. 4 of TARGET_PROGRAMS) and the split-kernel-only time use RING
+ATTN_SWEEP = [("regs", 4, 3), ("ring", 4, 4, 4), ("ring", 4, 4, 3), ("ring", 4, 5, 3),
+              ("ring", 4, 5, 4), ("ring", 4, 3, 4), ("ring", 8, 2, 2)]  # fmt: skip
+ATTN_RING = ("ring", 4, 4, 4)
 
 
 def _graph_us(fn) -> float:
     """Median microseconds of `fn` captured in a CUDA graph (no Python launch cost), as the
     engine runs it."""
-    import triton.testing
-
-    fn()  # compile / load outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    return _graph_us_per_call([fn])
 
 
 def bench_attention(bw: float, sweep: bool = False) -> None:
@@ -191,7 +205,10 @@ def bench_attention(bw: float, sweep: bool = False) -> None:
     print("\nDecode attention, each call captured in a CUDA graph (split + reduce kernels):")
     print("\n| batch | context | variant | us | GB KV | TB/s | % copy | SQNR vs Triton dB |")
     print("|---|---|---|---|---|---|---|---|")
-    for b, ctx in ((1, 32768), (8, 32768), (128, 32768), (32, 8192), (128, 1024), (1, 1024)):
+    shapes = [(1, 32768), (8, 32768), (128, 32768), (32, 8192), (128, 1024), (1, 1024)]
+    if sweep:
+        shapes[1:1] = [(32, 32768)]
+    for b, ctx in shapes:
         for variant in ("bf16", "fp4-ptx", "fp4-cuda"):
             fp4 = variant != "bf16"
             cache = attn.KVCacheGPU.allocate(fp4=fp4, batch=b, kv_heads=HKV, capacity=ctx,
@@ -211,9 +228,12 @@ def bench_attention(bw: float, sweep: bool = False) -> None:
             if cuda:
                 runs = [(default, None)]  # the engine's plan (cuda_fp4=True)
                 if sweep:
-                    runs += [(c, target0) for c in ATTN_SWEEP if c != default]
-                    runs += [(default, t * target0) for t in (1, 2, 4)]
+                    runs += [(c, None) for c in ATTN_SWEEP if c != default]
+                    runs += [(ATTN_RING, int(t * target0)) for t in (0.5, 1, 2, 4)]
+                    runs += [(ATTN_RING, "split")]  # the split kernel alone, engine plan
             for cfg, target in runs:
+                split_only = target == "split"
+                target = None if split_only else target
                 impl = "cuda" if cuda else "triton"
                 if cuda:
                     cuda_attn.DEFAULT_CONFIG = cfg  # what decode_attention launches
@@ -226,10 +246,16 @@ def bench_attention(bw: float, sweep: bool = False) -> None:
                 def run(q=q, cache=cache, lens=lens, plan=plan, impl=impl):
                     return attn.decode_attention(q, cache, lens, plan, impl=impl)
 
-                us = _graph_us(run)
-                db = "" if ref is None else f"{_sqnr_db(ref, run().float()):.1f}"
+                def split(q=q, c=cache, lens=lens, p=plan):
+                    cuda_attn.decode_attn_split_cuda(q, c.codes, c.scales, c.row_scales, lens,
+                                                     p.part_o, p.part_ml, chunk=p.chunk,
+                                                     qk_scale=D**-0.5 * attn.LOG2E)  # fmt: skip
+
+                us = _graph_us(split if split_only else run)
+                db = "" if ref is None or split_only else f"{_sqnr_db(ref, run().float()):.1f}"
                 tbs = gb / (us * 1e-6) / 1e3
                 name = variant if cfg is None else f"{variant} {cfg} splits {plan.nsplit}"
+                name += " (split kernel only)" if split_only else ""
                 print(f"| {b} | {ctx} | {name} | {us:.1f} | {gb:.3f} | {tbs:.2f} | "
                       f"{100 * tbs / bw:.0f} | {db} |", flush=True)  # fmt: skip
             cuda_attn.DEFAULT_CONFIG = default
@@ -243,7 +269,12 @@ def _key(key: str) -> tuple[int, int, bool]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cuda-sweep", action="store_true", help="time CUDA launch configs too")
+    ap.add_argument(
+        "--cuda-sweep",
+        action="store_true",
+        help="time launch configs of the streaming CUDA kernel too",
+    )
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="time CUDA attention configs too")
@@ -252,7 +283,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.2f} TB/s (read + write)\n")
     if not args.attention_only:
-        bench_moe(bw, args.cuda_sweep, args.write_configs)
+        bench_moe(bw, args.cuda_sweep, args.write_configs, tuple(args.tokens))
     if not args.no_attention:
         bench_attention(bw, args.attn_sweep)
 

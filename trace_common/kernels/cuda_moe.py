@@ -136,28 +136,128 @@ CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 }
 
 
-def _configs() -> dict[tuple[int, int, bool], tuple[int, int, int, int]]:
+# `moe_fp4_stream` (the streaming kernel, see cuda/moe_fp4.cu) per (K, token slots, gated):
+# (RW output tiles per item, WK warps along K, KGW 64-wide k groups per warp, S ring stages,
+# MINB CTAs per SM for the register allocator, 0 = none); WK * KGW * 64 == K.
+STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
+    (2048, 8, True): (2, 8, 4, 4, 2),
+    (2048, 16, True): (1, 8, 4, 4, 2),
+    (768, 8, False): (4, 6, 2, 6, 3),
+    (768, 16, False): (4, 6, 2, 6, 3),
+}
+CUDA_KERNELS = ("stream", "mma")  # moe_fp4_stream, moe_fp4_mma (the first CUDA kernel)
+DEFAULT_CUDA_KERNEL = "mma"
+
+
+def cuda_kernel(kernel: str | None = None) -> str:
+    """The CUDA expert-GEMM kernel to run: `kernel`, else TRACE_FP4_CUDA_KERNEL, else
+    DEFAULT_CUDA_KERNEL."""
+    kernel = kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL") or DEFAULT_CUDA_KERNEL
+    if kernel not in CUDA_KERNELS:
+        raise ValueError(f"TRACE_FP4_CUDA_KERNEL={kernel!r}; expected one of {CUDA_KERNELS}")
+    return kernel
+
+
+def _configs(stream: bool = False) -> dict[tuple[int, int, bool], tuple[int, ...]]:
+    """CONFIGS (or STREAM_CONFIGS), overridden by TRACE_FP4_CUDA_CONFIGS: a value of 4 numbers
+    is a `moe_fp4_mma` config, of 5 a `moe_fp4_stream` one."""
+    base: dict[tuple[int, int, bool], tuple[int, ...]] = dict(STREAM_CONFIGS if stream else CONFIGS)
     path = os.environ.get("TRACE_FP4_CUDA_CONFIGS")
     if not path:
-        return CONFIGS
+        return base
     raw = json.loads(pathlib.Path(path).read_text())
-    out = dict(CONFIGS)
     for key, val in raw.items():
-        k, bm, gated = key.split(",")
-        out[(int(k), int(bm), gated == "True")] = tuple(int(v) for v in val)  # type: ignore[assignment]
-    return out
+        if len(val) == (5 if stream else 4):
+            k, bm, gated = key.split(",")
+            base[(int(k), int(bm), gated == "True")] = tuple(int(v) for v in val)
+    return base
 
 
 def default_config(k: int, block_m: int, gated: bool) -> tuple[int, int, int, int]:
     """(RW, WK, KGW, MINB) of CONFIGS, or for another shape: split K into up to 8 warps."""
     configs = _configs()
     if (k, block_m, gated) in configs:
-        return configs[(k, block_m, gated)]
+        return configs[(k, block_m, gated)]  # type: ignore[return-value]
     kg = k // K_GROUP
     for wk in (8, 4, 6, 2, 3, 1):
         if kg % wk == 0 and kg // wk <= 4:
             return (1 if gated else 2, wk, kg // wk, 0)
     return (1 if gated else 2, kg, 1, 0) if kg <= 16 else (1, 16, kg // 16, 0)
+
+
+def default_stream_config(k: int, block_m: int, gated: bool, n_out: int
+                          ) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """(RW, WK, KGW, S, MINB) of STREAM_CONFIGS, or for another shape: K over up to 8 warps of
+    <= 8 k groups each, the widest item of <= 2 (gated) or 4 tiles that divides N_out."""
+    configs = _configs(stream=True)
+    if (k, block_m, gated) in configs:
+        return configs[(k, block_m, gated)]  # type: ignore[return-value]
+    kg = k // K_GROUP
+    wk = next((w for w in (8, 4, 6, 2, 3, 1) if kg % w == 0 and kg // w <= 8), kg)
+    tiles = n_out // MMA_M
+    rw = next(r for r in ((2, 1) if gated else (4, 2, 1)) if tiles % r == 0)
+    return (rw, wk, kg // wk, 4, 0)
+
+
+def stream_smem_bytes(block_m: int, rw: int, wk: int, kgw: int, stages: int, gated: bool) -> int:
+    """Dynamic shared memory of `moe_fp4_stream`: the per-warp rings (one stage = one tile's
+    words + scales over the warp's K slice) and two items' partial sums."""
+    tiles = 2 * rw if gated else rw
+    stage = kgw * (LANES * 16 + 64)
+    return wk * stages * stage + 2 * wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
+
+
+STREAM_SMEM_MAX = 227 * 1024  # opt-in dynamic shared memory per CTA on sm_90
+
+
+def _sm_resources(device: torch.device) -> tuple[int, int, int, int]:
+    """(SMs, shared memory, registers, threads) per SM of `device`."""
+    p = torch.cuda.get_device_properties(device)
+    return (p.multi_processor_count, getattr(p, "shared_memory_per_multiprocessor", 228 * 1024),
+            getattr(p, "regs_per_multiprocessor", 65536),
+            getattr(p, "max_threads_per_multi_processor", 2048))  # fmt: skip
+
+
+def expected_blocks(n_tokens: int, top_k: int, num_experts: int, block_m: int, maxb: int) -> float:
+    """Expert blocks a uniform router fills for `n_tokens` tokens: distinct experts chosen,
+    at least the pairs over block_m, at most the plan's bound."""
+    distinct = num_experts * (1 - (1 - top_k / num_experts) ** n_tokens)
+    return min(float(maxb), max(distinct, n_tokens * top_k / block_m, 1.0))
+
+
+def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int) -> tuple[int, int]:
+    """(CTAs per expert block, items per CTA): as many CTAs per block as keep the expected
+    blocks' CTAs within one wave of resident CTAs, the block's items split evenly over them."""
+    per_block = max(1, int(n_sms * ctas_per_sm // max(est_blocks, 1.0)))
+    ipc = -(-n_items // min(per_block, n_items))
+    return -(-n_items // ipc), ipc
+
+
+_STREAM_FNS: dict[tuple, tuple[object, int]] = {}
+
+
+def _stream_kernel(block_m: int, cfg: tuple[int, ...], gated: bool, smem: int,
+                   device: torch.device) -> tuple[object, int]:  # fmt: skip
+    """The compiled `moe_fp4_stream` instance, its dynamic shared-memory limit raised to `smem`
+    (once, outside any graph capture), and the CTAs of it one SM holds."""
+    key = (block_m, cfg, gated, device.index)
+    hit = _STREAM_FNS.get(key)
+    if hit is not None:
+        return hit
+    rw, wk, kgw, stages, minb = cfg
+    name = (f"moe_fp4_stream<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
+            f"{stages}, {minb}>")  # fmt: skip
+    fn = compiled_function(SOURCE, name)
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
+    _, smem_sm, regs_sm, threads_sm = _sm_resources(device)
+    threads = wk * LANES
+    regs = int(getattr(fn, "num_regs", 0)) or 128
+    per_cta = [threads_sm // threads,
+               smem_sm // (smem + 1024 + int(getattr(fn, "shared_size_bytes", 0))),
+               regs_sm // (wk * (-(-regs * LANES // 256) * 256)), 32]  # fmt: skip
+    _STREAM_FNS[key] = (fn, max(1, min(per_cta)))
+    return _STREAM_FNS[key]
 
 
 def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int):
@@ -176,11 +276,10 @@ def moe_gemm_cuda(
     a_div: int,
     mul_route_w: bool,
     out: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,  # (RW, WK, KGW, MINB); default CONFIGS
+    config: tuple[int, ...] | None = None,  # mma: (RW, WK, KGW, MINB); stream: + S before MINB
+    kernel: str | None = None,  # "stream" | "mma" (default: TRACE_FP4_CUDA_KERNEL, see above)
 ) -> torch.Tensor:
     """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring)."""
-    import numpy as np
-
     if w.packed is None:
         raise ValueError("weights are not packed for the CUDA kernel: pack_fp4_weights first")
     if a.dq16 is None:
@@ -188,7 +287,62 @@ def moe_gemm_cuda(
     if plan.block_m not in BLOCK_MS:
         raise ValueError(f"plan.block_m={plan.block_m}; the CUDA kernel handles {BLOCK_MS}")
     n_out = w.n // 2 if gated else w.n
-    rw, wk, kgw, minb = config or default_config(w.k, plan.block_m, gated)
+    if out is None:
+        out = torch.empty(plan.n_pairs, n_out, dtype=torch.bfloat16, device=plan.topk_w.device)
+    if cuda_kernel(kernel) == "stream":
+        _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
+    else:
+        _launch_mma(a, w, plan, gated, a_div, mul_route_w, out, config)
+    return out
+
+
+def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor, n_out: int,
+          a_div: int, mul_route_w: bool) -> tuple:  # fmt: skip
+    """The kernel arguments both CUDA kernels start with."""
+    import numpy as np
+
+    assert w.packed is not None and a.dq16 is not None
+    ptr = np.uint64
+    return (
+        ptr(w.packed.words.data_ptr()), ptr(w.packed.scales.data_ptr()),
+        ptr(w.scale_2.data_ptr()), ptr(a.dq16.data_ptr()), ptr(a.scale_2.data_ptr()),
+        ptr(plan.sorted_pair.data_ptr()), ptr(plan.block_expert.data_ptr()),
+        ptr(plan.topk_w.data_ptr()), ptr(out.data_ptr()),
+        np.int32(plan.n_pairs), np.int32(n_out), np.int32(a_div), np.int32(int(mul_route_w)),
+    )  # fmt: skip
+
+
+def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
+                   mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None) -> None:  # fmt: skip
+    import numpy as np
+
+    n_out = w.n // 2 if gated else w.n
+    cfg = config or default_stream_config(w.k, plan.block_m, gated, n_out)
+    if len(cfg) != 5:
+        raise ValueError(f"stream config {cfg}: expected (RW, WK, KGW, S, MINB)")
+    rw, wk, kgw, stages, _ = cfg
+    smem = stream_smem_bytes(plan.block_m, rw, wk, kgw, stages, gated)
+    if (wk * kgw * K_GROUP != w.k or n_out % (MMA_M * rw) or kgw * 4 > LANES or stages < 2
+            or smem > STREAM_SMEM_MAX):  # fmt: skip
+        raise ValueError(f"stream config RW={rw}, WK={wk}, KGW={kgw}, S={stages} does not fit "
+                         f"N_out={n_out}, K={w.k}, block_m={plan.block_m}")  # fmt: skip
+    fn, ctas_per_sm = _stream_kernel(plan.block_m, tuple(cfg), gated, smem, out.device)
+    assert w.packed is not None
+    est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],
+                          w.packed.words.shape[0], plan.block_m, plan.block_expert.numel())  # fmt: skip
+    gy, ipc = stream_grid(n_out // (MMA_M * rw), est, ctas_per_sm, _sm_resources(out.device)[0])
+    args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
+    launch_on_torch_stream(fn, (plan.block_expert.numel(), gy), (wk * LANES,), args, out.device,
+                           shared_mem=smem)  # fmt: skip
+
+
+def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
+                mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None) -> None:  # fmt: skip
+    n_out = w.n // 2 if gated else w.n
+    cfg = config or default_config(w.k, plan.block_m, gated)
+    if len(cfg) != 4:
+        raise ValueError(f"mma config {cfg}: expected (RW, WK, KGW, MINB)")
+    rw, wk, kgw, minb = cfg
     if (
         wk * kgw * K_GROUP != w.k
         or n_out % (MMA_M * rw)
@@ -196,21 +350,10 @@ def moe_gemm_cuda(
     ):
         raise ValueError(f"config RW={rw}, WK={wk}, KGW={kgw} does not fit N_out={n_out}, "
                          f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    n_pairs = plan.n_pairs
-    if out is None:
-        out = torch.empty(n_pairs, n_out, dtype=torch.bfloat16, device=plan.topk_w.device)
     fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb)
     grid = (plan.block_expert.numel(), n_out // (MMA_M * rw))
-    ptr = np.uint64
-    args = (
-        ptr(w.packed.words.data_ptr()), ptr(w.packed.scales.data_ptr()),
-        ptr(w.scale_2.data_ptr()), ptr(a.dq16.data_ptr()), ptr(a.scale_2.data_ptr()),
-        ptr(plan.sorted_pair.data_ptr()), ptr(plan.block_expert.data_ptr()),
-        ptr(plan.topk_w.data_ptr()), ptr(out.data_ptr()),
-        np.int32(n_pairs), np.int32(n_out), np.int32(a_div), np.int32(int(mul_route_w)),
-    )  # fmt: skip
-    launch_on_torch_stream(fn, grid, (wk * LANES,), args, out.device)
-    return out
+    launch_on_torch_stream(fn, grid, (wk * LANES,), _args(a, w, plan, out, n_out, a_div, mul_route_w),
+                           out.device)  # fmt: skip
 
 
 def block_m_for(n_pairs: int, num_experts: int) -> int:
@@ -228,11 +371,18 @@ def smem_bytes(block_m: int, rw: int, wk: int, gated: bool) -> int:
 __all__ = [
     "BLOCK_MS",
     "CONFIGS",
+    "CUDA_KERNELS",
+    "STREAM_CONFIGS",
     "PackedFP4",
     "block_m_for",
+    "cuda_kernel",
     "decode_packed_reference",
+    "default_stream_config",
     "dq16_permutation",
+    "expected_blocks",
     "moe_gemm_cuda",
     "pack_fp4_weights",
     "smem_bytes",
+    "stream_grid",
+    "stream_smem_bytes",
 ]

@@ -280,12 +280,15 @@ def test_quantize_dq16_bit_exact(k):
     assert torch.equal(dq.cpu().view(torch.int16), want.view(torch.int16)), "dq16 bits differ"
 
 
+@pytest.mark.parametrize("kernel", ["mma", "stream"])
 @pytest.mark.parametrize("block_m", [8, 16])
 @pytest.mark.parametrize("t", [1, 5, 64, 256])
-def test_moe_gemm_fp4_cuda(t, block_m):
-    """The CUDA kernel on identical FP4 operands: only accumulation order (and the bf16
-    output) differ from fp32 math on the dequantized operands; and it matches Triton."""
+def test_moe_gemm_fp4_cuda(t, block_m, kernel, monkeypatch):
+    """The CUDA kernels on identical FP4 operands: only accumulation order (and the bf16
+    output) differ from fp32 math on the dequantized operands; and they match Triton."""
     from trace_common.kernels import moe, quant
+
+    monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", kernel)
 
     plan, x, wgu, wd, k = _moe_setup(t, seed=200 + t)
     plan = moe.RoutePlan(plan.topk_ids, plan.topk_w,
@@ -319,6 +322,44 @@ def test_moe_gemm_fp4_cuda(t, block_m):
     y_ref = torch.einsum("pi,phi->ph", _dequant_rows(aq), wd_dq[e_of].float())
     y_ref = y_ref * plan.topk_w.reshape(-1, 1)
     assert sqnr_db(y_ref, y) > 40, f"CUDA down SQNR {sqnr_db(y_ref, y):.1f} dB <= 40"
+
+
+@pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
+def test_moe_gemm_fp4_stream_model_shape(t, block_m):
+    """The streaming kernel at the model's expert shape (128 experts, 2048 -> 2 x 768 -> 2048,
+    top-8), where a CTA walks many items and the ring wraps many times: it equals the first
+    CUDA kernel up to summation order (products are exact in both), every output written, and
+    with every launch config of the bench's sweep."""
+    from trace_common.kernels import cuda_moe, moe, quant
+
+    torch.manual_seed(t)
+    e, h, inter, k = 128, 2048, 768, 8
+    ids, w = moe.route_reference(torch.randn(t, e, device=DEV), k)
+    plan = moe.RoutePlan(ids, w, *moe.align_reference(ids, e, block_m), block_m)
+    gu = moe.quantize_weights((torch.randn(e, 2 * inter, h, device=DEV) * 0.02).bfloat16(),
+                              shared_halves=True)  # fmt: skip
+    dn = moe.quantize_weights((torch.randn(e, h, inter, device=DEV) * 0.02).bfloat16(),
+                              shared_halves=False)  # fmt: skip
+    gu.pack_for_cuda_()
+    dn.pack_for_cuda_()
+    rows = {}
+    for name, r, kk in (("x", t, h), ("act", t * k, inter)):
+        dq = torch.empty(r, kk, dtype=torch.float16, device=DEV)
+        xin = torch.randn(r, kk, device=DEV).bfloat16()
+        rows[name] = moe.FP4Rows(*quant.quantize_rows(xin, scale_2=None, dq16=dq), dq)
+    cases = [(gu, rows["x"], True, k, False, inter), (dn, rows["act"], False, 1, True, h)]
+    for wt, a, gated, a_div, mrw, n_out in cases:
+        ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
+                                     kernel="mma").float()  # fmt: skip
+        cfgs = [None, *{(2048, True): [(1, 16, 2, 4, 1), (4, 8, 4, 3, 1)],
+                        (768, False): [(4, 12, 1, 8, 2), (8, 6, 2, 4, 2)]}[(wt.k, gated)]]  # fmt: skip
+        for cfg in cfgs:
+            got = torch.full((t * k, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
+            cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
+                                   out=got, config=cfg, kernel="stream")  # fmt: skip
+            assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
+            db = sqnr_db(ref, got)
+            assert db > 60, f"stream vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
 
 
 @pytest.mark.parametrize("fp4,decode", [(False, None), (True, "bits"), (True, "ptx")])
@@ -408,12 +449,17 @@ def test_decode_attention_fp4_cuda_shape_fallback():
         (True, "triton", "triton"),
         (True, "cuda", "triton"),
         (True, "cuda", "cuda"),
+        (True, "cuda-mma", "cuda"),
+        (True, "cuda-stream", "cuda"),
     ],
 )
 def test_engine_graph_replay_equals_eager(fp4, gemm, attn_impl, monkeypatch):
     """A captured decode step replays to the same tokens and logits as the eager step."""
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
+    if gemm and gemm.startswith("cuda-"):  # the CUDA GEMM with a given kernel
+        gemm, kernel = gemm.split("-")
+        monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", kernel)
     if "cuda" in (gemm, attn_impl):
         pytest.importorskip("cupy", reason="the CUDA kernels are launched through CuPy")
     if attn_impl:

@@ -144,3 +144,64 @@ def test_no_cupy_at_import_time():
         "assert 'cupy' not in sys.modules, 'cupy imported at import time'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_stream_configs_fit():
+    """Every streaming config (shipped, swept, or derived for another shape) tiles K exactly,
+    copies its scales with <= 32 lanes and fits the opt-in shared memory of one CTA."""
+    import bench.rollout_gpu_kernels as bench
+
+    cases = [(key, cfg) for key, cfg in cuda_moe.STREAM_CONFIGS.items()]
+    for bm in cuda_moe.BLOCK_MS:
+        cases += [((2048, bm, True), c) for c in bench.SWEEP_STREAM_GATE_UP]
+        cases += [((768, bm, False), c) for c in bench.SWEEP_STREAM_DOWN]
+    for k, n_out, gated in [
+        (512, 256, True),
+        (256, 512, False),
+        (2048, 768, True),
+        (64, 16, False),
+    ]:
+        for bm in cuda_moe.BLOCK_MS:
+            cases.append(((k, bm, gated), cuda_moe.default_stream_config(k, bm, gated, n_out)))
+            rw = cases[-1][1][0]
+            assert (n_out // 16) % rw == 0
+    for (k, bm, gated), (rw, wk, kgw, stages, _minb) in cases:
+        assert wk * kgw * cuda_moe.K_GROUP == k and kgw * 4 <= 32 and stages >= 2
+        smem = cuda_moe.stream_smem_bytes(bm, rw, wk, kgw, stages, gated)
+        assert smem <= cuda_moe.STREAM_SMEM_MAX, (k, bm, gated, rw, wk, kgw, stages)
+
+
+def test_stream_grid_covers_every_item_in_one_wave():
+    for n_items in (1, 7, 24, 48, 128):
+        for est in (1.0, 8.0, 50.0, 112.0, 128.5, 200.0):
+            for ctas in (1, 2, 3):
+                gy, ipc = cuda_moe.stream_grid(n_items, est, ctas, 132)
+                assert gy * ipc >= n_items and (gy - 1) * ipc < n_items  # no empty CTA column
+                assert gy == 1 or gy * est <= 132 * ctas  # one wave for the expected blocks
+    assert cuda_moe.stream_grid(48, 8.0, 2, 132) == (24, 2)  # batch 1 gate_up, 1 tile/item
+
+
+def test_expected_blocks():
+    assert cuda_moe.expected_blocks(1, 8, 128, 8, 16) == pytest.approx(8.0)
+    assert 105 < cuda_moe.expected_blocks(32, 8, 128, 8, 384) < 115
+    assert cuda_moe.expected_blocks(128, 8, 128, 16, 192) == pytest.approx(128, rel=0.01)
+    assert cuda_moe.expected_blocks(1000, 8, 16, 16, 516) == 500  # pairs / block_m
+
+
+def test_cuda_kernel_validation(monkeypatch):
+    monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", "marlin")
+    with pytest.raises(ValueError, match="'marlin'"):
+        cuda_moe.cuda_kernel()
+    assert cuda_moe.cuda_kernel("stream") == "stream"
+    monkeypatch.delenv("TRACE_FP4_CUDA_KERNEL")
+    assert cuda_moe.cuda_kernel() == cuda_moe.DEFAULT_CUDA_KERNEL
+
+
+def test_config_override_file_stream(tmp_path, monkeypatch):
+    f = tmp_path / "cfg.json"
+    f.write_text('{"2048,8,True": [1, 16, 2, 3, 1], "768,8,False": [4, 4, 3, 0]}')
+    monkeypatch.setenv("TRACE_FP4_CUDA_CONFIGS", str(f))
+    assert cuda_moe.default_stream_config(2048, 8, True, 768) == (1, 16, 2, 3, 1)
+    assert cuda_moe.default_stream_config(768, 8, False, 2048) == cuda_moe.STREAM_CONFIGS[
+        (768, 8, False)]  # fmt: skip
+    assert cuda_moe.default_config(768, 8, False) == (4, 4, 3, 0)

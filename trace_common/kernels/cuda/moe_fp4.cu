@@ -197,3 +197,204 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     out[(long)pair * n_out + blockIdx.y * RW * 16 + f] = f32_to_bf16(v);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Streaming variant (`moe_fp4_stream`): the same math and operand layouts, with the weights
+// streamed through a per-warp cp.async shared-memory ring instead of being loaded up front.
+//
+// One CTA = WK warps over one expert block and a run of `items_per_cta` consecutive items; an
+// item is RW output tiles of 16 features (GATED: RW gate tiles + the RW matching up tiles).
+// Warp w owns K slice [w * KGW * 64, (w + 1) * KGW * 64) for the whole CTA: its B fragments
+// (the block's activations over that slice) are loaded into registers once, and the packed
+// words + scales of every tile of every item of the CTA pass through its own ring of S stages
+// (one stage = one tile's K slice: KGW * 512 bytes of words + KGW * 64 bytes of scales), S - 1
+// stages in flight while the current one is decoded and multiplied. Each lane copies and later
+// reads back its own 16-byte words (no barrier needed for them); the scales are copied by a
+// few lanes and read by all, hence one __syncwarp per stage. The ring runs on across item
+// boundaries, so the loads stay in flight during the per-item cross-warp reduction (partial
+// sums through shared memory, double-buffered: one __syncthreads per item) and epilogue.
+// Dynamic shared memory: WK * S * STAGE bytes of ring + 2 * WK * TILES * NT * 512 bytes.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void lds_v4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void lds_v2(u32 addr, u32& a, u32& b) {
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr) : "memory");
+}
+
+template <int NT, int RW, int WK, int KGW, bool GATED, int S, int MINB>
+__global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
+    const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
+    const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
+    const float* __restrict__ w_g,     // [E] per-expert second-level scale
+    const u32* __restrict__ x_dq,      // fp16 activations, B-fragment order [rows][K/16][4][4]
+    const float* __restrict__ x_g,     // [rows] per-row second-level scale
+    const int* __restrict__ sorted_pair,   // [MAXB * NT * 8]
+    const int* __restrict__ block_expert,  // [MAXB]
+    const float* __restrict__ route_w,     // [n_pairs]
+    u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
+    int n_pairs, int n_out, int a_div, int mul_route_w, int items_per_cta) {
+  static_assert(S >= 2 && KGW * 4 <= 32, "ring depth >= 2; scales copied by <= 32 lanes");
+  constexpr int K = WK * KGW * 64;
+  constexpr int KT = K / 16;
+  constexpr int KG = K / 64;
+  constexpr int BT = NT * 8;
+  constexpr int TILES = GATED ? 2 * RW : RW;
+  constexpr int A_BYTES = KGW * 512;         // one tile's words over a warp's K slice
+  constexpr int STAGE = A_BYTES + KGW * 64;  // + its scales
+  constexpr int RED = WK * TILES * NT * 4 * 32;  // floats of one item's partial sums
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* red = reinterpret_cast<float*>(smem + WK * S * STAGE);  // [2][WK][TILES][NT][4][32]
+  __shared__ int pair_s[BT];
+  __shared__ float xg_s[BT], rw_s[BT];
+
+  const int blk = blockIdx.x;
+  const int e = block_expert[blk];
+  if (e < 0) return;
+  const int n_items = n_out / (16 * RW);
+  const int item0 = blockIdx.y * items_per_cta;
+  if (item0 >= n_items) return;
+  const int n_my = items_per_cta < n_items - item0 ? items_per_cta : n_items - item0;
+  const int total = n_my * TILES;  // stages this CTA streams (the same for every warp)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
+  const int kg0 = warp * KGW;
+  const u32* wq_e = wq + ((long)e * n_w_tiles * KG + kg0) * 128 + lane * 4;
+  const u32* ws_e = ws + ((long)e * n_w_tiles * KG + kg0) * 16 + lane * 4;
+  const u32 ring_s = smem_addr(smem + warp * S * STAGE);
+
+  // stage j of the stream -> its weight tile; copy it into ring slot j % S (or commit nothing)
+  auto issue = [&](int j) {
+    if (j < total) {
+      const int item = item0 + j / TILES, ti = j % TILES;
+      const int tile = (GATED && ti >= RW) ? n_out / 16 + item * RW + (ti - RW) : item * RW + ti;
+      const u32 dst = ring_s + (j % S) * STAGE;
+#pragma unroll
+      for (int kk = 0; kk < KGW; ++kk)
+        cp_async16(dst + kk * 512 + lane * 16, wq_e + ((long)tile * KG + kk) * 128);
+      if (lane < KGW * 4) cp_async16(dst + A_BYTES + lane * 16, ws_e + (long)tile * KG * 16);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int j = 0; j < S - 1; ++j) issue(j);
+
+  const float wgain = w_g[e] * FP16_GAIN_SQ;
+  if (threadIdx.x < BT) {
+    const int p = sorted_pair[blk * BT + threadIdx.x];
+    const bool ok = p < n_pairs;
+    pair_s[threadIdx.x] = p;
+    xg_s[threadIdx.x] = ok ? x_g[p / a_div] : 0.f;
+    rw_s[threadIdx.x] = ok && mul_route_w ? route_w[p] : 1.f;
+  }
+
+  // B fragments of this warp's K slice: token slot nt*8 + g, k-tile kk, lane quad t.
+  u32 b[KGW * 4][NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int pair = sorted_pair[blk * BT + nt * 8 + g];
+    const bool valid = pair < n_pairs;
+    const long row = valid ? pair / a_div : 0;
+#pragma unroll
+    for (int kk = 0; kk < KGW * 4; ++kk) {
+      if (valid) {
+        ldg_v2(x_dq + ((row * KT + kg0 * 4 + kk) * 4 + t) * 2, b[kk][nt][0], b[kk][nt][1]);
+      } else {
+        b[kk][nt][0] = 0u;
+        b[kk][nt][1] = 0u;
+      }
+    }
+  }
+
+  int j = 0;
+  for (int it = 0; it < n_my; ++it) {
+    float* red_it = red + (it & 1) * RED;
+#pragma unroll
+    for (int ti = 0; ti < TILES; ++ti, ++j) {
+      cp_async_wait<S - 2>();  // this lane's copies of stage j have landed
+      __syncwarp();            // ... and every lane's (scales); slot (j-1) % S is free again
+      issue(j + S - 1);
+      const u32 st = ring_s + (j % S) * STAGE;
+      float acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KGW; ++kk) {
+        u32 aw[4], sw[2];
+        lds_v4(st + kk * 512 + lane * 16, aw[0], aw[1], aw[2], aw[3]);
+        lds_v2(st + A_BYTES + kk * 64 + g * 8, sw[0], sw[1]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const u32 sc = e4m3x2_to_f16x2(sw[q >> 1] >> ((q & 1) * 16));
+          const u32 s_lo = __byte_perm(sc, 0u, 0x1010);
+          const u32 s_hi = __byte_perm(sc, 0u, 0x3232);
+          u32 r0, r1, r2, r3;
+          decode_word(aw[q], r0, r1, r2, r3);
+          r0 = hmul2(r0, s_lo);
+          r1 = hmul2(r1, s_hi);
+          r2 = hmul2(r2, s_lo);
+          r3 = hmul2(r3, s_hi);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            mma_16816(acc[nt], r0, r1, r2, r3, b[kk * 4 + q][nt][0], b[kk * 4 + q][nt][1]);
+        }
+      }
+      float* r = red_it + ((warp * TILES + ti) * NT) * 128;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[(nt * 4 + i) * 32 + lane] = acc[nt][i];
+    }
+    __syncthreads();  // all warps' partial sums of this item are in red_it
+
+    // Epilogue: output (feature f, token slot c), features fastest for coalesced stores. The
+    // other buffer takes the next item's partials, so no second barrier is needed here.
+    const int col0 = (item0 + it) * RW * 16;
+    for (int o = threadIdx.x; o < RW * 16 * BT; o += WK * 32) {
+      const int f = o % (RW * 16), c = o / (RW * 16);
+      const int pair = pair_s[c];
+      if (pair >= n_pairs) continue;
+      const int ti = f >> 4, rr = f & 15, nt = c >> 3, cc = c & 7;
+      const int ln = (rr & 7) * 4 + (cc >> 1), idx = (rr >> 3) * 2 + (cc & 1);
+      float v = 0.f, u = 0.f;
+#pragma unroll
+      for (int w = 0; w < WK; ++w) {
+        v += red_it[((w * TILES + ti) * NT + nt) * 128 + idx * 32 + ln];
+        if (GATED) u += red_it[((w * TILES + ti + RW) * NT + nt) * 128 + idx * 32 + ln];
+      }
+      const float gain = wgain * xg_s[c];
+      v *= gain;
+      if (GATED) {
+        u *= gain;
+        v = v / (1.0f + __expf(-v)) * u;
+      }
+      v *= rw_s[c];
+      out[(long)pair * n_out + col0 + f] = f32_to_bf16(v);
+    }
+  }
+}
