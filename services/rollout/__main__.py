@@ -32,7 +32,9 @@ def main() -> None:
     quant_cache = QuantCacheClient(
         settings.quant_cache_address, token, data_path=settings.quant_cache_data_path
     )
-    weight_sync = WeightSyncClient(settings.weight_sync_address, token)
+    weight_sync = WeightSyncClient(
+        settings.weight_sync_address, token, data_path=settings.weight_sync_data_path
+    )
     holder = EngineHolder()
     audit = RecordAudit(settings.record_audit_file) if settings.record_audit_file else None
 

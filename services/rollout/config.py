@@ -22,6 +22,12 @@ class RolloutSettings(ServiceSettings):
         description="record bytes straight to/from Redis (direct, coordinates from quant-cache) "
         "or through quant-cache (grpc); auto = direct when Redis is reachable",
     )
+    weight_sync_data_path: Literal["auto", "direct", "grpc"] = Field(
+        "auto",
+        description="policy pulls over weight-sync's bulk data plane (direct: ticket over gRPC, "
+        "bytes over TCP/TLS) or its PullVersion stream (grpc); auto = direct when offered and "
+        "reachable",
+    )
     replica_id: str = Field(
         default_factory=lambda: f"rollout-{socket.gethostname()}-{os.getpid()}",
         description="this replica's id in weight-sync's registry",

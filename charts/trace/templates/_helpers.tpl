@@ -131,6 +131,10 @@ hardened security context, the token Secret, writable /tmp and /data.
       value: {{ $c.grpcPort | quote }}
     - name: TRACE_HTTP_PORT
       value: {{ $c.httpPort | quote }}
+    {{- with $c.dataPlanePort }}
+    - name: TRACE_DATA_PLANE_PORT
+      value: {{ . | quote }}
+    {{- end }}
     {{- with (index . 3) }}
     {{- . | nindent 4 }}
     {{- end }}
@@ -145,6 +149,9 @@ hardened security context, the token Secret, writable /tmp and /data.
   ports:
     - {name: grpc, containerPort: {{ $c.grpcPort }}, protocol: TCP}
     - {name: http, containerPort: {{ $c.httpPort }}, protocol: TCP}
+    {{- with $c.dataPlanePort }}
+    - {name: data, containerPort: {{ . }}, protocol: TCP}
+    {{- end }}
   # Readiness: grpc.health.v1 (SERVING only once the service is ready, e.g. a rollout replica
   # holds weights). Startup/liveness: HTTP /healthz (process up), because the gRPC health
   # status is NOT_SERVING while a replica waits for its first weights, which must not restart it.
@@ -239,6 +246,10 @@ spec:
   ports:
     - {name: grpc, port: {{ $c.grpcPort }}, targetPort: grpc, appProtocol: grpc}
     - {name: http, port: {{ $c.httpPort }}, targetPort: http}
+    {{- with $c.dataPlanePort }}
+    {{- /* weight-sync's bulk data plane: replicas dial this Service name at this port. */}}
+    - {name: data, port: {{ . }}, targetPort: data}
+    {{- end }}
 {{- end -}}
 
 {{/* Where the trainer and the rollout replicas find the two stores (gRPC host:port). They

@@ -103,17 +103,23 @@ def _lookup(values: dict, dotted: str) -> bool:
     return True
 
 
+HELPER_OPTIONAL = (".gpus", ".dataPlanePort")
+
+
 @pytest.mark.parametrize("path", _templates(), ids=lambda p: p.name)
 def test_templates_reference_existing_values(values: dict, path: pathlib.Path) -> None:
     """`.Values.a.b` and `$c.x` (with `$c := .Values.<component>`) name keys in values.yaml."""
     text = path.read_text()
     missing = [ref for ref in _VALUES_REF.findall(text) if not _lookup(values, ref)]
     bound = _COMPONENT_VAR.findall(text)
-    # Helpers take any component as $c: check against all four (gpus is read with a default).
+    # Helpers take any component as $c: check against all four (gpus is read with a default,
+    # dataPlanePort with `with`: only weight-sync has one).
     components = bound or (list(COMPONENTS) if path.suffix == ".tpl" else [])
     for ref in _COMPONENT_REF.findall(text):
         for comp in components:
-            if not _lookup(values[comp], ref) and not (path.suffix == ".tpl" and ref == ".gpus"):
+            if not _lookup(values[comp], ref) and not (
+                path.suffix == ".tpl" and ref in HELPER_OPTIONAL
+            ):
                 missing.append(f"{comp}{ref}")
     assert not missing, f"{path.name} references values that do not exist: {missing}"
 

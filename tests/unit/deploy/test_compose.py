@@ -170,6 +170,9 @@ def test_ports_agree_with_prometheus_and_healthchecks(compose: dict) -> None:
         ):
             port = compose["services"][name]["environment"]["TRACE_GRPC_PORT"]
             assert env[var] == f"{name}:{port}", (client, var)
+    # Replicas dial weight-sync's bulk data plane at weight-sync:<TRACE_DATA_PLANE_PORT>.
+    ws = compose["services"]["weight-sync"]
+    assert int(ws["environment"]["TRACE_DATA_PLANE_PORT"]) in {int(p) for p in ws["expose"]}
 
 
 def settings_class(name: str) -> type:
