@@ -84,7 +84,12 @@ class DataPlane:
         self.refused = metrics.counter(
             "data_plane_refused", "data-plane connections refused", ("reason",)
         )
-        self._sock = socket.create_server((host, port))
+        try:
+            self._sock = socket.create_server((host, port))
+        except OSError as exc:
+            raise OSError(
+                f"weight-sync data plane cannot listen on {host}:{port} (TRACE_DATA_PLANE_PORT): {exc}"
+            ) from exc
         self.port: int = self._sock.getsockname()[1]
         self.advertise_host, self.advertise_port = parse_advertise(advertise, self.port)
         threading.Thread(target=self._accept, name="ws-data-plane", daemon=True).start()
