@@ -24,6 +24,10 @@ TARGET_PROGRAMS = 528  # ~4 programs per SM on a 132-SM H200
 # of context (H200, graph-timed: 32K batch 8 139 -> 121 us, 8K batch 32 130 -> 120 us) and
 # slower at 1K batch 128 (71 -> 80 us): bench/rollout_gpu_kernels.py --attention-only --attn-sweep
 CUDA_FP4_LONG_CONTEXT = 8192
+# The ring CUDA kernel streams each split through a cp.async ring, so a split costs its tokens
+# plus a fixed start (first tiles' latency, the warp merge, the partials): modelled as this many
+# tokens. Its plan picks the split size that minimises waves x (split + this), see ring_chunk.
+RING_SPLIT_OVERHEAD = 128
 
 
 @dataclass(slots=True)
@@ -104,13 +108,23 @@ class DecodeAttnPlan:
         context_hint: int, device: str, cuda_fp4: bool = False,
     ) -> DecodeAttnPlan:  # fmt: skip
         """Pick keys-per-split so that batch * kv_heads * splits of the expected context fill
-        the GPU (`cuda_fp4`: for the CUDA FP4 kernel, which wants 2x the splits from
-        CUDA_FP4_LONG_CONTEXT tokens); splits past a sequence's length return at once."""
-        target = TARGET_PROGRAMS
-        if cuda_fp4 and context_hint >= CUDA_FP4_LONG_CONTEXT:
-            target *= 2
-        want = max(1, math.ceil(target / (batch * kv_heads)))
-        chunk = max(ATTN_MIN_CHUNK, math.ceil(context_hint / want / ATTN_BLOCK_N) * ATTN_BLOCK_N)
+        the GPU; splits past a sequence's length return at once. `cuda_fp4`: for the CUDA FP4
+        kernel: the ring kernel's wave rule (`ring_chunk`), or 2x the splits from
+        CUDA_FP4_LONG_CONTEXT tokens for the first ("regs") kernel."""
+        ring_slots = 0
+        if cuda_fp4:
+            from trace_common.kernels import cuda_attn
+
+            ring_slots = cuda_attn.ring_ctas_per_sm() * _sm_count(device)
+        if ring_slots:
+            chunk = ring_chunk(batch * kv_heads, context_hint, ring_slots)
+        else:
+            target = TARGET_PROGRAMS
+            if cuda_fp4 and context_hint >= CUDA_FP4_LONG_CONTEXT:
+                target *= 2
+            want = max(1, math.ceil(target / (batch * kv_heads)))
+            chunk = max(ATTN_MIN_CHUNK,
+                        math.ceil(context_hint / want / ATTN_BLOCK_N) * ATTN_BLOCK_N)  # fmt: skip
         nsplit = math.ceil(capacity / chunk)
         return cls(
             chunk,
@@ -118,6 +132,23 @@ class DecodeAttnPlan:
             torch.empty(batch, q_heads, nsplit, head_dim, dtype=torch.float32, device=device),
             torch.empty(batch, q_heads, nsplit, 2, dtype=torch.float32, device=device),
         )
+
+
+def _sm_count(device: str) -> int:
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 132  # an H200's
+
+
+def ring_chunk(heads: int, context: int, slots: int) -> int:
+    """Keys per split (a multiple of ATTN_BLOCK_N) for `heads` (batch * kv heads) sequences of
+    `context` tokens on `slots` resident CTAs: the one that minimises waves x (split +
+    RING_SPLIT_OVERHEAD) tokens, the smallest on ties."""
+    best = (math.inf, ATTN_BLOCK_N)
+    for chunk in range(ATTN_BLOCK_N, max(context, 1) + ATTN_BLOCK_N, ATTN_BLOCK_N):
+        waves = math.ceil(heads * math.ceil(context / chunk) / slots)
+        best = min(best, (waves * (chunk + RING_SPLIT_OVERHEAD), chunk))
+    return best[1]
 
 
 def decode_attention(
@@ -241,4 +272,5 @@ __all__ = [
     "dequantize_cache",
     "kv_append",
     "qk_norm_rope",
+    "ring_chunk",
 ]

@@ -22,9 +22,30 @@ SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_fp4.cu"
 HEAD_DIM = 128
 GROUP = 8  # query heads per kv head
 TILE = 16  # tokens per warp step
-# (warps per CTA, CTAs per SM asked of the register allocator); (4, 3) fits 168 registers
-# without spills (nvcc -Xptxas -v, sm_90a); bench/rollout_gpu_kernels.py --attn-sweep times others
-DEFAULT_CONFIG = (4, 3)
+# Launch configurations: ("ring", warps per CTA, CTAs per SM asked of the register allocator,
+# shared-memory stages per warp) runs `attn_fp4_ring` (cp.async ring, swapped MMAs); ("regs",
+# warps, CTAs per SM) runs `attn_fp4_split`, the first version (register double buffer).
+# ("regs", 4, 3) fits 168 registers, ("ring", 4, 4, 4) 115, neither spills (nvcc -Xptxas -v,
+# sm_90a); bench/rollout_gpu_kernels.py --attention-only --attn-sweep times them.
+DEFAULT_CONFIG: tuple = ("regs", 4, 3)
+
+
+def kernel_name(config: tuple) -> tuple[str, int]:
+    """(template instance to compile, warps per CTA) of a launch configuration."""
+    kind, *p = config
+    if kind == "ring" and len(p) == 3 and p[2] >= 2:
+        return f"attn_fp4_ring<{p[0]}, {p[1]}, {p[2]}>", p[0]
+    if kind == "regs" and len(p) == 2:
+        return f"attn_fp4_split<{p[0]}, {p[1]}>", p[0]
+    raise ValueError(f"CUDA FP4 attention config {config!r}: expected ('ring', warps, "
+                     f"CTAs per SM, stages >= 2) or ('regs', warps, CTAs per SM)")  # fmt: skip
+
+
+def ring_ctas_per_sm(config: tuple | None = None) -> int:
+    """CTAs per SM the ring kernel's config asks for (0 for the "regs" kernel)."""
+    config = config or DEFAULT_CONFIG
+    kernel_name(config)
+    return config[2] if config[0] == "ring" else 0
 
 
 def supports(q_heads: int, kv_heads: int, head_dim: int, chunk: int) -> bool:
@@ -43,7 +64,7 @@ def decode_attn_split_cuda(
     *,
     chunk: int,
     qk_scale: float,  # head_dim ** -0.5 * log2(e)
-    config: tuple[int, int] | None = None,
+    config: tuple | None = None,  # default DEFAULT_CONFIG
 ) -> None:
     """Split kernel of FP4 decode attention: writes part_o / part_ml for splits of `chunk`
     tokens (splits starting at or past lens[b] are left untouched, as the reduce skips them)."""
@@ -61,8 +82,8 @@ def decode_attn_split_cuda(
     for name, t in (("codes", codes), ("scales", scales), ("row_scales", row_scales)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    warps, minb = config or DEFAULT_CONFIG
-    fn = compiled_function(SOURCE, f"attn_fp4_split<{warps}, {minb}>")
+    name, warps = kernel_name(config or DEFAULT_CONFIG)
+    fn = compiled_function(SOURCE, name)
     ptr = np.uint64
     args = (
         ptr(q.data_ptr()), ptr(codes.data_ptr()), ptr(scales.data_ptr()),
@@ -73,4 +94,10 @@ def decode_attn_split_cuda(
     launch_on_torch_stream(fn, (nsplit, hkv, b), (warps * 32,), args, q.device)
 
 
-__all__ = ["DEFAULT_CONFIG", "decode_attn_split_cuda", "supports"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "decode_attn_split_cuda",
+    "kernel_name",
+    "ring_ctas_per_sm",
+    "supports",
+]

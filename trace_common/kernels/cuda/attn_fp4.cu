@@ -94,6 +94,57 @@ __device__ __forceinline__ void mma_half(float& c0, float& c1, u32 a0, u32 a2, u
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.f), "f"(0.f));
 }
 
+// Q row (head) of 128 bf16 -> lane t's d = 32t .. 32t+31 as fp16 fragments of 8 k-tiles: k-tile
+// 2w takes d offsets (0, 2 | 4, 6) of the 8-group w, k-tile 2w+1 takes (1, 3 | 5, 7); the same
+// order as fp4_bytes + h2_b01 / h2_b23 of the lane's 16 K bytes [16t, 16t + 16).
+__device__ __forceinline__ void load_q_frags(const u16* __restrict__ qrow, int t, u32 (&qf)[8][2]) {
+  const u32* qp = (const u32*)(qrow + 32 * t);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint4 v = *(const uint4*)(qp + 4 * w);
+    const u32 x[4] = {v.x, v.y, v.z, v.w};
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(x[i] << 16);
+      f[2 * i + 1] = __uint_as_float(x[i] & 0xFFFF0000u);
+    }
+    qf[2 * w][0] = pack_h2(f[0], f[2]);
+    qf[2 * w][1] = pack_h2(f[4], f[6]);
+    qf[2 * w + 1][0] = pack_h2(f[1], f[3]);
+    qf[2 * w + 1][1] = pack_h2(f[5], f[7]);
+  }
+}
+
+// The CTA combines its warps' (max, sum, output) of the 8 heads and writes split `row0`'s
+// partials (row0 = (b * HQ + first head) * nsplit + split). o_s: warp w's [GROUP][HEAD_D + 4]
+// outputs start at o_s + w * o_stride.
+template <int WARPS>
+__device__ __forceinline__ void merge_warps(const float* o_s, int o_stride,
+                                            const float (*ml_s)[GROUP][2],
+                                            float* __restrict__ part_o,
+                                            float* __restrict__ part_ml, long row0, int nsplit) {
+  for (int o = threadIdx.x; o < GROUP * HEAD_D; o += WARPS * 32) {
+    const int h = o / HEAD_D, d = o % HEAD_D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, ml_s[w][h][0]);
+    float ov = 0.f, lv = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float wt = ex2(ml_s[w][h][0] - mx);
+      ov += o_s[w * o_stride + h * (HEAD_D + 4) + d] * wt;
+      lv += ml_s[w][h][1] * wt;
+    }
+    const long row = row0 + (long)h * nsplit;
+    part_o[row * HEAD_D + d] = ov;
+    if (d == 0) {
+      part_ml[row * 2] = mx;
+      part_ml[row * 2 + 1] = lv;
+    }
+  }
+}
+
 // One lane's raw bytes of one 16-token tile.
 struct Raw {
   u32 k[2][4];  // K codes, tokens g and 8 + g, bytes [16t, 16t + 16)
@@ -162,27 +213,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_split(
   const int g = lane >> 2, t = lane & 3;
   const int hq = hkv * GROUP;
 
-  // Q of head hk*8 + g, d = 32t .. 32t+31, as the A fragments (a0, a2) of 8 k-tiles: k-tile
-  // 2w takes d offsets (0, 2 | 4, 6) of the 8-group w, k-tile 2w+1 takes (1, 3 | 5, 7).
+  // Q of head hk*8 + g as the A fragments (a0, a2) of 8 k-tiles
   u32 qa[8][2];
-  {
-    const u32* qp = (const u32*)(q + ((long)b * hq + hk * GROUP + g) * HEAD_D + 32 * t);
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint4 v = *(const uint4*)(qp + 4 * w);
-      const u32 x[4] = {v.x, v.y, v.z, v.w};
-      float f[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(x[i] << 16);
-        f[2 * i + 1] = __uint_as_float(x[i] & 0xFFFF0000u);
-      }
-      qa[2 * w][0] = pack_h2(f[0], f[2]);
-      qa[2 * w][1] = pack_h2(f[4], f[6]);
-      qa[2 * w + 1][0] = pack_h2(f[1], f[3]);
-      qa[2 * w + 1][1] = pack_h2(f[5], f[7]);
-    }
-  }
+  load_q_frags(q + ((long)b * hq + hk * GROUP + g) * HEAD_D, t, qa);
 
   const long kbase = ((long)b * hkv + hk) * cap;
   const long vbase = ((long)(n_batch + b) * hkv + hk) * cap;
@@ -291,23 +324,291 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_split(
     ml_s[warp][g][1] = l;
   }
   __syncthreads();
-  for (int o = threadIdx.x; o < GROUP * HEAD_D; o += WARPS * 32) {
-    const int h = o / HEAD_D, d = o % HEAD_D;
-    float mx = NEG_INF;
+  merge_warps<WARPS>(&o_s[0][0][0], GROUP * (HEAD_D + 4), ml_s, part_o, part_ml,
+                     ((long)b * hq + hk * GROUP) * nsplit + sp, nsplit);
+}
+
+// ================================================================================================
+// attn_fp4_ring: the same attention, reading the cache through a per-warp cp.async ring of NS
+// 16-token stages in shared memory, with both products swapped so no MMA row is wasted.
+//
+// Swap-AB (as the expert GEMM): S^T = K Q^T with A = K (16 tokens x 16 d), B = Q^T (16 d x
+// 8 heads); O^T += V^T P^T with A = V^T (16 d x 16 tokens), B = P^T (16 tokens x 8 heads).
+// That is 8 + 8 m16n8k16 per tile instead of 16 + 16 with half the rows zero. The S^T
+// accumulators (lane (g, t): tokens g, g+8 x heads 2t, 2t+1) are exactly two m8n8 b16 matrices
+// once packed, and `movmatrix.trans` turns each into the P^T B fragment (heads g x tokens 2t,
+// 2t+1): no shared memory round trip. Lane (g, t) reads K bytes [16t, 16t+16) of tokens g and
+// g+8 (Q packed in the matching d order, as above) and V bytes [8g, 8g+8) of tokens 2t, 2t+1,
+// 2t+8, 2t+9 (16 d of one scale block); its accumulator m-tile mt holds O[head 2t + (0|1)] at
+// d = 16g + 2mt (c0, c1) and 16g + 2mt + 1 (c2, c3).
+//
+// Memory: each warp owns NS stages of RING_STAGE bytes (K codes, V codes, K/V block scales, K/V
+// row scales of 16 tokens), filled by cp.async (16-byte code chunks, 8-byte scale rows, 4-byte
+// row scales; tokens past `end` are zero-filled) NS - 1 tiles ahead of the one it computes. The
+// 64-byte code rows are stored in 128-byte row pairs with their 16-byte chunks XOR-swizzled
+// (position = ((row & 1) << 2 | chunk) ^ 2 * ((row >> 1) & 3)), so both the K reads (16 bytes,
+// rows g / g+8) and the V reads (8 bytes, rows 2t..) are bank-conflict free.
+// ================================================================================================
+
+#define RING_STAGE 2432  // bytes per 16-token stage
+#define ST_KC 0          // K codes, 16 rows x 64 B, swizzled
+#define ST_VC 1024       // V codes, same
+#define ST_KS 2048       // K block scales, 16 x 8 B (V's follow at 2176)
+#define ST_KR 2304       // K row scales, 16 x fp32 (V's follow at 2368)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 n) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n));
+}
+
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, u32 n) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(n));
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 n) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n));
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// m8n8 b16 transpose within the warp: lane (g, t) gets row g of the transpose (elements 2t, 2t+1)
+__device__ __forceinline__ u32 movm_trans(u32 x) {
+  u32 r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_full(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// byte offset of (row, 16-byte chunk) of a stage's code block (see the swizzle above)
+__device__ __forceinline__ int ring_code_off(int row, int chunk) {
+  return (row >> 1) * 128 + ((((row & 1) << 2) | chunk) ^ (((row >> 1) & 3) << 1)) * 16;
+}
+
+// The warp copies tokens [t0, t0 + 16) (those < end; the rest zero-filled) into stage `st`.
+__device__ __forceinline__ void ring_fill(u32 st, const u8* __restrict__ codes,
+                                          const u8* __restrict__ scales,
+                                          const float* __restrict__ krs,
+                                          const float* __restrict__ vrs, long kbase, long vbase,
+                                          int t0, int end, int lane) {
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, ml_s[w][h][0]);
-    float ov = 0.f, lv = 0.f;
+  for (int h = 0; h < 2; ++h) {
+    const int c = lane + 32 * h, row = c >> 2, chunk = c & 3;
+    const bool ok = t0 + row < end;
+    const long tok = ok ? t0 + row : t0;  // a valid address either way
+    const u32 off = ring_code_off(row, chunk);
+    cp_async16(st + ST_KC + off, codes + (kbase + tok) * 64 + chunk * 16, ok ? 16u : 0u);
+    cp_async16(st + ST_VC + off, codes + (vbase + tok) * 64 + chunk * 16, ok ? 16u : 0u);
+  }
+  const int row = lane & 15;
+  const bool ok = t0 + row < end;
+  const long tok = ok ? t0 + row : t0;
+  cp_async8(st + ST_KS + 8 * lane, scales + ((lane < 16 ? kbase : vbase) + tok) * 8,
+            ok ? 8u : 0u);
+  cp_async4(st + ST_KR + 4 * lane, (lane < 16 ? krs : vrs) + tok, ok ? 4u : 0u);
+}
+
+template <int WARPS, int MINB, int NS>
+__global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
+    const u16* __restrict__ q,          // bf16 [B, HQ, 128]
+    const u8* __restrict__ codes,       // [2, B, HKV, S, 64]
+    const u8* __restrict__ scales,      // [2, B, HKV, S, 8]
+    const float* __restrict__ rs,       // [2, B, S]
+    const int* __restrict__ lens,       // [B] valid tokens (new one included)
+    float* __restrict__ part_o,         // [B, HQ, NSPLIT, 128] unnormalized partial outputs
+    float* __restrict__ part_ml,        // [B, HQ, NSPLIT, 2] max (log2 domain), sum
+    int n_batch, int hkv, int cap, int chunk, int nsplit, float qk_scale) {
+  static_assert(NS >= 2, "a ring needs two stages");
+  static_assert(NS * RING_STAGE >= GROUP * (HEAD_D + 4) * 4, "merge buffer aliases the ring");
+  __shared__ alignas(128) u8 ring[WARPS][NS][RING_STAGE];
+  __shared__ float ml_s[WARPS][GROUP][2];
+
+  const int sp = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int len = lens[b];
+  const int start = sp * chunk;
+  if (start >= len) return;
+  const int end = min(start + chunk, len);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int hq = hkv * GROUP;
+
+  const long kbase = ((long)b * hkv + hk) * cap;
+  const long vbase = ((long)(n_batch + b) * hkv + hk) * cap;
+  const float* krs = rs + (long)b * cap;
+  const float* vrs = rs + (long)(n_batch + b) * cap;
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  const int nj = warp < ntiles ? (ntiles - warp + WARPS - 1) / WARPS : 0;  // this warp's tiles
+  const u32 ring0 = smem_addr(&ring[warp][0][0]);
+
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float wt = ex2(ml_s[w][h][0] - mx);
-      ov += o_s[w][h][d] * wt;
-      lv += ml_s[w][h][1] * wt;
+  for (int s = 0; s < NS - 1; ++s) {
+    if (s < nj)
+      ring_fill(ring0 + s * RING_STAGE, codes, scales, krs, vrs, kbase, vbase,
+                start + (warp + WARPS * s) * TILE, end, lane);
+    cp_commit();
+  }
+
+  // Q of head g as the B fragments (b0, b1) of 8 k-tiles (the same registers as the A
+  // fragments above: the k index of both is 2t + (0, 1 | 8, 9))
+  u32 qb[8][2];
+  load_q_frags(q + ((long)b * hq + hk * GROUP + g) * HEAD_D, t, qb);
+
+  // loop-invariant shared-memory offsets of this lane's fragments
+  const int offk = ring_code_off(g, t);             // K row g (row g + 8: + 512)
+  const int offv0 = ring_code_off(2 * t, g >> 1) + 8 * (g & 1);      // V row 2t (2t+8: + 512)
+  const int offv1 = ring_code_off(2 * t + 1, g >> 1) + 8 * (g & 1);  // V row 2t+1
+  const float kgain = FP16_GAIN * qk_scale;
+
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // heads 2t, 2t+1
+  float acc[8][4];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
+
+  int slot = 0;  // stage of tile j
+  for (int j = 0; j < nj; ++j) {
+    cp_wait<NS - 2>();
+    __syncwarp();  // every lane's copies of stage j landed; stage j - 1 is no longer read
+    {
+      const int jn = j + NS - 1;
+      const int fill = slot == 0 ? NS - 1 : slot - 1;
+      if (jn < nj)
+        ring_fill(ring0 + fill * RING_STAGE, codes, scales, krs, vrs, kbase, vbase,
+                  start + (warp + WARPS * jn) * TILE, end, lane);
+      cp_commit();
     }
-    const long row = ((long)b * hq + hk * GROUP + h) * nsplit + sp;
-    part_o[row * HEAD_D + d] = ov;
-    if (d == 0) {
-      part_ml[row * 2] = mx;
-      part_ml[row * 2 + 1] = lv;
+    const u8* st = &ring[warp][slot][0];
+    slot = slot == NS - 1 ? 0 : slot + 1;
+    const int t0 = start + (warp + WARPS * j) * TILE;
+
+    // ---- S^T = K Q^T: rows tokens g (c0, c1) and g + 8 (c2, c3), columns heads 2t, 2t+1
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    {
+      const uint4 kv0 = *(const uint4*)(st + ST_KC + offk);
+      const uint4 kv1 = *(const uint4*)(st + ST_KC + offk + 512);
+      const u32 k0[4] = {kv0.x, kv0.y, kv0.z, kv0.w}, k1[4] = {kv1.x, kv1.y, kv1.z, kv1.w};
+      const u32 s20 = e4m3x2_to_f16x2(*(const u16*)(st + ST_KS + 8 * g + 2 * t));
+      const u32 s21 = e4m3x2_to_f16x2(*(const u16*)(st + ST_KS + 8 * (g + 8) + 2 * t));
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const u32 sel = w < 2 ? 0x1010u : 0x3232u;  // block 2t (words 0, 1) or 2t + 1
+        const u32 sc0 = __byte_perm(s20, 0u, sel), sc1 = __byte_perm(s21, 0u, sel);
+        u32 lo0, hi0, lo1, hi1;
+        fp4_bytes(k0[w], lo0, hi0);
+        fp4_bytes(k1[w], lo1, hi1);
+        mma_full(s[0], hmul2(h2_b01(lo0), sc0), hmul2(h2_b01(lo1), sc1),
+                 hmul2(h2_b23(lo0), sc0), hmul2(h2_b23(lo1), sc1), qb[2 * w][0], qb[2 * w][1]);
+        mma_full(s[1], hmul2(h2_b01(hi0), sc0), hmul2(h2_b01(hi1), sc1),
+                 hmul2(h2_b23(hi0), sc0), hmul2(h2_b23(hi1), sc1), qb[2 * w + 1][0],
+                 qb[2 * w + 1][1]);
+      }
+    }
+    const float* rk = (const float*)(st + ST_KR);
+    const float* rv = (const float*)(st + ST_KR + 64);
+    const float g0 = rk[g] * kgain, g1 = rk[g + 8] * kgain;
+    const bool in0 = t0 + g < end, in1 = t0 + g + 8 < end;
+    const float x0 = in0 ? (s[0][0] + s[1][0]) * g0 : NEG_INF;  // token g, head 2t
+    const float x1 = in0 ? (s[0][1] + s[1][1]) * g0 : NEG_INF;  // token g, head 2t + 1
+    const float x2 = in1 ? (s[0][2] + s[1][2]) * g1 : NEG_INF;  // token g + 8, head 2t
+    const float x3 = in1 ? (s[0][3] + s[1][3]) * g1 : NEG_INF;
+    float mt0 = fmaxf(x0, x2), mt1 = fmaxf(x1, x3);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      mt0 = fmaxf(mt0, __shfl_xor_sync(0xffffffffu, mt0, o));
+      mt1 = fmaxf(mt1, __shfl_xor_sync(0xffffffffu, mt1, o));
+    }
+    const float mn0 = fmaxf(m0, mt0), mn1 = fmaxf(m1, mt1);
+    const float al0 = ex2(m0 - mn0), al1 = ex2(m1 - mn1);
+    m0 = mn0;
+    m1 = mn1;
+    const float p0 = ex2(x0 - mn0), p1 = ex2(x1 - mn1), p2 = ex2(x2 - mn0), p3 = ex2(x3 - mn1);
+    l0 = l0 * al0 + (p0 + p2);
+    l1 = l1 * al1 + (p1 + p3);
+    const float v0 = rv[g] * FP16_GAIN, v1 = rv[g + 8] * FP16_GAIN;
+    // P^T fragments: b0 = heads g x tokens 2t, 2t+1; b1 = tokens 2t+8, 2t+9
+    const u32 pb0 = movm_trans(pack_h2(p0 * v0, p1 * v0));
+    const u32 pb1 = movm_trans(pack_h2(p2 * v1, p3 * v1));
+    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        acc[r][0] *= al0;
+        acc[r][1] *= al1;
+        acc[r][2] *= al0;
+        acc[r][3] *= al1;
+      }
+    }
+
+    // ---- O^T += V^T P^T: lane's V rows 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1)
+    {
+      const uint2 va = *(const uint2*)(st + ST_VC + offv0);
+      const uint2 vb = *(const uint2*)(st + ST_VC + offv1);
+      const uint2 vc = *(const uint2*)(st + ST_VC + offv0 + 512);
+      const uint2 vd = *(const uint2*)(st + ST_VC + offv1 + 512);
+      const u8* vsc = st + ST_KS + 128 + 16 * t + g;  // V block scale g of row 2t
+      const u32 sv0 = e4m3x2_to_f16x2(__byte_perm(vsc[0], vsc[8], 0x0040u));
+      const u32 sv1 = e4m3x2_to_f16x2(__byte_perm(vsc[64], vsc[72], 0x0040u));
+      const u32 w0[2] = {va.x, va.y}, w1[2] = {vb.x, vb.y};
+      const u32 w2[2] = {vc.x, vc.y}, w3[2] = {vd.x, vd.y};
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32 sel = h ? 0x7362u : 0x5140u;
+          u32 lo0, hi0, lo1, hi1;
+          fp4_bytes(__byte_perm(w0[k], w1[k], sel), lo0, hi0);
+          fp4_bytes(__byte_perm(w2[k], w3[k], sel), lo1, hi1);
+          const int mt = 2 * (2 * k + h);
+          mma_full(acc[mt], hmul2(h2_b01(lo0), sv0), hmul2(h2_b01(hi0), sv0),
+                   hmul2(h2_b01(lo1), sv1), hmul2(h2_b01(hi1), sv1), pb0, pb1);
+          mma_full(acc[mt + 1], hmul2(h2_b23(lo0), sv0), hmul2(h2_b23(hi0), sv0),
+                   hmul2(h2_b23(lo1), sv1), hmul2(h2_b23(hi1), sv1), pb0, pb1);
+        }
+      }
     }
   }
+  cp_wait<0>();
+
+  // ---- merge the warps through shared memory (the ring is free once every warp is done)
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  }
+  __syncthreads();
+  float* o_w = (float*)&ring[warp][0][0];  // [GROUP][HEAD_D + 4] of this warp
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) {
+    const int d = 16 * g + 2 * mt;
+    float2 e, o;  // head 2t, head 2t + 1 at d, d + 1
+    e.x = acc[mt][0];
+    e.y = acc[mt][2];
+    o.x = acc[mt][1];
+    o.y = acc[mt][3];
+    *(float2*)&o_w[(2 * t) * (HEAD_D + 4) + d] = e;
+    *(float2*)&o_w[(2 * t + 1) * (HEAD_D + 4) + d] = o;
+  }
+  if (g == 0) {
+    ml_s[warp][2 * t][0] = m0;
+    ml_s[warp][2 * t][1] = l0;
+    ml_s[warp][2 * t + 1][0] = m1;
+    ml_s[warp][2 * t + 1][1] = l1;
+  }
+  __syncthreads();
+  merge_warps<WARPS>((const float*)&ring[0][0][0], NS * RING_STAGE / 4, ml_s, part_o, part_ml,
+                     ((long)b * hq + hk * GROUP) * nsplit + sp, nsplit);
 }
