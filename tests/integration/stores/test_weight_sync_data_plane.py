@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -25,11 +26,19 @@ from trace_common.service.testing import ServiceProcess
 MD = ((AUTH_HEADER, f"Bearer {TOKEN}"),)
 
 
-def _metric(svc: ServiceProcess, line_start: str) -> float:
-    for line in httpx.get(f"{svc.http_url}/metrics").text.splitlines():
-        if line.startswith(line_start):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+def _metric(svc: ServiceProcess, line_start: str, want: float | None = None) -> float:
+    """The value of the first /metrics line starting with `line_start` (0 if none); with
+    `want`, polls up to 5 s for it (the sending thread counts a pull after its last send)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        value = 0.0
+        for line in httpx.get(f"{svc.http_url}/metrics").text.splitlines():
+            if line.startswith(line_start):
+                value = float(line.rsplit(" ", 1)[1])
+                break
+        if want is None or value == want or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
 
 
 @pytest.fixture()
@@ -65,10 +74,10 @@ def test_direct_pull_reaches_two_replicas_byte_exact_and_is_counted(
         assert version == 1 and meta == {"step": 1}
         _assert_exact(tensors, policy)
         counted = _metric(
-            service, f'trace_weight_sync_pull_bytes_total{{replica_id="{replica_id}"}}'
+            service, f'trace_weight_sync_pull_bytes_total{{replica_id="{replica_id}"}}', total
         )
         assert counted == total, f"{replica_id}: data-plane pull counted {counted} of {total} bytes"
-    assert _metric(service, "trace_weight_sync_pull_seconds_count") == 2
+    assert _metric(service, "trace_weight_sync_pull_seconds_count", 2) == 2
 
 
 def test_tickets_single_use_unforgeable_and_refusals_counted(service: ServiceProcess) -> None:
@@ -91,8 +100,8 @@ def test_tickets_single_use_unforgeable_and_refusals_counted(service: ServicePro
         pull(bytes(forged))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     refused = "trace_weight_sync_data_plane_refused_total"
-    assert _metric(service, f'{refused}{{reason="used"}}') == 1
-    assert _metric(service, f'{refused}{{reason="unknown"}}') == 1
+    assert _metric(service, f'{refused}{{reason="used"}}', 1) == 1
+    assert _metric(service, f'{refused}{{reason="unknown"}}', 1) == 1
 
 
 def test_ticket_rpc_status_codes(service: ServiceProcess) -> None:

@@ -164,6 +164,15 @@ def _pull(reply: pb.PullTicketResponse) -> dict[str, torch.Tensor]:
         return receive_version(sock, reply.ticket, reply.header, "test")
 
 
+def _eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _refused(plane: DataPlane, reason: str) -> float:
     return plane.refused.labels(reason)._value.get()
 
@@ -178,7 +187,8 @@ def test_ticket_is_single_use_short_lived_and_unforgeable(
     assert reply.expires_in_seconds == 0.5
     got = _pull(reply)
     assert {k: bytes(v.numpy()) for k, v in got.items()} == TENSORS
-    assert s.pull_bytes.labels("r0")._value.get() == len(WANT)  # counted like a gRPC pull
+    # Counted like a gRPC pull, by the sending thread once its last sendall returns.
+    assert _eventually(lambda: s.pull_bytes.labels("r0")._value.get() == len(WANT))
 
     with pytest.raises(DirectPathError, match="ticket already used") as err:
         _pull(reply)
