@@ -1,7 +1,7 @@
 """Both CUDA FP4 decode attention kernels (`cuda_attn.kernel_name`: "ring" and "regs") and
 several launch configurations, on the H200 (skipped without a GPU and CuPy): > 40 dB SQNR per
 sequence against fp32 attention over the dequantized cache and against the Triton kernel, and
-the decode graph replays the eager step with the ring kernel."""
+the decode graph replays the eager step with the first ("regs") kernel."""
 
 from __future__ import annotations
 
@@ -69,9 +69,11 @@ def test_fp4_attention_ignores_garbage_past_len(monkeypatch):
     assert torch.equal(clean, dirty), "data past lens[b] changed the output"
 
 
-def test_engine_graph_replay_ring_kernel(monkeypatch):
+def test_engine_graph_replay_regs_kernel(monkeypatch):
+    """The first ("regs") kernel stays selectable: the engine's graph with it replays the eager
+    step (test_kernels_gpu runs the engine with the default, the ring kernel)."""
     pytest.importorskip("cupy", reason="the CUDA kernels are launched through CuPy")
     from trace_common.kernels import cuda_attn
 
-    monkeypatch.setattr(cuda_attn, "DEFAULT_CONFIG", ("ring", 4, 4, 4))
+    monkeypatch.setattr(cuda_attn, "DEFAULT_CONFIG", ("regs", 4, 3))
     _engine_replay(True, "cuda", "cuda", monkeypatch)
