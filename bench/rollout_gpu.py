@@ -27,12 +27,14 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from trace_common.kernels import cuda_small
 from trace_common.kernels.engine import (
     DecodeEngine,
     EngineShape,
     EngineWeights,
     kv_bytes_per_sequence,
     largest_batch,
+    small_batch_supported,
 )
 from trace_common.kernels.moe import MAX_FUSED_ROUTE_TOKENS
 
@@ -52,6 +54,7 @@ class Row:
     bw_tb_s: float | None = None
     bw_frac: float | None = None  # achieved / copy bandwidth
     note: str = ""
+    small: bool = False  # the small-batch kernels (trace_common/kernels/cuda_small.py)
 
 
 def copy_bandwidth(nbytes: int = 4 * GIB, reps: int = 20) -> float:
@@ -76,10 +79,11 @@ def time_engine(
     shape: EngineShape, weights: EngineWeights, *, batch: int, context: int, steps: int,
     guided: tuple[int, ...] = (),
     profile: bool = False,
+    small: bool = False,
 ) -> tuple[float, int]:  # fmt: skip
     """(seconds per decode step, bytes the step moved) for one captured configuration."""
     eng = DecodeEngine(shape, weights, batch=batch, capacity=context + STEP_MARGIN,
-                       context=context, guided_layers=guided)  # fmt: skip
+                       context=context, guided_layers=guided, small_batch=small)  # fmt: skip
     eng.fill_context_()
     eng.tokens.random_(0, shape.vocab)
     eng.capture(warmup=2)
@@ -217,6 +221,15 @@ def main() -> None:
                     help="FP4 expert GEMM: CUDA C++ mma.sync kernel or Triton")  # fmt: skip
     ap.add_argument("--fp4-attn", choices=("cuda", "triton"), default="cuda",
                     help="FP4 decode attention: CUDA C++ mma.sync kernel or Triton")  # fmt: skip
+    ap.add_argument("--small", choices=("auto", "off", "on", "both"), default="auto",
+                    help="small-batch kernels (cuda_small) at batch <= 8: the engine's default "
+                         "(TRACE_SMALL_BATCH), off, on, or both (each configuration twice)")  # fmt: skip
+    ap.add_argument("--no-capture", action="store_true", help="skip the guidance-capture rows")
+    ap.add_argument(
+        "--gemv-table",
+        action="store_true",
+        help="time the small-batch GEMVs against cuBLAS / the Triton expert GEMM",
+    )
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("rollout_gpu_out"))
     args = ap.parse_args()
     if args.quick:
@@ -232,7 +245,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda,
         "command": " ".join(sys.argv), "fp4_decode": decode, "fp4_gemm": args.fp4_gemm,
-        "fp4_attn": args.fp4_attn,
+        "fp4_attn": args.fp4_attn, "small": args.small,
     }  # fmt: skip
     print(env, flush=True)
     bw = copy_bandwidth()
@@ -252,14 +265,22 @@ def main() -> None:
     budget = int(args.budget_gib * GIB)
     guided = tuple(range(shape.num_layers // 2, shape.num_layers))  # the deeper half
 
-    def record(engine: str, ctx: int, b: int, guided_layers: tuple[int, ...] = ()) -> Row:
+    smalls = {"auto": [None], "off": [False], "on": [True], "both": [False, True]}[args.small]
+
+    def use_small(small: bool | None, b: int) -> bool:
+        on = cuda_small.small_batch_enabled() if small is None else small
+        return on and small_batch_supported(shape, b)
+
+    def record(engine: str, ctx: int, b: int, guided_layers: tuple[int, ...] = (),
+               small: bool = False) -> Row:  # fmt: skip
         sec, nbytes = time_engine(shape, weights, batch=b, context=ctx, steps=args.steps,
-                                  guided=guided_layers, profile=args.profile)  # fmt: skip
+                                  guided=guided_layers, profile=args.profile,
+                                  small=small)  # fmt: skip
         r = Row(engine, ctx, b, b / sec, sec * 1e3, nbytes / 1e9, nbytes / sec / 1e12,
-                nbytes / sec / 1e12 / bw)  # fmt: skip
-        print(f"{engine:12s} ctx {ctx:6d} batch {b:4d}: {r.tok_s:9.1f} tok/s {r.ms_step:7.2f} "
-              f"ms/step {r.gb_step:6.2f} GB/step {r.bw_tb_s:5.2f} TB/s ({100 * r.bw_frac:.0f}% "
-              f"of copy)", flush=True)  # fmt: skip
+                nbytes / sec / 1e12 / bw, small=small)  # fmt: skip
+        print(f"{engine:12s} ctx {ctx:6d} batch {b:4d} small {int(small)}: {r.tok_s:9.1f} tok/s "
+              f"{r.ms_step:7.2f} ms/step {r.gb_step:6.2f} GB/step {r.bw_tb_s:5.2f} TB/s "
+              f"({100 * r.bw_frac:.0f}% of copy)", flush=True)  # fmt: skip
         rows.append(r)
         return r
 
@@ -274,13 +295,23 @@ def main() -> None:
             print(f"quantized experts: {weights.nbytes() / GIB:.1f} GiB in "
                   f"{time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
         wbytes = weights.nbytes()
-        for ctx in args.contexts:
-            for b in args.batches:
-                if not fits(wbytes, shape, fp4=fp4, batch=b, context=ctx):
-                    rows.append(Row(engine, ctx, b, None, None, note="does not fit in memory"))
-                    print(f"{engine:12s} ctx {ctx:6d} batch {b:4d}: does not fit", flush=True)
-                    continue
-                record(engine, ctx, b)
+        for small in smalls:
+            for ctx in args.contexts:
+                for b in args.batches:
+                    if small and not small_batch_supported(shape, b):
+                        continue  # --small on/both: batches the kernels do not take run once
+                    sm = use_small(small, b)
+                    if not fits(wbytes, shape, fp4=fp4, batch=b, context=ctx):
+                        rows.append(Row(engine, ctx, b, None, None, note="does not fit in memory",
+                                        small=sm))  # fmt: skip
+                        print(f"{engine:12s} ctx {ctx:6d} batch {b:4d}: does not fit", flush=True)
+                        continue
+                    record(engine, ctx, b, small=sm)
+        if not fp4 and args.gemv_table:
+            try:
+                gemv_table(weights, shape)
+            except Exception as exc:  # the engine rows above are kept either way
+                print(f"gemv table failed: {exc!r}", flush=True)
         per_seq = kv_bytes_per_sequence(shape, fp4=fp4, tokens=long_ctx + STEP_MARGIN)
         bmax = min(largest_batch(budget, wbytes, per_seq), MAX_FUSED_ROUTE_TOKENS)
         if (
@@ -290,36 +321,121 @@ def main() -> None:
         ):
             budget_rows[engine] = record(engine, long_ctx, bmax)
             budget_rows[engine].note = f"largest batch in a {args.budget_gib:.0f} GiB budget"
-        if fp4:
+        if fp4 and not args.no_capture:
             for ctx, b in ((min(args.contexts), max(1, min(32, max(args.batches)))),
                            (min(args.contexts), 1)):  # fmt: skip
-                base = next(r for r in rows if (r.engine, r.context, r.batch) == ("fp4", ctx, b))
-                cap = record("fp4+capture", ctx, b, guided)
+                small_b = use_small(smalls[-1], b)
+                base = next(r for r in rows if (r.engine, r.context, r.batch, r.small)
+                            == ("fp4", ctx, b, small_b))  # fmt: skip
+                cap = record("fp4+capture", ctx, b, guided, small=small_b)
                 cap.note = (f"capture on layers {guided[0]}-{guided[-1]}: "
                             f"{100 * (1 - cap.tok_s / base.tok_s):+.1f}% slowdown")  # fmt: skip
     summarize(rows, budget_rows, env, bw, args)
 
 
+def gemv_table(weights: EngineWeights, shape: EngineShape, batches: tuple[int, ...] = (1, 8),
+               reps: int = 3) -> None:  # fmt: skip
+    """Per call, inside a CUDA graph over the layers' own weights (no L2 reuse): the small-batch
+    GEMVs (cuda_small) against cuBLAS (projections, LM head) and the Triton grouped GEMM
+    (BF16 experts, gate_up + down). Bytes = weights read; TB/s = bytes / time."""
+    from trace_common.kernels import moe
+
+    s, layers = shape, weights.layers
+    dev = "cuda"
+    per_expert = (layers[0].gate_up.nbytes() + layers[0].down.nbytes()) / s.num_experts
+
+    def timed(fn, calls: int) -> float:
+        fn()  # compile / warm up outside the graph
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps / calls
+
+    print("\n| op | tokens | MB/call | small-batch us | TB/s | reference us | TB/s |\n"
+          "|---|---|---|---|---|---|---|", flush=True)  # fmt: skip
+    for b in batches:
+        x_h = torch.randn(b, s.hidden, device=dev).bfloat16()
+        x_o = torch.randn(b, s.q_heads * s.head_dim, device=dev).bfloat16()
+        ops = []
+        for name, attr, x in (("qkv", "w_qkv", x_h), ("o", "w_o", x_o), ("router", "router", x_h)):
+            n = getattr(layers[0], attr).shape[0]
+            out = torch.empty(b, n, dtype=torch.bfloat16, device=dev)
+            warps = cuda_small.WARPS[name]
+            ops.append((name, getattr(layers[0], attr).numel() * 2, len(layers),
+                        lambda attr=attr, x=x, out=out, warps=warps: [
+                            cuda_small.gemv(x, getattr(lw, attr), out, warps=warps)
+                            for lw in layers],
+                        lambda attr=attr, x=x, out=out: [
+                            torch.mm(x, getattr(lw, attr).t(), out=out) for lw in layers]))  # fmt: skip
+        logits = torch.empty(b, s.vocab, dtype=torch.bfloat16, device=dev)
+        ops.append(("lm_head", weights.lm_head.numel() * 2, 4,
+                    lambda x=x_h, o=logits: [cuda_small.gemv(x, weights.lm_head, o,
+                                             warps=cuda_small.WARPS["lm_head"])
+                                             for _ in range(4)],
+                    lambda x=x_h, o=logits: [torch.mm(x, weights.lm_head.t(), out=o)
+                                             for _ in range(4)]))  # fmt: skip
+        g = torch.Generator(device=dev).manual_seed(b)
+        p8, p16 = [], []
+        used = 0
+        for _ in layers:
+            lg = torch.randn(b, s.num_experts, device=dev, generator=g)
+            p8.append(moe.route_align(lg, s.top_k, 8))
+            p16.append(moe.route_align(lg, s.top_k, moe.DECODE_BLOCK_M))
+            used += int(torch.unique(p8[-1].topk_ids).numel())
+        act = torch.empty(b * s.top_k, s.moe_inter, dtype=torch.bfloat16, device=dev)
+        ysum = torch.empty(b, s.hidden, dtype=torch.bfloat16, device=dev)
+        ypair = torch.empty(b * s.top_k, s.hidden, dtype=torch.bfloat16, device=dev)
+
+        def small_moe(x=x_h, act=act, ysum=ysum, p8=p8) -> None:
+            for lw, p in zip(layers, p8, strict=True):
+                cuda_small.moe_gate_up(x, lw.gate_up.bf16, p.sorted_pair, p.block_expert, act,
+                                       top_k=s.top_k)  # fmt: skip
+                cuda_small.moe_down(act, lw.down.bf16, p.topk_ids, p.topk_w, ysum)
+
+        def triton_moe(x=x_h, act=act, ypair=ypair, p16=p16) -> None:
+            for lw, p in zip(layers, p16, strict=True):
+                moe.moe_gemm(x, lw.gate_up, p, gated=True, a_div=s.top_k, mul_route_w=False,
+                             out=act)  # fmt: skip
+                moe.moe_gemm(act, lw.down, p, gated=False, a_div=1, mul_route_w=True, out=ypair)
+
+        ops.append(("experts (gate_up + down)", used * per_expert / len(layers), len(layers),
+                    small_moe, triton_moe))  # fmt: skip
+        for name, nbytes, calls, mine, ref in ops:
+            t_m, t_r = timed(mine, calls), timed(ref, calls)
+            print(f"| {name} | {b} | {nbytes / 1e6:.1f} | {t_m * 1e6:.1f} | "
+                  f"{nbytes / t_m / 1e12:.2f} | {t_r * 1e6:.1f} | {nbytes / t_r / 1e12:.2f} |",
+                  flush=True)  # fmt: skip
+
+
 def summarize(rows: list[Row], budget_rows: dict, env: dict, bw: float, args) -> None:
-    def get(engine: str, ctx: int, b: int) -> Row | None:
-        return next((r for r in rows if (r.engine, r.context, r.batch) == (engine, ctx, b)), None)
+    def get(engine: str, ctx: int, b: int, small: bool) -> Row | None:
+        return next((r for r in rows if (r.engine, r.context, r.batch, r.small)
+                     == (engine, ctx, b, small)), None)  # fmt: skip
 
-    print(
-        "\n| context | batch | BF16 tok/s | FP4 tok/s | FP4/BF16 | BF16 % copy BW | FP4 % copy BW |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for ctx in args.contexts:
-        for b in args.batches:
-            r16, r4 = get("bf16", ctx, b), get("fp4", ctx, b)
+    print("\n| context | batch | small | BF16 tok/s | FP4 tok/s | FP4/BF16 | BF16 % copy BW | "
+          "FP4 % copy BW |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for ctx, b, small in sorted({(r.context, r.batch, r.small) for r in rows
+                                 if r.engine in ("bf16", "fp4")}):  # fmt: skip
+        r16, r4 = get("bf16", ctx, b, small), get("fp4", ctx, b, small)
 
-            def fmt(r: Row | None, key: str, scale: float = 1.0, nd: int = 0) -> str:
-                v = None if r is None else getattr(r, key)
-                return "n/f" if v is None else f"{v * scale:.{nd}f}"
+        def fmt(r: Row | None, key: str, scale: float = 1.0, nd: int = 0) -> str:
+            v = None if r is None else getattr(r, key)
+            return "n/f" if v is None else f"{v * scale:.{nd}f}"
 
-            ratio = (f"{r4.tok_s / r16.tok_s:.2f}x" if r16 and r4 and r16.tok_s and r4.tok_s
-                     else "-")  # fmt: skip
-            print(f"| {ctx} | {b} | {fmt(r16, 'tok_s')} | {fmt(r4, 'tok_s')} | {ratio} | "
-                  f"{fmt(r16, 'bw_frac', 100)} | {fmt(r4, 'bw_frac', 100)} |")  # fmt: skip
+        ratio = (f"{r4.tok_s / r16.tok_s:.2f}x" if r16 and r4 and r16.tok_s and r4.tok_s
+                 else "-")  # fmt: skip
+        print(f"| {ctx} | {b} | {'on' if small else 'off'} | {fmt(r16, 'tok_s')} | "
+              f"{fmt(r4, 'tok_s')} | {ratio} | "
+              f"{fmt(r16, 'bw_frac', 100)} | {fmt(r4, 'bw_frac', 100)} |")  # fmt: skip
     for name, r in budget_rows.items():
         print(f"budget {args.budget_gib:.0f} GiB, ctx {r.context}: {name} batch {r.batch} -> "
               f"{r.tok_s:.0f} tok/s")  # fmt: skip
@@ -351,8 +467,9 @@ def plot(rows: list[Row], args) -> None:
         for off, engine in ((-0.2, "bf16"), (0.2, "fp4")):
             vals = []
             for b in args.batches:
-                r = next((r for r in rows if (r.engine, r.context, r.batch) == (engine, ctx, b)),
-                         None)  # fmt: skip
+                # the faster variant where --small both ran a configuration twice
+                r = max((r for r in rows if (r.engine, r.context, r.batch) == (engine, ctx, b)
+                         and r.tok_s), key=lambda r: r.tok_s, default=None)  # fmt: skip
                 vals.append(0 if r is None or r.tok_s is None else r.tok_s)
             ax.bar([x + off for x in xs], vals, width=0.4, label=engine.upper())
         ax.set_xticks(xs, [str(b) for b in args.batches])

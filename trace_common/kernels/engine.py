@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import fp4_attn_impl, fp4_gemm_impl, moe
+from trace_common.kernels import cuda_small, fp4_attn_impl, fp4_gemm_impl, moe
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
 WEIGHT_STD = 0.02
@@ -124,12 +124,34 @@ class EngineWeights:
         return n
 
 
+def small_batch_supported(shape: EngineShape, batch: int) -> bool:
+    """Whether the small-batch kernels (`cuda_small`) handle this shape and batch."""
+    s = shape
+    return (
+        0 < batch <= cuda_small.MAX_TOKENS
+        and s.head_dim == cuda_small.HEAD_DIM
+        and s.hidden % 256 == 0
+        and s.hidden <= 2048  # the prologue keeps <= 8 normalized rows in static shared memory
+        and s.moe_inter % 32 == 0
+        and s.num_experts % 16 == 0
+        and s.num_experts <= cuda_small.MAX_EXPERTS
+        and s.top_k <= cuda_small.MAX_TOP_K
+        and s.vocab % 16 == 0
+    )
+
+
 class DecodeEngine:
-    """Static-shape decode for `batch` sequences with caches of `capacity` tokens."""
+    """Static-shape decode for `batch` sequences with caches of `capacity` tokens.
+
+    `small_batch` (default: TRACE_SMALL_BATCH, where the shape allows) runs the step on the
+    fused small-batch kernels of `cuda_small` (7 launches per layer instead of 13, projections
+    and BF16 experts on its GEMVs); the FP4 experts, the FP4 KV append and the attention are the
+    same kernels either way."""
 
     def __init__(
         self, shape: EngineShape, weights: EngineWeights, *, batch: int, capacity: int,
         context: int, guided_layers: tuple[int, ...] = (), device: str = "cuda",
+        small_batch: bool | None = None,
     ) -> None:  # fmt: skip
         s = self.shape = shape
         self.w = weights
@@ -145,6 +167,11 @@ class DecodeEngine:
             )
         if guided_layers and not self.fp4:
             raise ValueError("guidance capture needs the FP4 engine (BF16 has no FP4 sites)")
+        if small_batch is None:
+            small_batch = cuda_small.small_batch_enabled() and small_batch_supported(s, batch)
+        elif small_batch and not small_batch_supported(s, batch):
+            raise ValueError(f"small_batch: batch={batch} or shape {s} not handled by cuda_small")
+        self.small = small_batch
         self.batch, self.capacity, self.guided = batch, capacity, frozenset(guided_layers)
         b, h, d = batch, s.hidden, s.head_dim
         bf = dict(dtype=torch.bfloat16, device=device)
@@ -169,8 +196,15 @@ class DecodeEngine:
             from trace_common.kernels.cuda_moe import block_m_for
 
             self.block_m = block_m_for(b * s.top_k, s.num_experts)
+        elif self.small and not self.fp4:
+            self.block_m = 8  # cuda_small.moe_gate_up: one 8-token MMA column block per expert
         else:
             self.block_m = moe.DECODE_BLOCK_M
+        if self.small:
+            self.resid_b = torch.empty(b, h, **bf)  # residual ping-pong (fused prologues)
+            self.y_sum = torch.empty(b, h, **bf)  # BF16 experts: top-k sum per token
+            self.counters = torch.zeros(s.q_heads + 2 * s.kv_heads + 1, dtype=torch.int32,
+                                        device=device)  # fmt: skip
         self.plans = [
             moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
@@ -223,6 +257,9 @@ class DecodeEngine:
 
     def step(self) -> None:
         """One decode step: reads self.tokens, writes the next greedy tokens into it."""
+        if self.small:
+            self._step_small()
+            return
         s, w = self.shape, self.w
         torch.index_select(w.embed, 0, self.tokens, out=self.resid)
         for li, lw in enumerate(w.layers):
@@ -242,17 +279,7 @@ class DecodeEngine:
             plan = self.plans[li]
             moe.route_align_into(self.rlogits, plan)
             if self.fp4:
-                impl = "cuda" if self.cuda_gemm else "triton"
-                quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
-                              out=(self.xq.codes, self.xq.scales, self.xq.scale_2),
-                              dq16=self.xq.dq16)  # fmt: skip
-                moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
-                             mul_route_w=False, out=self.act, impl=impl)  # fmt: skip
-                quantize_rows(self.act, scale_2=None,
-                              out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
-                              dq16=self.actq.dq16)  # fmt: skip
-                moe.moe_gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
-                             out=self.y, impl=impl)  # fmt: skip
+                self._experts_fp4(lw, plan, rec)
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
                              mul_route_w=False, out=self.act)  # fmt: skip
@@ -260,6 +287,76 @@ class DecodeEngine:
                              out=self.y)  # fmt: skip
         attn.add_rmsnorm(self.y, self.resid, w.final_norm, self.xn, nsum=s.top_k, eps=s.eps)
         torch.mm(self.xn, w.lm_head.t(), out=self.logits)
+        torch.argmax(self.logits, dim=-1, out=self.tokens)
+        self.pos.add_(1)
+        self.lens.add_(1)
+
+    def _experts_fp4(self, lw: LayerWeights, plan: moe.RoutePlan, rec: tuple | None) -> None:
+        """FP4 routed experts of self.xn into self.y (per pair): quantize, gate_up, quantize,
+        down (the guidance record of `moe_in` written by the first quantize)."""
+        s = self.shape
+        impl = "cuda" if self.cuda_gemm else "triton"
+        quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
+                      out=(self.xq.codes, self.xq.scales, self.xq.scale_2),
+                      dq16=self.xq.dq16)  # fmt: skip
+        moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
+                     mul_route_w=False, out=self.act, impl=impl)  # fmt: skip
+        quantize_rows(self.act, scale_2=None,
+                      out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
+                      dq16=self.actq.dq16)  # fmt: skip
+        moe.moe_gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
+                     out=self.y, impl=impl)  # fmt: skip
+
+    def _step_small(self) -> None:
+        """`step` on the small-batch kernels. The residual alternates between self.resid and
+        self.resid_b: a fused add + RMSNorm prologue reads one and writes the other."""
+        s, w, b = self.shape, self.w, self.batch
+        cur, other = self.resid, self.resid_b
+        torch.index_select(w.embed, 0, self.tokens, out=cur)
+        delta: torch.Tensor | None = None
+        nsum = 0
+        heads = s.q_heads + 2 * s.kv_heads
+        for li, lw in enumerate(w.layers):
+            rec = self.records.get(li) if self.fp4 else None
+            cache = self.caches[li]
+            qkv_args = dict(
+                w_qkv=lw.w_qkv, qkv=self.qkv, counters=self.counters, norm_w=lw.norm_qk,
+                pos=self.pos, inv_freq=self.inv_freq, q_out=self.q, kv_new=self.kv_new,
+                cache=None if self.fp4 else cache.values, q_heads=s.q_heads,
+                kv_heads=s.kv_heads, eps=s.eps,
+            )  # fmt: skip
+            if b * (nsum + 1) <= cuda_small.PROLOGUE_MAX_ROWS:
+                cuda_small.qkv_rope(**qkv_args, resid_in=cur, delta=delta, nsum=nsum,
+                                    ln_w=lw.ln1, resid_out=other)  # fmt: skip
+                cur, other = other, cur
+            else:
+                attn.add_rmsnorm(delta, cur, lw.ln1, self.xn, nsum=nsum, eps=s.eps)
+                cuda_small.qkv_rope(**qkv_args, xn=self.xn)
+            if self.fp4:
+                attn.kv_append(cache, self.kv_new, self.pos, None if rec is None else rec[1])
+            attn.decode_attention(self.q, cache, self.lens, self.attn_plan, out=self.attn_out)
+            cuda_small.gemv(self.attn_out, lw.w_o, self.o, warps=cuda_small.WARPS["o"])
+            plan = self.plans[li]
+            cuda_small.router_topk(
+                resid_in=cur, delta=self.o, nsum=1, ln_w=lw.ln2, eps=s.eps, resid_out=other,
+                xn_out=self.xn, w_router=lw.router, logits=self.rlogits,
+                counter=self.counters[heads:], topk_ids=plan.topk_ids, topk_w=plan.topk_w,
+                sorted_pair=plan.sorted_pair, block_expert=plan.block_expert,
+                block_m=plan.block_m,
+            )  # fmt: skip
+            cur, other = other, cur
+            if self.fp4:
+                self._experts_fp4(lw, plan, rec)
+                delta, nsum = self.y, s.top_k
+            else:
+                assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None
+                cuda_small.moe_gate_up(self.xn, lw.gate_up.bf16, plan.sorted_pair,
+                                       plan.block_expert, self.act, top_k=s.top_k)  # fmt: skip
+                cuda_small.moe_down(self.act, lw.down.bf16, plan.topk_ids, plan.topk_w,
+                                    self.y_sum)  # fmt: skip
+                delta, nsum = self.y_sum, 1
+        attn.add_rmsnorm(delta, cur, w.final_norm, self.xn, nsum=nsum, eps=s.eps)
+        cuda_small.gemv(self.xn, w.lm_head, self.logits, warps=cuda_small.WARPS["lm_head"])
         torch.argmax(self.logits, dim=-1, out=self.tokens)
         self.pos.add_(1)
         self.lens.add_(1)
@@ -315,4 +412,5 @@ __all__ = [
     "EngineWeights",
     "kv_bytes_per_sequence",
     "largest_batch",
+    "small_batch_supported",
 ]

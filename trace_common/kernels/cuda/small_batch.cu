@@ -1,0 +1,616 @@
+// Small-batch (1-8 tokens) BF16 decode kernels: bandwidth-bound GEMVs on the tensor cores, with
+// the tiny ops around them fused in (trace_common/kernels/cuda_small.py is the wrapper).
+//
+// GEMV core (`WarpGemv`): swap-AB `mma.sync.m16n8k16` (bf16 in, fp32 accumulate). The weights
+// [N, K] are the A operand (16 rows per tile) and the <= 8 tokens the B operand (column g =
+// token g; missing tokens are zeros), so one MMA covers 16 rows x 16 k x 8 tokens. The sum over
+// k is order-free, so lane (g, t) reads 16 contiguous bytes, k = [8t, 8t + 8) of each 32-wide
+// chunk, of weight rows g and g + 8 and of its token's activation row, and feeds them as the
+// fragments of two MMAs (logical k 2t.. / 2t+8.. -> physical 8t.. / 8t+2.. and 8t+4.. / 8t+6..).
+// Weights stream through a per-warp cp.async ring in shared memory (bypassing L1), NS stages of
+// U chunks in flight. A CTA is WK warps that split K and reduce through shared memory in a fixed
+// order (deterministic: a replayed graph equals the eager step bit for bit).
+//
+// Fused around it (each a pass the decode step made as its own launch before):
+//  - add + RMSNorm prologue: every CTA recomputes resid + sum(delta rows) and the RMSNorm of
+//    its (<= 8) tokens into shared memory (cheap next to its weight tile, and no launch); CTA 0
+//    writes the new residual to a second buffer (ping-pong: others still read the old one).
+//  - q/k RMSNorm + RoPE + BF16 KV append after the qkv GEMV: the last CTA to finish a head
+//    (atomic counter per head, reset by that CTA) normalizes, rotates and appends it.
+//  - router softmax + top-k + block alignment after the router GEMV: the last CTA does them.
+//  - routed experts: gate_up grouped by expert block (silu * up epilogue), down per token with
+//    one warp per chosen expert, the routing weights and the top-k sum in its epilogue (the
+//    same bf16 roundings as the per-pair path: bf16(w * acc) summed in fp32 in order j).
+// Rounding points follow the Triton kernels (trace_common/kernels/_tl_attn.py, _tl_moe.py).
+//
+// No system headers: compiled by NVRTC (CuPy RawModule, -I on this folder) or nvcc alike.
+
+#include "fp4_common.cuh"
+
+#define HEAD_DIM 128
+#define TILE_ROWS 16
+#define MAX_TOK 8
+#define MAX_PAIRS 64     // MAX_TOK * top_k (top_k <= 8)
+#define MAX_EXPERTS 256
+#define MAX_SLOTS 1536   // sorted_pair entries the router kernel lays out in shared memory
+
+// coherent (L2) loads of values other CTAs of this launch wrote before a fence + counter
+__device__ __forceinline__ u16 ld_cg_u16(const u16* p) {
+  u16 v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 u32x4(u32 a, u32 b, u32 c, u32 d) {
+  uint4 v;
+  v.x = a;
+  v.y = b;
+  v.z = c;
+  v.w = d;
+  return v;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float((u32)v << 16); }
+__device__ __forceinline__ float bf16lo_to_f32(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16hi_to_f32(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+__device__ __forceinline__ u16 f32_to_bf16_rn(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return bf16_to_f32(f32_to_bf16_rn(v)); }
+
+__device__ __forceinline__ u32 f32x2_to_bf16x2(float lo, float hi) {
+  return (u32)f32_to_bf16_rn(lo) | ((u32)f32_to_bf16_rn(hi) << 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  u32 sa;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(sa) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Shared-memory ring of one warp: NS stages of U chunks x RT tiles x (rows g, g + 8) x 32 lanes.
+template <int RT, int U, int NS>
+struct Ring {
+  static constexpr int STAGE = U * RT * 2 * 32;  // uint4 per stage
+  static constexpr int UINT4 = NS * STAGE;       // per warp
+};
+
+// One warp's share of a GEMV: acc[r] += W rows [wtile[r], +16) x k in [kbeg, kbeg + 32 KCW)
+// times the B columns. Lane (g, t)'s column is token row `xrow` (global or shared memory; null
+// = a zero column). acc[r][0..3] = (row g, token 2t), (row g, token 2t+1), (row g+8, token 2t),
+// (row g+8, token 2t+1). The weights stream through `ring` (this warp's NS-stage cp.async ring,
+// Ring<RT, U, NS>): the copies are asynchronous, so all of them are in flight at once (ptxas
+// keeps register loads only a few instructions ahead of their MMA: too few bytes in flight
+// for HBM); each lane reads back only the 16 bytes it copied, so no barrier is needed.
+// start() issues the first NS - 1 stages (before a prologue, to overlap it); run() the rest.
+template <int RT, int KCW, int U, int NS>
+struct WarpGemv {
+  static_assert(KCW % U == 0, "U must divide KCW");
+  static constexpr int NR = KCW / U;
+  static constexpr int STAGE = Ring<RT, U, NS>::STAGE;
+  const u16* wa[RT];
+  long half;
+  uint4* ring;
+  int kbeg;
+
+  __device__ __forceinline__ WarpGemv(const u16* const (&wtile)[RT], int k_row, int kbeg_,
+                                      uint4* ring_)
+      : half(8L * k_row), ring(ring_), kbeg(kbeg_) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < RT; ++r) wa[r] = wtile[r] + (long)g * k_row + kbeg + 8 * t;
+  }
+
+  __device__ __forceinline__ void issue(int round) {
+    const int lane = threadIdx.x & 31;
+    if (round < NR) {
+      uint4* st = ring + (round % NS) * STAGE;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const u16* src = wa[r] + 32 * (round * U + u);
+          cp_async16(st + ((u * RT + r) * 2) * 32 + lane, src);
+          cp_async16(st + ((u * RT + r) * 2 + 1) * 32 + lane, src + half);
+        }
+    }
+    cp_async_commit();
+  }
+
+  __device__ __forceinline__ void start() {
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) issue(s);
+  }
+
+  __device__ __forceinline__ void run(const u16* xrow, float (&acc)[RT][4]) {
+    const int lane = threadIdx.x & 31, t = (lane & 3);
+    const u16* xp = xrow ? xrow + kbeg + 8 * t : nullptr;
+#pragma unroll 1
+    for (int i = 0; i < NR; ++i) {
+      issue(i + NS - 1);
+      uint4 xv[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        xv[u] = xp ? *reinterpret_cast<const uint4*>(xp + 32 * (i * U + u))
+                   : u32x4(0u, 0u, 0u, 0u);
+      cp_async_wait<NS - 1>();
+      const uint4* st = ring + (i % NS) * STAGE;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const uint4 a = st[((u * RT + r) * 2) * 32 + lane];
+          const uint4 b = st[((u * RT + r) * 2 + 1) * 32 + lane];
+          mma_bf16(acc[r], a.x, b.x, a.y, b.y, xv[u].x, xv[u].y);
+          mma_bf16(acc[r], a.z, b.z, a.w, b.w, xv[u].z, xv[u].w);
+        }
+    }
+  }
+};
+
+// Sum the WK warps' partial tiles (in warp order) into warp 0's acc. red: WK * RT * 128 floats.
+template <int RT, int WK>
+__device__ __forceinline__ void cta_reduce(float (&acc)[RT][4], float* red) {
+  if (WK == 1) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[((warp * RT + r) * 4 + i) * 32 + lane] = acc[r][i];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < WK; ++w) s += red[((w * RT + r) * 4 + i) * 32 + lane];
+        acc[r][i] = s;
+      }
+  }
+}
+
+extern __shared__ uint4 dyn_ring[];  // the warps' cp.async rings (dynamic shared memory)
+
+// Warp 0: out[token][row] = bf16(acc) for the tile at row0 (out: [NT, n_out]).
+template <int NT>
+__device__ __forceinline__ void store_tile(u16* out, int n_out, int row0, const float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int t0 = 2 * t, t1 = 2 * t + 1;
+  if (t0 < NT) {
+    out[(long)t0 * n_out + row0 + g] = f32_to_bf16_rn(acc[0]);
+    out[(long)t0 * n_out + row0 + g + 8] = f32_to_bf16_rn(acc[2]);
+  }
+  if (t1 < NT) {
+    out[(long)t1 * n_out + row0 + g] = f32_to_bf16_rn(acc[1]);
+    out[(long)t1 * n_out + row0 + g + 8] = f32_to_bf16_rn(acc[3]);
+  }
+}
+
+// Prologue, whole CTA: x = resid_in + bf16(sum of nsum delta rows) (bf16), y = RMSNorm(x) * w
+// into xs [NT][XS] (bf16); CTA 0 writes x to resid_out and (if given) y to xn_out. red: >=
+// WK * NT floats. Same roundings as add_rmsnorm_kernel.
+template <int NT, int K, int XS, int WK>
+__device__ void add_rmsnorm_to_smem(const u16* __restrict__ resid_in,
+                                    const u16* __restrict__ delta, int nsum,
+                                    const u16* __restrict__ w, float eps,
+                                    u16* __restrict__ resid_out, u16* __restrict__ xn_out,
+                                    u16* xs, float* red) {
+  const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float ss[NT];
+#pragma unroll
+  for (int tk = 0; tk < NT; ++tk) ss[tk] = 0.f;
+  for (int c = threadIdx.x; c < K / 8; c += WK * 32) {
+#pragma unroll
+    for (int tk = 0; tk < NT; ++tk) {
+      const uint4 r = *reinterpret_cast<const uint4*>(resid_in + (long)tk * K + 8 * c);
+      const u32 rv[4] = {r.x, r.y, r.z, r.w};
+      float x[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[2 * i] = bf16lo_to_f32(rv[i]);
+        x[2 * i + 1] = bf16hi_to_f32(rv[i]);
+      }
+      if (nsum > 0) {
+        float d[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d[i] = 0.f;
+        for (int j = 0; j < nsum; ++j) {
+          const uint4 q = *reinterpret_cast<const uint4*>(delta + ((long)tk * nsum + j) * K + 8 * c);
+          const u32 qv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            d[2 * i] += bf16lo_to_f32(qv[i]);
+            d[2 * i + 1] += bf16hi_to_f32(qv[i]);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = round_bf16(x[i] + round_bf16(d[i]));
+      }
+      uint4 o;
+      o.x = f32x2_to_bf16x2(x[0], x[1]);
+      o.y = f32x2_to_bf16x2(x[2], x[3]);
+      o.z = f32x2_to_bf16x2(x[4], x[5]);
+      o.w = f32x2_to_bf16x2(x[6], x[7]);
+      *reinterpret_cast<uint4*>(xs + tk * XS + 8 * c) = o;
+      if (writer) *reinterpret_cast<uint4*>(resid_out + (long)tk * K + 8 * c) = o;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss[tk] += x[i] * x[i];
+    }
+  }
+#pragma unroll
+  for (int tk = 0; tk < NT; ++tk) {
+    const float s = warp_sum(ss[tk]);
+    if (lane == 0) red[warp * NT + tk] = s;
+  }
+  __syncthreads();
+  float rs[NT];
+#pragma unroll
+  for (int tk = 0; tk < NT; ++tk) {
+    float s = 0.f;
+    for (int ww = 0; ww < WK; ++ww) s += red[ww * NT + tk];
+    rs[tk] = rsqrtf(s / (float)K + eps);
+  }
+  for (int c = threadIdx.x; c < K / 8; c += WK * 32) {
+    const uint4 wq = *reinterpret_cast<const uint4*>(w + 8 * c);
+    const u32 wv[4] = {wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+    for (int tk = 0; tk < NT; ++tk) {
+      uint4* p = reinterpret_cast<uint4*>(xs + tk * XS + 8 * c);
+      const uint4 xq = *p;
+      const u32 xv[4] = {xq.x, xq.y, xq.z, xq.w};
+      u32 ov[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float lo = round_bf16(bf16lo_to_f32(xv[i]) * rs[tk]) * bf16lo_to_f32(wv[i]);
+        const float hi = round_bf16(bf16hi_to_f32(xv[i]) * rs[tk]) * bf16hi_to_f32(wv[i]);
+        ov[i] = f32x2_to_bf16x2(lo, hi);
+      }
+      const uint4 o = u32x4(ov[0], ov[1], ov[2], ov[3]);
+      *p = o;
+      if (writer && xn_out) *reinterpret_cast<uint4*>(xn_out + (long)tk * K + 8 * c) = o;
+    }
+  }
+  __syncthreads();
+}
+
+// out [NT, N] = x [NT, K] @ w [N, K]^T. Grid N / 16, WK warps.
+template <int NT, int WK, int KCW, int U, int NS>
+__global__ void __launch_bounds__(WK * 32) gemv_bf16(const u16* __restrict__ w,
+                                                     const u16* __restrict__ x,
+                                                     u16* __restrict__ out, int n) {
+  constexpr int K = WK * KCW * 32;
+  __shared__ float red[WK * 4 * 32];
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int row0 = blockIdx.x * TILE_ROWS;
+  const u16* wt[1] = {w + (long)row0 * K};
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
+  gv.start();
+  gv.run(g < NT ? x + (long)g * K : nullptr, acc);
+  cta_reduce<1, WK>(acc, red);
+  if (warp == 0) store_tile<NT>(out, n, row0, acc[0]);
+}
+
+// Fused qkv projection. PRO: add + RMSNorm prologue (resid_in + nsum delta rows, ln_w) and the
+// residual to resid_out; else the input is xn [NT, K]. Then qkv [NT, N] (N = (hq + 2 hkv) 128),
+// and the last CTA of each head: q/k RMSNorm (norm_w [2, 128]) + rotate-half RoPE at pos[b]
+// -> q_out [NT, hq, 128] and kv_new [2, NT, hkv 128] (k, v); with a BF16 cache [2, NT, hkv, S,
+// 128] it also writes k and v at position pos[b]. counters [hq + 2 hkv]: zero before and after.
+template <int NT, int WK, int KCW, int U, int NS, bool PRO>
+__global__ void __launch_bounds__(WK * 32) qkv_rope_bf16(
+    const u16* __restrict__ resid_in, const u16* __restrict__ delta, int nsum,
+    const u16* __restrict__ ln_w, float eps, u16* __restrict__ resid_out,
+    const u16* __restrict__ xn, const u16* __restrict__ w, u16* __restrict__ qkv,
+    int* __restrict__ counters, const u16* __restrict__ norm_w, const int* __restrict__ pos,
+    const float* __restrict__ inv_freq, u16* __restrict__ q_out, u16* __restrict__ kv_new,
+    u16* __restrict__ cache, int cap, int hq, int hkv) {
+  constexpr int K = WK * KCW * 32;
+  constexpr int XS = K + 32;  // padded smem row: token rows start 64 bytes apart in bank space
+  __shared__ __align__(16) u16 xs[PRO ? NT * XS : 8];
+  __shared__ float red[WK * 4 * 32];
+  __shared__ int is_last;
+  const int n = (hq + 2 * hkv) * HEAD_DIM;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int row0 = blockIdx.x * TILE_ROWS;
+  const u16* wt[1] = {w + (long)row0 * K};
+  WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
+  gv.start();  // weight copies in flight during the prologue
+  if (PRO) add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out,
+                                              nullptr, xs, red);
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  gv.run(g < NT ? (PRO ? xs + g * XS : xn + (long)g * K) : nullptr, acc);
+  cta_reduce<1, WK>(acc, red);
+  if (warp == 0) store_tile<NT>(qkv, n, row0, acc[0]);
+  __threadfence();
+  __syncthreads();
+  const int head = row0 / HEAD_DIM;
+  if (threadIdx.x == 0)
+    is_last = atomicAdd(counters + head, 1) == HEAD_DIM / TILE_ROWS - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int b = warp; b < NT; b += WK) {
+    const u16* src = qkv + (long)b * n + head * HEAD_DIM;
+    u16 raw[4];  // d = lane, lane + 32 (first half), 64 + lane, 96 + lane (their partners)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) raw[i] = ld_cg_u16(src + lane + 32 * i);
+    const int p = pos[b];
+    if (head >= hq + hkv) {  // v: copy
+      const int hv = head - hq - hkv;
+      u16* dst = kv_new + ((long)(NT + b) * hkv + hv) * HEAD_DIM;
+      u16* cdst = cache ? cache + (((long)(NT + b) * hkv + hv) * cap + p) * HEAD_DIM : nullptr;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        dst[lane + 32 * i] = raw[i];
+        if (cdst) cdst[lane + 32 * i] = raw[i];
+      }
+      continue;
+    }
+    float x[4];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[i] = bf16_to_f32(raw[i]);
+      ss += x[i] * x[i];
+    }
+    const float r = rsqrtf(warp_sum(ss) / (float)HEAD_DIM + eps);
+    const u16* nw = norm_w + (head >= hq ? HEAD_DIM : 0);
+    float y[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      y[i] = round_bf16(round_bf16(x[i] * r) * bf16_to_f32(nw[lane + 32 * i]));
+    u16* dst;
+    u16* cdst = nullptr;
+    if (head < hq) {
+      dst = q_out + ((long)b * hq + head) * HEAD_DIM;
+    } else {
+      const int hk = head - hq;
+      dst = kv_new + ((long)b * hkv + hk) * HEAD_DIM;
+      if (cache) cdst = cache + (((long)b * hkv + hk) * cap + p) * HEAD_DIM;
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // pairs (d, d + 64), d = lane + 32 i
+      const int d = lane + 32 * i;
+      float sn, cs;
+      sincosf((float)p * inv_freq[d], &sn, &cs);
+      const float c = round_bf16(cs), s = round_bf16(sn);
+      const float y1 = y[i], y2 = y[i + 2];
+      const u16 o1 = f32_to_bf16_rn(y1 * c - y2 * s);
+      const u16 o2 = f32_to_bf16_rn(y2 * c + y1 * s);
+      dst[d] = o1;
+      dst[d + HEAD_DIM / 2] = o2;
+      if (cdst) {
+        cdst[d] = o1;
+        cdst[d + HEAD_DIM / 2] = o2;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) counters[head] = 0;
+}
+
+// Fused router: add + RMSNorm prologue (resid_in + nsum delta rows, ln_w; CTA 0 writes
+// resid_out and xn_out), logits [NT, E] (bf16) = xn @ w [E, K]^T, then the last CTA: softmax,
+// top-k (ties: lowest index; weights renormalized), and the block layout of the grouped expert
+// GEMMs exactly as moe.align_reference (pairs of an expert in (j, t) order, padded to bm,
+// experts ascending; pad = n_pairs; block_expert -1 past the end). counter: zero before/after.
+template <int NT, int WK, int KCW, int U, int NS>
+__global__ void __launch_bounds__(WK * 32) router_topk_bf16(
+    const u16* __restrict__ resid_in, const u16* __restrict__ delta, int nsum,
+    const u16* __restrict__ ln_w, float eps, u16* __restrict__ resid_out,
+    u16* __restrict__ xn_out, const u16* __restrict__ w, u16* __restrict__ logits,
+    int* __restrict__ counter, int* __restrict__ topk_ids, float* __restrict__ topk_w,
+    int* __restrict__ sorted_pair, int* __restrict__ block_expert, int n_exp, int top_k, int bm,
+    int maxb) {
+  constexpr int K = WK * KCW * 32;
+  constexpr int XS = K + 32;
+  __shared__ __align__(16) u16 xs[NT * XS];
+  __shared__ float red[WK * 4 * 32];
+  __shared__ int is_last;
+  __shared__ int s_ids[MAX_PAIRS], s_rank[MAX_PAIRS];
+  __shared__ float s_w[MAX_PAIRS];
+  __shared__ int s_nblk[MAX_EXPERTS], s_start[MAX_EXPERTS];
+  __shared__ int s_slots[MAX_SLOTS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int row0 = blockIdx.x * TILE_ROWS;
+  const u16* wt[1] = {w + (long)row0 * K};
+  WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
+  gv.start();  // weight copies in flight during the prologue
+  add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out, xn_out, xs,
+                                     red);
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  gv.run(g < NT ? xs + g * XS : nullptr, acc);
+  cta_reduce<1, WK>(acc, red);
+  if (warp == 0) store_tile<NT>(logits, n_exp, row0, acc[0]);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const float neg_inf = __int_as_float(0xFF800000);
+  for (int b = warp; b < NT; b += WK) {  // softmax + top-k of token b, one warp
+    float v[MAX_EXPERTS / 32];
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
+      const int e = lane + 32 * i;
+      v[i] = e < n_exp ? bf16_to_f32(ld_cg_u16(logits + (long)b * n_exp + e)) : neg_inf;
+    }
+    float mx = neg_inf;
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS / 32; ++i) mx = fmaxf(mx, v[i]);
+    mx = warp_max(mx);
+    float den = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS / 32; ++i)
+      if (lane + 32 * i < n_exp) den += expf(v[i] - mx);
+    den = warp_sum(den);
+    u32 taken = 0;
+    float wsum = 0.f;
+    for (int kk = 0; kk < top_k; ++kk) {
+      float best = neg_inf;
+      int bidx = 0x7FFFFFFF;
+#pragma unroll
+      for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
+        const int e = lane + 32 * i;
+        if (e < n_exp && !((taken >> i) & 1u) && (v[i] > best || bidx == 0x7FFFFFFF)) {
+          best = v[i];
+          bidx = e;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+        const int oi = __shfl_xor_sync(0xFFFFFFFFu, bidx, o);
+        if (ov > best || (ov == best && oi < bidx)) {
+          best = ov;
+          bidx = oi;
+        }
+      }
+      if ((bidx & 31) == lane) taken |= 1u << (bidx >> 5);
+      const float p = expf(best - mx) / den;
+      wsum += p;
+      if (lane == 0) {
+        s_ids[b * top_k + kk] = bidx;
+        s_w[b * top_k + kk] = p;
+      }
+    }
+    __syncwarp();
+    if (lane < top_k) {
+      topk_w[b * top_k + lane] = s_w[b * top_k + lane] / wsum;
+      topk_ids[b * top_k + lane] = s_ids[b * top_k + lane];
+    }
+  }
+  __syncthreads();
+  // block layout: rank of each pair within its expert in (j, t) order, blocks per expert
+  const int n_pairs = NT * top_k;
+  for (int q = threadIdx.x; q < n_pairs; q += WK * 32) {
+    const int j = q / NT, b = q % NT, p = b * top_k + j, e = s_ids[p];
+    int rank = 0;
+    for (int q2 = 0; q2 < q; ++q2) rank += s_ids[(q2 % NT) * top_k + q2 / NT] == e;
+    s_rank[p] = rank;
+  }
+  for (int e = threadIdx.x; e < n_exp; e += WK * 32) {
+    int c = 0;
+    for (int p = 0; p < n_pairs; ++p) c += s_ids[p] == e;
+    s_nblk[e] = (c + bm - 1) / bm;
+  }
+  for (int s = threadIdx.x; s < maxb * bm; s += WK * 32) s_slots[s] = n_pairs;
+  __syncthreads();
+  for (int e = threadIdx.x; e < n_exp; e += WK * 32) {
+    int st = 0;
+    for (int e2 = 0; e2 < e; ++e2) st += s_nblk[e2];
+    s_start[e] = st;
+  }
+  __syncthreads();
+  const int total = s_start[n_exp - 1] + s_nblk[n_exp - 1];
+  for (int p = threadIdx.x; p < n_pairs; p += WK * 32) s_slots[s_start[s_ids[p]] * bm + s_rank[p]] = p;
+  for (int e = threadIdx.x; e < n_exp; e += WK * 32)
+    for (int i = 0; i < s_nblk[e]; ++i) block_expert[s_start[e] + i] = e;
+  for (int bb = total + threadIdx.x; bb < maxb; bb += WK * 32) block_expert[bb] = -1;
+  __syncthreads();
+  for (int s = threadIdx.x; s < maxb * bm; s += WK * 32) sorted_pair[s] = s_slots[s];
+  if (threadIdx.x == 0) *counter = 0;
+}
+
+// Routed experts' gate_up, grouped by expert block of 8 pair slots (sorted_pair/block_expert of
+// a plan with bm = 8): act [n_pairs, inter] = silu(x W_gate^T) * (x W_up^T), x row = pair /
+// top_k of x [T, K]; w [E, 2 inter, K] (gate rows, then up rows). Grid (maxb, inter / 16).
+template <int WK, int KCW, int U, int NS>
+__global__ void __launch_bounds__(WK * 32) moe_gate_up_bf16(
+    const u16* __restrict__ w, const u16* __restrict__ x, const int* __restrict__ sorted_pair,
+    const int* __restrict__ block_expert, u16* __restrict__ act, int inter, int n_pairs,
+    int top_k) {
+  constexpr int K = WK * KCW * 32;
+  __shared__ float red[WK * 2 * 4 * 32];
+  const int e = block_expert[blockIdx.x];
+  if (e < 0) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int pg = sorted_pair[blockIdx.x * 8 + g];
+  const u16* xrow = pg < n_pairs ? x + (long)(pg / top_k) * K : nullptr;
+  const int i0 = blockIdx.y * TILE_ROWS;
+  const u16* gate = w + ((long)e * 2 * inter + i0) * K;
+  const u16* wt[2] = {gate, gate + (long)inter * K};
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  WarpGemv<2, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<2, U, NS>::UINT4);
+  gv.start();
+  gv.run(xrow, acc);
+  cta_reduce<2, WK>(acc, red);
+  if (warp != 0) return;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // (row g + 8 (i >> 1), slot 2t + (i & 1))
+    const int p = sorted_pair[blockIdx.x * 8 + 2 * t + (i & 1)];
+    if (p >= n_pairs) continue;
+    const float gt = acc[0][i], up = acc[1][i];
+    act[(long)p * inter + i0 + g + 8 * (i >> 1)] = f32_to_bf16_rn(gt / (1.0f + expf(-gt)) * up);
+  }
+}
+
+// Routed experts' down projection per token: warp j takes the token's j-th expert, so y [T, H]
+// = sum_j bf16(w_j * act[t top_k + j] @ W_down[e_j]^T) in fp32, in order j, then bf16 -- the
+// per-pair outputs and the top-k sum the next residual add would make. w [E, H, K], act
+// [T top_k, K]. Grid (T, H / 16), TOPK warps.
+template <int TOPK, int KCW, int U, int NS>
+__global__ void __launch_bounds__(TOPK * 32) moe_down_bf16(
+    const u16* __restrict__ w, const u16* __restrict__ act, const int* __restrict__ topk_ids,
+    const float* __restrict__ topk_w, u16* __restrict__ y, int hidden) {
+  constexpr int K = KCW * 32;
+  __shared__ float part[TOPK][TILE_ROWS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tok = blockIdx.x, p = tok * TOPK + warp;
+  const int e = topk_ids[p];
+  const float rw = topk_w[p];
+  const int h0 = blockIdx.y * TILE_ROWS;
+  const u16* wt[1] = {w + ((long)e * hidden + h0) * K};
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  WarpGemv<1, KCW, U, NS> gv(wt, K, 0, dyn_ring + warp * Ring<1, U, NS>::UINT4);
+  gv.start();
+  gv.run(g == 0 ? act + (long)p * K : nullptr, acc);
+  if (t == 0) {  // column 0 = this pair
+    part[warp][g] = round_bf16(acc[0][0] * rw);
+    part[warp][g + 8] = round_bf16(acc[0][2] * rw);
+  }
+  __syncthreads();
+  if (threadIdx.x < TILE_ROWS) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < TOPK; ++j) s += part[j][threadIdx.x];
+    y[(long)tok * hidden + h0 + threadIdx.x] = f32_to_bf16_rn(s);
+  }
+}

@@ -1,0 +1,315 @@
+"""Small-batch (1-8 tokens) BF16 decode kernels in CUDA C++ (`cuda/small_batch.cu`).
+
+At batch 1 the decode step is ~13 launches per layer, most of them tiny, and cuBLAS reads the
+projection weights at about half the copy bandwidth. These kernels stream the weights through
+the tensor cores (swap-AB `mma.sync`, a cp.async ring per warp, see the .cu) and fold the small
+ops into them, so a layer is 7 launches: qkv (+ add/RMSNorm prologue, q/k norm + RoPE + BF16
+KV append), attention split + reduce (unchanged), o, router (+ add/RMSNorm, softmax, top-k,
+block layout), expert gate_up, expert down (+ routing weights and the top-k sum).
+
+Compiled by NVRTC through CuPy on first use and launched on PyTorch's current stream, so the
+engine's CUDA graph captures them (`cuda_launch`). Importing this module needs neither CuPy
+nor a GPU. `TRACE_SMALL_BATCH=on|off` (`small_batch_enabled`) selects them in the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
+
+SOURCE = pathlib.Path(__file__).with_name("cuda") / "small_batch.cu"
+MAX_TOKENS = 8  # MMA N: the tokens of one step are the 8 columns of the B operand
+HEAD_DIM = 128
+TILE_ROWS = 16  # weight rows per MMA tile (A operand)
+CHUNK = 32  # k per lane-quad load round: 4 lanes x 8 bf16
+MAX_EXPERTS = 256
+MAX_TOP_K = 8
+MAX_SLOTS = 1536  # sorted_pair entries the router lays out in shared memory (.cu MAX_SLOTS)
+RING_BYTES_PER_TILE_CHUNK = 2 * 32 * 16  # rows g and g + 8, 32 lanes, 16 bytes
+# Loads per ring stage (chunks per warp per stage) and stages: 4 chunks x 2 rows x 512 bytes
+# = 4 KB per warp per stage (RT = 1), 3 stages in flight. Warps per CTA per call site below.
+RING_STAGE_CHUNKS = 4
+RING_STAGES = 3
+# The add + RMSNorm prologue is recomputed by every CTA of the qkv GEMV: worth it while the rows
+# it sums are few (tokens x (delta rows + residual)); else one add_rmsnorm launch before it.
+PROLOGUE_MAX_ROWS = 9
+SMALL_BATCH_MODES = ("on", "off")
+DEFAULT_SMALL_BATCH = "off"
+
+
+def small_batch_enabled(mode: str | None = None) -> bool:
+    """Whether the engine uses these kernels at batch <= MAX_TOKENS: `mode`, else
+    TRACE_SMALL_BATCH, else DEFAULT_SMALL_BATCH; "on" needs CuPy."""
+    mode = mode or os.environ.get("TRACE_SMALL_BATCH", DEFAULT_SMALL_BATCH)
+    if mode not in SMALL_BATCH_MODES:
+        raise ValueError(f"TRACE_SMALL_BATCH={mode!r}; expected one of {SMALL_BATCH_MODES}")
+    return mode == "on"
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How one GEMV splits K: WK warps, KCW 32-wide chunks per warp, U chunks per ring stage,
+    NS stages; `smem` = the warps' rings in bytes (dynamic shared memory)."""
+
+    wk: int
+    kcw: int
+    u: int
+    ns: int
+    smem: int
+
+
+def split_k(k: int, warps: int, rt: int = 1) -> Split:
+    """Split K over `warps` warps (fewer if K is too short) for tiles of `rt` x 16 rows."""
+    if k % CHUNK:
+        raise ValueError(f"K={k} must be a multiple of {CHUNK}")
+    wk = warps
+    while wk > 1 and k % (CHUNK * wk):
+        wk //= 2
+    kcw = k // (CHUNK * wk)
+    u = max(d for d in range(1, max(1, RING_STAGE_CHUNKS // rt) + 1) if kcw % d == 0)
+    ns = min(RING_STAGES, kcw // u)
+    return Split(wk, kcw, u, ns, wk * ns * u * rt * RING_BYTES_PER_TILE_CHUNK)
+
+
+# warps per CTA of each call site (tuned by hand for the Qwen3-30B-A3B shape on an H200: each
+# CTA's rings fit 2-4 CTAs per SM; docs in the module docstring of the .cu)
+WARPS = {"qkv": 8, "o": 8, "router": 8, "lm_head": 4, "gate_up": 4}
+
+
+_SMEM_SET: dict[str, int] = {}
+
+
+def _fn(name: str, smem: int):
+    """The compiled kernel `name`, allowed `smem` bytes of dynamic shared memory (opt-in: with
+    its static shared memory it may pass the 48 KB default)."""
+    fn = compiled_function(SOURCE, name)
+    if _SMEM_SET.get(name, -1) < smem:
+        fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
+        _SMEM_SET[name] = smem
+    return fn
+
+
+def _ptrs(*ts: torch.Tensor | None) -> tuple:
+    import numpy as np
+
+    return tuple(np.uint64(0 if t is None else t.data_ptr()) for t in ts)
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous {dtype} {shape}, got {t.dtype} "
+                         f"{tuple(t.shape)} (contiguous={t.is_contiguous()})")  # fmt: skip
+
+
+def _tokens(t: int) -> None:
+    if not 0 < t <= MAX_TOKENS:
+        raise ValueError(f"{t} tokens: the small-batch kernels take 1..{MAX_TOKENS}")
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, warps: int = 8) -> None:
+    """out [T, N] = x [T, K] @ w [N, K]^T in bf16 (fp32 accumulate), T <= 8."""
+    import numpy as np
+
+    t, k = x.shape
+    n = w.shape[0]
+    _tokens(t)
+    if n % TILE_ROWS:
+        raise ValueError(f"N={n} must be a multiple of {TILE_ROWS}")
+    _check("w", w, torch.bfloat16, (n, k))
+    _check("x", x, torch.bfloat16, (t, k))
+    _check("out", out, torch.bfloat16, (t, n))
+    sp = split_k(k, warps)
+    fn = _fn(f"gemv_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
+    launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,),
+                           (*_ptrs(w, x, out), np.int32(n)), out.device, sp.smem)  # fmt: skip
+
+
+def _prologue_args(resid_in: torch.Tensor, delta: torch.Tensor | None, nsum: int,
+                   ln_w: torch.Tensor, resid_out: torch.Tensor) -> tuple:  # fmt: skip
+    import numpy as np
+
+    t, h = resid_in.shape
+    _check("resid_in", resid_in, torch.bfloat16, (t, h))
+    _check("resid_out", resid_out, torch.bfloat16, (t, h))
+    _check("ln_w", ln_w, torch.bfloat16, (h,))
+    if nsum < 0 or (nsum > 0) != (delta is not None):
+        raise ValueError(f"nsum={nsum} with delta {'given' if delta is not None else 'None'}")
+    if delta is not None:
+        _check("delta", delta, torch.bfloat16, (t * nsum, h))
+    return (*_ptrs(resid_in, delta), np.int32(nsum), *_ptrs(ln_w))
+
+
+def qkv_rope(
+    *,
+    w_qkv: torch.Tensor,  # bf16 [(HQ + 2 HKV) 128, H]
+    qkv: torch.Tensor,  # bf16 [T, (HQ + 2 HKV) 128] scratch
+    counters: torch.Tensor,  # int32 [>= HQ + 2 HKV], zero
+    norm_w: torch.Tensor,  # bf16 [2, 128]: q norm, k norm
+    pos: torch.Tensor,  # int32 [T]
+    inv_freq: torch.Tensor,  # fp32 [64]
+    q_out: torch.Tensor,  # bf16 [T, HQ, 128]
+    kv_new: torch.Tensor,  # bf16 [2, T, HKV 128]
+    cache: torch.Tensor | None,  # bf16 [2, T, HKV, S, 128]: k, v appended at pos
+    q_heads: int,
+    kv_heads: int,
+    eps: float,
+    xn: torch.Tensor | None = None,  # bf16 [T, H] normalized input, or the prologue below
+    resid_in: torch.Tensor | None = None,  # bf16 [T, H]
+    delta: torch.Tensor | None = None,  # bf16 [T nsum, H] summed into the residual
+    nsum: int = 0,
+    ln_w: torch.Tensor | None = None,  # bf16 [H]
+    resid_out: torch.Tensor | None = None,  # bf16 [T, H]
+) -> None:
+    """q, k, v of the new tokens: (RMSNorm(resid_in + sum delta) * ln_w, or xn) @ w_qkv^T, then
+    per-head RMSNorm + RoPE of q and k; k and v into kv_new (and the BF16 cache at pos)."""
+    import numpy as np
+
+    n, h = w_qkv.shape
+    t = q_out.shape[0]
+    _tokens(t)
+    if n != (q_heads + 2 * kv_heads) * HEAD_DIM:
+        raise ValueError(f"w_qkv has {n} rows; {q_heads}+2*{kv_heads} heads of {HEAD_DIM}")
+    _check("w_qkv", w_qkv, torch.bfloat16, (n, h))
+    _check("qkv", qkv, torch.bfloat16, (t, n))
+    _check("q_out", q_out, torch.bfloat16, (t, q_heads, HEAD_DIM))
+    _check("kv_new", kv_new, torch.bfloat16, (2, t, kv_heads * HEAD_DIM))
+    _check("norm_w", norm_w, torch.bfloat16, (2, HEAD_DIM))
+    _check("pos", pos, torch.int32, (t,))
+    _check("inv_freq", inv_freq, torch.float32, (HEAD_DIM // 2,))
+    if counters.dtype != torch.int32 or counters.numel() < q_heads + 2 * kv_heads:
+        raise ValueError(f"counters: int32 [>= {q_heads + 2 * kv_heads}] needed")
+    cap = 0
+    if cache is not None:
+        cap = cache.shape[3]
+        _check("cache", cache, torch.bfloat16, (2, t, kv_heads, cap, HEAD_DIM))
+    pro = xn is None
+    if pro:
+        if resid_in is None or ln_w is None or resid_out is None:
+            raise ValueError("without xn, resid_in, ln_w and resid_out are needed")
+        pargs = _prologue_args(resid_in, delta, nsum, ln_w, resid_out)
+        rout = resid_out
+    else:
+        assert xn is not None
+        _check("xn", xn, torch.bfloat16, (t, h))
+        pargs = (*_ptrs(None, None), np.int32(0), *_ptrs(None))
+        rout = None
+    sp = split_k(h, WARPS["qkv"])
+    fn = _fn(f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}>",
+             sp.smem)  # fmt: skip
+    args = (*pargs, np.float32(eps), *_ptrs(rout, xn, w_qkv, qkv, counters, norm_w, pos,
+            inv_freq, q_out, kv_new, cache), np.int32(cap), np.int32(q_heads),
+            np.int32(kv_heads))  # fmt: skip
+    launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,), args, q_out.device, sp.smem)
+
+
+def router_topk(
+    *,
+    resid_in: torch.Tensor,  # bf16 [T, H]
+    delta: torch.Tensor,  # bf16 [T nsum, H]
+    nsum: int,
+    ln_w: torch.Tensor,  # bf16 [H]
+    eps: float,
+    resid_out: torch.Tensor,  # bf16 [T, H]
+    xn_out: torch.Tensor,  # bf16 [T, H]
+    w_router: torch.Tensor,  # bf16 [E, H]
+    logits: torch.Tensor,  # bf16 [T, E]
+    counter: torch.Tensor,  # int32 [>= 1], zero
+    topk_ids: torch.Tensor,  # int32 [T, k]
+    topk_w: torch.Tensor,  # fp32 [T, k]
+    sorted_pair: torch.Tensor,  # int32 [maxb * bm]
+    block_expert: torch.Tensor,  # int32 [maxb]
+    block_m: int,
+) -> None:
+    """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
+    logits, softmax top-k (renormalized) and the grouped GEMMs' block layout (moe.RoutePlan,
+    pairs of each expert in (j, t) order as moe.align_reference)."""
+    import numpy as np
+
+    t, h = resid_in.shape
+    e = w_router.shape[0]
+    k = topk_ids.shape[1]
+    _tokens(t)
+    maxb = block_expert.numel()
+    if e % TILE_ROWS or e > MAX_EXPERTS or not 0 < k <= MAX_TOP_K:
+        raise ValueError(f"E={e} (multiple of {TILE_ROWS}, <= {MAX_EXPERTS}), top_k={k} "
+                         f"(<= {MAX_TOP_K})")  # fmt: skip
+    if maxb * block_m > MAX_SLOTS or sorted_pair.numel() != maxb * block_m:
+        raise ValueError(f"block layout of {maxb} x {block_m} slots (<= {MAX_SLOTS}) does not "
+                         f"match sorted_pair [{sorted_pair.numel()}]")  # fmt: skip
+    pargs = _prologue_args(resid_in, delta, nsum, ln_w, resid_out)
+    _check("xn_out", xn_out, torch.bfloat16, (t, h))
+    _check("w_router", w_router, torch.bfloat16, (e, h))
+    _check("logits", logits, torch.bfloat16, (t, e))
+    _check("topk_ids", topk_ids, torch.int32, (t, k))
+    _check("topk_w", topk_w, torch.float32, (t, k))
+    sp = split_k(h, WARPS["router"])
+    fn = _fn(f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
+    args = (*pargs, np.float32(eps), *_ptrs(resid_out, xn_out, w_router, logits, counter,
+            topk_ids, topk_w, sorted_pair, block_expert), np.int32(e), np.int32(k),
+            np.int32(block_m), np.int32(maxb))  # fmt: skip
+    launch_on_torch_stream(fn, (e // TILE_ROWS,), (sp.wk * 32,), args, xn_out.device, sp.smem)
+
+
+def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
+                block_expert: torch.Tensor, act: torch.Tensor, *, top_k: int) -> None:  # fmt: skip
+    """act [P, I] = silu(x W_gate^T) * (x W_up^T) per pair p (token p // top_k, expert of its
+    block); w [E, 2I, H] (gate rows then up rows); blocks of 8 pair slots (plan block_m 8)."""
+    import numpy as np
+
+    t, h = x.shape
+    e, two_i, _ = w.shape
+    inter = two_i // 2
+    n_pairs = act.shape[0]
+    maxb = block_expert.numel()
+    if inter % TILE_ROWS or sorted_pair.numel() != maxb * 8 or n_pairs != t * top_k:
+        raise ValueError(f"gate_up: I={inter} (multiple of {TILE_ROWS}), {maxb} blocks of 8 "
+                         f"slots vs sorted_pair [{sorted_pair.numel()}], {n_pairs} pairs")  # fmt: skip
+    _check("w", w, torch.bfloat16, (e, two_i, h))
+    _check("x", x, torch.bfloat16, (t, h))
+    _check("act", act, torch.bfloat16, (n_pairs, inter))
+    sp = split_k(h, WARPS["gate_up"], rt=2)
+    fn = _fn(f"moe_gate_up_bf16<{sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
+    args = (*_ptrs(w, x, sorted_pair, block_expert, act), np.int32(inter), np.int32(n_pairs),
+            np.int32(top_k))  # fmt: skip
+    launch_on_torch_stream(fn, (maxb, inter // TILE_ROWS), (sp.wk * 32,), args, act.device,
+                           sp.smem)  # fmt: skip
+
+
+def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+             y: torch.Tensor) -> None:  # fmt: skip
+    """y [T, H] = sum_j bf16(topk_w[t, j] * act[t k + j] @ w[topk_ids[t, j]]^T) (fp32 sum in
+    order j, then bf16): the down projection, routing weights and top-k sum of each token."""
+    import numpy as np
+
+    t, k = topk_ids.shape
+    e, h, inter = w.shape
+    _tokens(t)
+    if h % TILE_ROWS or not 0 < k <= MAX_TOP_K:
+        raise ValueError(f"down: H={h} (multiple of {TILE_ROWS}), top_k={k} (<= {MAX_TOP_K})")
+    _check("w", w, torch.bfloat16, (e, h, inter))
+    _check("act", act, torch.bfloat16, (t * k, inter))
+    _check("topk_w", topk_w, torch.float32, (t, k))
+    _check("y", y, torch.bfloat16, (t, h))
+    sp = split_k(inter, 1)  # one warp per expert, all of K
+    fn = _fn(f"moe_down_bf16<{k}, {sp.kcw}, {sp.u}, {sp.ns}>", k * sp.smem)
+    args = (*_ptrs(w, act, topk_ids, topk_w, y), np.int32(h))
+    launch_on_torch_stream(fn, (t, h // TILE_ROWS), (k * 32,), args, y.device, k * sp.smem)
+
+
+__all__ = [
+    "MAX_TOKENS",
+    "PROLOGUE_MAX_ROWS",
+    "Split",
+    "gemv",
+    "moe_down",
+    "moe_gate_up",
+    "qkv_rope",
+    "router_topk",
+    "small_batch_enabled",
+    "split_k",
+]
