@@ -67,7 +67,7 @@ def _graph_us_per_call(fns) -> float:
 
 
 def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
-              tokens: tuple[int, ...] = (1, 8, 32, 128)) -> None:  # fmt: skip
+              tokens: tuple[int, ...] = (1, 8, 32, 128), once: bool = False) -> None:  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(0)
     wgu = torch.empty(E, 2 * INTER, H, dtype=torch.bfloat16, device="cuda").normal_(
         0, 0.02, generator=g
@@ -106,6 +106,7 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             ("fp4-ptx", "ptx", "triton", None, None, None),
             ("fp4-cuda", None, "cuda", "mma", None, None),
             ("fp4-stream", None, "cuda", "stream", None, None),
+            ("fp4-cuda-default", None, "cuda", None, None, None),  # kernel per shape (engine's)
         ]
         if sweep:
             for cfg in SWEEP_STREAM_GATE_UP:
@@ -116,6 +117,8 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
                     variants.append((f"stream dn{cfg}", None, "cuda", "stream", None, cfg))
         ref = {}
         for variant, dec, impl, kern, cfg_gu, cfg_dn in variants:
+            if once and impl != "cuda":
+                continue
             fp4 = variant != "bf16"
             wg, wdn = w4 if fp4 else w16
             a_in, a_mid = (xq, aq) if fp4 else (x, act)
@@ -145,20 +148,26 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             if fp4 and ref and variant != "fp4-ptx":
                 db = min(_sqnr_db(ref["gu"], y_gu), _sqnr_db(ref["dn"], y_dn))
                 note = f" (SQNR vs ptx {db:.0f} dB)"
+            if once:  # each CUDA GEMM launched once (for a profiler), not timed
+                continue
             us_gu = _graph_us_per_call([lambda p=p, f=run_gu: f(p) for p in pl])
             us_dn = _graph_us_per_call([lambda p=p, f=run_dn: f(p) for p in pl])
             gb = used * per_expert["fp4" if fp4 else "bf16"] / 1e9
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
-            if kern == "stream" and (db is None or db > 60):
+            if kern is not None and (db is None or db > 60):  # either CUDA kernel, by config
                 timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]
                 if variant.startswith("stream "):  # only the swept GEMM ran a new config
                     timed = timed[:1] if cfg_gu is not None else timed[1:]
                 for key, cfg, us in timed:
                     k_, bm_, gated_ = _key(key)
-                    n_out = INTER if gated_ else H
-                    cfg = cfg or cuda_moe.default_stream_config(k_, bm_, gated_, n_out)
+                    if cfg is None and kern == "mma":
+                        cfg = cuda_moe.default_config(k_, bm_, gated_)
+                    elif cfg is None:
+                        cfg = cuda_moe.default_stream_config(
+                            k_, bm_, gated_, INTER if gated_ else H
+                        )
                     best[key] = best.get(key, {})
                     best[key][cfg] = best[key].get(cfg, 0.0) + us
             (sweep_rows if variant.startswith("stream ") else [None]).append(line)
@@ -168,7 +177,11 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
         print("\nStreaming kernel configs (RW, WK, KGW, S, MINB); only the named GEMM uses it:")
         print("\n".join(sweep_rows))
         chosen = {key: list(min(cfgs, key=cfgs.get)) for key, cfgs in best.items()}
-        print(f"fastest configs (summed over token counts of each block size): {chosen}")
+        print("fastest configs summed over the token counts of each block size (4 numbers: "
+              f"moe_fp4_mma, 5: moe_fp4_stream): {chosen}")  # fmt: skip
+        for key, cfgs in best.items():
+            print(f"  {key}: " + ", ".join(f"{c} {us:.1f} us" for c, us in sorted(cfgs.items(),
+                                                                       key=lambda x: x[1])))  # fmt: skip
         if write_configs is not None:
             write_configs.write_text(json.dumps(chosen))
     print(
@@ -180,13 +193,10 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
 
 # Streaming kernel (RW, WK, KGW, S, MINB): output tiles per item, warps along K, 64-wide k
 # groups per warp, ring stages, CTAs per SM asked of the register allocator (0: no ask)
-SWEEP_STREAM_GATE_UP = [(2, 8, 4, 4, 2), (1, 8, 4, 4, 2), (1, 16, 2, 4, 1), (2, 16, 2, 3, 1),
-                        (4, 8, 4, 3, 1)]  # fmt: skip
-SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 6, 2, 6, 3), (4, 12, 1, 8, 2), (8, 6, 2, 4, 2)]  # fmt: skip
+SWEEP_STREAM_GATE_UP = [(2, 8, 4, 4, 2), (1, 16, 2, 4, 1), (4, 8, 4, 3, 1), (1, 4, 8, 3, 3)]
+SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 4, 3, 4, 3), (4, 3, 4, 4, 0), (2, 2, 6, 4, 0)]
 
 
-# CUDA attention configs timed by --attn-sweep (cuda_attn.kernel_name says what they mean); the
-# split-count sweep (x 0.5 .. 4 of TARGET_PROGRAMS) and the split-kernel-only time use RING
 ATTN_SWEEP = [("regs", 4, 3), ("ring", 4, 4, 4), ("ring", 4, 4, 3), ("ring", 4, 5, 3),
               ("ring", 4, 5, 4), ("ring", 4, 3, 4), ("ring", 8, 2, 2)]  # fmt: skip
 ATTN_RING = ("ring", 4, 4, 4)
@@ -275,11 +285,16 @@ def main() -> None:
         help="time launch configs of the streaming CUDA kernel too",
     )
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--launch-once", action="store_true",
+                    help="launch each CUDA expert GEMM once per token count, untimed (for ncu)")  # fmt: skip
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="time CUDA attention configs too")
     ap.add_argument("--write-configs", type=pathlib.Path, help="json of the fastest configs")
     args = ap.parse_args()
+    if args.launch_once:
+        bench_moe(0.0, False, None, tuple(args.tokens), once=True)
+        return
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.2f} TB/s (read + write)\n")
     if not args.attention_only:

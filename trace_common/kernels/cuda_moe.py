@@ -140,36 +140,56 @@ CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 # (RW output tiles per item, WK warps along K, KGW 64-wide k groups per warp, S ring stages,
 # MINB CTAs per SM for the register allocator, 0 = none); WK * KGW * 64 == K.
 STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
-    (2048, 8, True): (2, 8, 4, 4, 2),
+    (2048, 8, True): (1, 8, 4, 4, 2),
     (2048, 16, True): (1, 8, 4, 4, 2),
-    (768, 8, False): (4, 6, 2, 6, 3),
-    (768, 16, False): (4, 6, 2, 6, 3),
+    (768, 8, False): (2, 6, 2, 6, 3),
+    (768, 16, False): (2, 6, 2, 6, 3),
 }
 CUDA_KERNELS = ("stream", "mma")  # moe_fp4_stream, moe_fp4_mma (the first CUDA kernel)
-DEFAULT_CUDA_KERNEL = "mma"
+DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
+# The kernel per (K, token slots, gated): the faster one measured on an H200 with
+# `bench/rollout_gpu_kernels.py --cuda-sweep` (docs/benchmarks.md, /work/notes of issue 7).
+KERNEL_FOR: dict[tuple[int, int, bool], str] = {
+    (2048, 8, True): "mma",
+    (2048, 16, True): "stream",
+    (768, 8, False): "mma",
+    (768, 16, False): "mma",
+}
 
 
-def cuda_kernel(kernel: str | None = None) -> str:
-    """The CUDA expert-GEMM kernel to run: `kernel`, else TRACE_FP4_CUDA_KERNEL, else
-    DEFAULT_CUDA_KERNEL."""
-    kernel = kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL") or DEFAULT_CUDA_KERNEL
+def _override() -> dict[tuple[int, int, bool], tuple[int, ...]]:
+    """TRACE_FP4_CUDA_CONFIGS=<json file> {"K,block_m,gated": config}: a config of 4 numbers
+    runs `moe_fp4_mma` with it for that shape, of 5 numbers `moe_fp4_stream`."""
+    path = os.environ.get("TRACE_FP4_CUDA_CONFIGS")
+    if not path:
+        return {}
+    out = {}
+    for key, val in json.loads(pathlib.Path(path).read_text()).items():
+        k, bm, gated = key.split(",")
+        if len(val) not in (4, 5):
+            raise ValueError(f"TRACE_FP4_CUDA_CONFIGS {key}: {val} is neither 4 nor 5 numbers")
+        out[(int(k), int(bm), gated == "True")] = tuple(int(v) for v in val)
+    return out
+
+
+def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = None) -> str:
+    """The CUDA expert-GEMM kernel to run for shape `key` = (K, token slots, gated): `kernel`,
+    else TRACE_FP4_CUDA_KERNEL, else the one an override file names for the shape, else
+    KERNEL_FOR, else DEFAULT_CUDA_KERNEL."""
+    kernel = kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL")
+    if not kernel and key is not None:
+        cfg = _override().get(key)
+        kernel = KERNEL_FOR.get(key) if cfg is None else ("stream" if len(cfg) == 5 else "mma")
+    kernel = kernel or DEFAULT_CUDA_KERNEL
     if kernel not in CUDA_KERNELS:
         raise ValueError(f"TRACE_FP4_CUDA_KERNEL={kernel!r}; expected one of {CUDA_KERNELS}")
     return kernel
 
 
 def _configs(stream: bool = False) -> dict[tuple[int, int, bool], tuple[int, ...]]:
-    """CONFIGS (or STREAM_CONFIGS), overridden by TRACE_FP4_CUDA_CONFIGS: a value of 4 numbers
-    is a `moe_fp4_mma` config, of 5 a `moe_fp4_stream` one."""
+    """CONFIGS (or STREAM_CONFIGS), with the TRACE_FP4_CUDA_CONFIGS entries of that kernel."""
     base: dict[tuple[int, int, bool], tuple[int, ...]] = dict(STREAM_CONFIGS if stream else CONFIGS)
-    path = os.environ.get("TRACE_FP4_CUDA_CONFIGS")
-    if not path:
-        return base
-    raw = json.loads(pathlib.Path(path).read_text())
-    for key, val in raw.items():
-        if len(val) == (5 if stream else 4):
-            k, bm, gated = key.split(",")
-            base[(int(k), int(bm), gated == "True")] = tuple(int(v) for v in val)
+    base.update({k: v for k, v in _override().items() if len(v) == (5 if stream else 4)})
     return base
 
 
@@ -277,7 +297,7 @@ def moe_gemm_cuda(
     mul_route_w: bool,
     out: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,  # mma: (RW, WK, KGW, MINB); stream: + S before MINB
-    kernel: str | None = None,  # "stream" | "mma" (default: TRACE_FP4_CUDA_KERNEL, see above)
+    kernel: str | None = None,  # "stream" | "mma" (default: see `cuda_kernel`)
 ) -> torch.Tensor:
     """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring)."""
     if w.packed is None:
@@ -289,7 +309,7 @@ def moe_gemm_cuda(
     n_out = w.n // 2 if gated else w.n
     if out is None:
         out = torch.empty(plan.n_pairs, n_out, dtype=torch.bfloat16, device=plan.topk_w.device)
-    if cuda_kernel(kernel) == "stream":
+    if cuda_kernel(kernel, (w.k, plan.block_m, gated)) == "stream":
         _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
     else:
         _launch_mma(a, w, plan, gated, a_div, mul_route_w, out, config)
@@ -372,6 +392,7 @@ __all__ = [
     "BLOCK_MS",
     "CONFIGS",
     "CUDA_KERNELS",
+    "KERNEL_FOR",
     "STREAM_CONFIGS",
     "PackedFP4",
     "block_m_for",

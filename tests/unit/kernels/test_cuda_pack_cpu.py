@@ -205,3 +205,27 @@ def test_config_override_file_stream(tmp_path, monkeypatch):
     assert cuda_moe.default_stream_config(768, 8, False, 2048) == cuda_moe.STREAM_CONFIGS[
         (768, 8, False)]  # fmt: skip
     assert cuda_moe.default_config(768, 8, False) == (4, 4, 3, 0)
+
+
+def test_cuda_kernel_per_shape(tmp_path, monkeypatch):
+    """The kernel follows KERNEL_FOR per shape; an override file's config length picks the
+    kernel for its shapes; TRACE_FP4_CUDA_KERNEL or the argument force one everywhere."""
+    monkeypatch.delenv("TRACE_FP4_CUDA_KERNEL", raising=False)
+    monkeypatch.delenv("TRACE_FP4_CUDA_CONFIGS", raising=False)
+    for key, kern in cuda_moe.KERNEL_FOR.items():
+        assert cuda_moe.cuda_kernel(key=key) == kern
+        assert key in cuda_moe.CONFIGS and key in cuda_moe.STREAM_CONFIGS
+    assert cuda_moe.cuda_kernel(key=(512, 8, True)) == cuda_moe.DEFAULT_CUDA_KERNEL
+    f = tmp_path / "cfg.json"
+    f.write_text('{"2048,8,True": [1, 8, 4, 4, 2], "2048,16,True": [2, 8, 4, 2]}')
+    monkeypatch.setenv("TRACE_FP4_CUDA_CONFIGS", str(f))
+    assert cuda_moe.cuda_kernel(key=(2048, 8, True)) == "stream"
+    assert cuda_moe.cuda_kernel(key=(2048, 16, True)) == "mma"
+    assert cuda_moe.cuda_kernel(key=(768, 8, False)) == cuda_moe.KERNEL_FOR[(768, 8, False)]
+    assert cuda_moe.cuda_kernel("mma", key=(2048, 8, True)) == "mma"
+    monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", "stream")
+    assert cuda_moe.cuda_kernel(key=(2048, 16, True)) == "stream"
+    f.write_text('{"2048,8,True": [1, 8, 4]}')
+    monkeypatch.delenv("TRACE_FP4_CUDA_KERNEL")
+    with pytest.raises(ValueError, match="neither 4 nor 5"):
+        cuda_moe.cuda_kernel(key=(2048, 8, True))

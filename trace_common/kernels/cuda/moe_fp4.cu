@@ -63,6 +63,30 @@ __device__ __forceinline__ void decode_word(u32 w, u32& r0, u32& r1, u32& r2, u3
   r3 = ((w >> 1) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
 }
 
+// e4m3 scale bytes (row g, row g+8) of k-tile q, taken from the packed scale word `s` (k-tiles
+// 2i, 2i+1 in its low, high half), -> fp16x2; the half is picked in PTX (a register half, no shift).
+template <int Q>
+__device__ __forceinline__ u32 tile_scale(u32 s) {
+  u32 r;
+  if (Q & 1) {
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(r) : "r"(s));
+  } else {
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(r) : "r"(s));
+  }
+  return r;
+}
+
+// Multiply the decoded A fragment by its rows' block scales sc = (row g, row g+8) in fp16x2:
+// a0, a2 hold row g, a1, a3 row g+8. Each half is broadcast in PTX ({lo, lo}), which ptxas
+// can fold into the HMUL2's operand selector instead of a PRMT. Exact (see the header).
+__device__ __forceinline__ void scale_fragment(u32 sc, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm("{ .reg .b16 lo, hi; .reg .b32 slo, shi;\n\t"
+      "mov.b32 {lo, hi}, %4;\n\tmov.b32 slo, {lo, lo};\n\tmov.b32 shi, {hi, hi};\n\t"
+      "mul.rn.f16x2 %0, %0, slo;\n\tmul.rn.f16x2 %1, %1, shi;\n\t"
+      "mul.rn.f16x2 %2, %2, slo;\n\tmul.rn.f16x2 %3, %3, shi; }"
+      : "+r"(r0), "+r"(r1), "+r"(r2), "+r"(r3) : "r"(sc));
+}
+
 template <int NT, int RW, int WK, int KGW, bool GATED, int MINB>
 __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
@@ -149,16 +173,11 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     for (int j = 0; j < KGW; ++j) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        // scale bytes (row g, row g+8) of k-tile q -> fp16x2, then broadcast each half
-        const u32 sc = e4m3x2_to_f16x2(s[ti][j][q >> 1] >> ((q & 1) * 16));
-        const u32 s_lo = __byte_perm(sc, 0u, 0x1010);
-        const u32 s_hi = __byte_perm(sc, 0u, 0x3232);
+        const u32 sw = s[ti][j][q >> 1];
+        const u32 sc = (q & 1) ? tile_scale<1>(sw) : tile_scale<0>(sw);
         u32 r0, r1, r2, r3;
         decode_word(a[ti][j][q], r0, r1, r2, r3);
-        r0 = hmul2(r0, s_lo);
-        r1 = hmul2(r1, s_hi);
-        r2 = hmul2(r2, s_lo);
-        r3 = hmul2(r3, s_hi);
+        scale_fragment(sc, r0, r1, r2, r3);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           mma_16816(acc[ti][nt], r0, r1, r2, r3, b[j * 4 + q][nt][0], b[j * 4 + q][nt][1]);
@@ -286,21 +305,30 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
   const u32* ws_e = ws + ((long)e * n_w_tiles * KG + kg0) * 16 + lane * 4;
   const u32 ring_s = smem_addr(smem + warp * S * STAGE);
 
-  // stage j of the stream -> its weight tile; copy it into ring slot j % S (or commit nothing)
-  auto issue = [&](int j) {
-    if (j < total) {
-      const int item = item0 + j / TILES, ti = j % TILES;
-      const int tile = (GATED && ti >= RW) ? n_out / 16 + item * RW + (ti - RW) : item * RW + ti;
-      const u32 dst = ring_s + (j % S) * STAGE;
+  // The stream's next stage to copy: item (relative), tile of the item, ring slot, and its
+  // stage count. Each call copies that tile into its slot (or, past the end, commits nothing).
+  int nx_item = 0, nx_ti = 0, nx_slot = 0, nx_j = 0;
+  const int up0 = n_out / 16 - RW;  // up tile = up0 + item * RW + ti for ti >= RW (GATED)
+  auto issue = [&]() {
+    if (nx_j < total) {
+      const int item = item0 + nx_item;
+      const int tile = item * RW + nx_ti + ((GATED && nx_ti >= RW) ? up0 : 0);
+      const u32 dst = ring_s + nx_slot * STAGE;
+      const u32* src = wq_e + tile * (KG * 128);
 #pragma unroll
-      for (int kk = 0; kk < KGW; ++kk)
-        cp_async16(dst + kk * 512 + lane * 16, wq_e + ((long)tile * KG + kk) * 128);
-      if (lane < KGW * 4) cp_async16(dst + A_BYTES + lane * 16, ws_e + (long)tile * KG * 16);
+      for (int kk = 0; kk < KGW; ++kk) cp_async16(dst + kk * 512 + lane * 16, src + kk * 128);
+      if (lane < KGW * 4) cp_async16(dst + A_BYTES + lane * 16, ws_e + tile * (KG * 16));
     }
     cp_async_commit();
+    ++nx_j;
+    nx_slot = nx_slot == S - 1 ? 0 : nx_slot + 1;
+    if (++nx_ti == TILES) {
+      nx_ti = 0;
+      ++nx_item;
+    }
   };
 #pragma unroll
-  for (int j = 0; j < S - 1; ++j) issue(j);
+  for (int j = 0; j < S - 1; ++j) issue();
 
   const float wgain = w_g[e] * FP16_GAIN_SQ;
   if (threadIdx.x < BT) {
@@ -329,15 +357,16 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
     }
   }
 
-  int j = 0;
+  int rd_slot = 0;  // ring slot of the stage consumed now
   for (int it = 0; it < n_my; ++it) {
     float* red_it = red + (it & 1) * RED;
 #pragma unroll
-    for (int ti = 0; ti < TILES; ++ti, ++j) {
-      cp_async_wait<S - 2>();  // this lane's copies of stage j have landed
-      __syncwarp();            // ... and every lane's (scales); slot (j-1) % S is free again
-      issue(j + S - 1);
-      const u32 st = ring_s + (j % S) * STAGE;
+    for (int ti = 0; ti < TILES; ++ti) {
+      cp_async_wait<S - 2>();  // this lane's copies of this stage have landed
+      __syncwarp();            // ... and every lane's (scales); the previous slot is free again
+      issue();                 // the stage S - 1 ahead, into the slot freed
+      const u32 st = ring_s + rd_slot * STAGE;
+      rd_slot = rd_slot == S - 1 ? 0 : rd_slot + 1;
       float acc[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -350,15 +379,10 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
         lds_v2(st + A_BYTES + kk * 64 + g * 8, sw[0], sw[1]);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const u32 sc = e4m3x2_to_f16x2(sw[q >> 1] >> ((q & 1) * 16));
-          const u32 s_lo = __byte_perm(sc, 0u, 0x1010);
-          const u32 s_hi = __byte_perm(sc, 0u, 0x3232);
+          const u32 sc = (q & 1) ? tile_scale<1>(sw[q >> 1]) : tile_scale<0>(sw[q >> 1]);
           u32 r0, r1, r2, r3;
           decode_word(aw[q], r0, r1, r2, r3);
-          r0 = hmul2(r0, s_lo);
-          r1 = hmul2(r1, s_hi);
-          r2 = hmul2(r2, s_lo);
-          r3 = hmul2(r3, s_hi);
+          scale_fragment(sc, r0, r1, r2, r3);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
             mma_16816(acc[nt], r0, r1, r2, r3, b[kk * 4 + q][nt][0], b[kk * 4 + q][nt][1]);
