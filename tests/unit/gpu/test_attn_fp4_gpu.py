@@ -7,13 +7,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_gpu import DEV, _peaky_fp4_cache, sqnr_db
+from test_kernels_gpu import DEV, sqnr_db
 from test_kernels_gpu import test_engine_graph_replay_equals_eager as _engine_replay
 
 pytestmark = pytest.mark.gpu
 
 CONFIGS = [("regs", 4, 3), ("ring", 4, 4, 4), ("ring", 4, 5, 3), ("ring", 4, 4, 2),
            ("ring", 8, 2, 2)]  # fmt: skip
+
+
+def _peaky_fp4_cache(b: int, cap: int, seed: int):
+    """FP4 cache with random codes/scales and per-token row scales that vary (0.06-0.25), so
+    the scores spread over several units and the softmax is far from uniform."""
+    from trace_common.kernels import attention as attn
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    cache = attn.KVCacheGPU.allocate(fp4=True, batch=b, kv_heads=4, capacity=cap, head_dim=128,
+                                     device=DEV)  # fmt: skip
+    cache.fill_random_(g)
+    cache.row_scales.uniform_(0.0625, 0.25, generator=g)
+    q = (3 * torch.randn(b, 32, 128, device=DEV, generator=g)).bfloat16()
+    return cache, q
 
 
 # lengths: 1, below / at / above one 16-token tile, past a split, up to 32K + 1; odd
