@@ -245,10 +245,14 @@ def expected_blocks(n_tokens: int, top_k: int, num_experts: int, block_m: int, m
     return min(float(maxb), max(distinct, n_tokens * top_k / block_m, 1.0))
 
 
-def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int) -> tuple[int, int]:
+STREAM_WAVES = 1  # waves of resident CTAs the streaming kernel's grid is sized for
+
+
+def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int,
+                waves: int = 1) -> tuple[int, int]:  # fmt: skip
     """(CTAs per expert block, items per CTA): as many CTAs per block as keep the expected
-    blocks' CTAs within one wave of resident CTAs, the block's items split evenly over them."""
-    per_block = max(1, int(n_sms * ctas_per_sm // max(est_blocks, 1.0)))
+    blocks' CTAs within `waves` waves of resident CTAs, the block's items split evenly."""
+    per_block = max(1, int(waves * n_sms * ctas_per_sm // max(est_blocks, 1.0)))
     ipc = -(-n_items // min(per_block, n_items))
     return -(-n_items // ipc), ipc
 
@@ -350,7 +354,8 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
     assert w.packed is not None
     est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],
                           w.packed.words.shape[0], plan.block_m, plan.block_expert.numel())  # fmt: skip
-    gy, ipc = stream_grid(n_out // (MMA_M * rw), est, ctas_per_sm, _sm_resources(out.device)[0])
+    gy, ipc = stream_grid(n_out // (MMA_M * rw), est, ctas_per_sm, _sm_resources(out.device)[0],
+                          STREAM_WAVES)  # fmt: skip
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
     launch_on_torch_stream(fn, (plan.block_expert.numel(), gy), (wk * LANES,), args, out.device,
                            shared_mem=smem)  # fmt: skip
