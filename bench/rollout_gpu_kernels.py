@@ -117,6 +117,8 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
                     variants.append((f"stream dn{cfg}", None, "cuda", "stream", None, cfg))
             for waves in SWEEP_STREAM_WAVES:  # default configs, grid sized for more waves
                 variants.append((f"stream waves {waves}", None, "cuda", "stream", None, None))
+            # timing probe: the default configs without the decode + block scale (wrong values)
+            variants.append(("stream probe no-decode", None, "cuda", "stream", None, None))
         ref = {}
         for variant, dec, impl, kern, cfg_gu, cfg_dn in variants:
             if once and impl != "cuda":
@@ -127,19 +129,21 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             pl = plans_cuda if impl == "cuda" else plans
 
             waves = int(variant.split()[-1]) if variant.startswith("stream waves") else 1
+            probe = int(variant.startswith("stream probe"))
 
-            def run_gu(p, wg=wg, a_in=a_in, dec=dec, impl=impl, kern=kern, cfg=cfg_gu, waves=waves):
+            def run_gu(p, wg=wg, a_in=a_in, dec=dec, impl=impl, kern=kern, cfg=cfg_gu, waves=waves,
+                       probe=probe):  # fmt: skip
                 if impl == "cuda":
-                    cuda_moe.STREAM_WAVES = waves
+                    cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = waves, probe
                     return cuda_moe.moe_gemm_cuda(a_in, wg, p, gated=True, a_div=TOPK,
                                                   mul_route_w=False, config=cfg, kernel=kern)  # fmt: skip
                 return moe.moe_gemm(a_in, wg, p, gated=True, a_div=TOPK, mul_route_w=False,
                                     decode=dec, impl=impl)  # fmt: skip
 
             def run_dn(p, wdn=wdn, a_mid=a_mid, dec=dec, impl=impl, kern=kern, cfg=cfg_dn,
-                       waves=waves):  # fmt: skip
+                       waves=waves, probe=probe):  # fmt: skip
                 if impl == "cuda":
-                    cuda_moe.STREAM_WAVES = waves
+                    cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = waves, probe
                     return cuda_moe.moe_gemm_cuda(a_mid, wdn, p, gated=False, a_div=1,
                                                   mul_route_w=True, config=cfg, kernel=kern)  # fmt: skip
                 return moe.moe_gemm(a_mid, wdn, p, gated=False, a_div=1, mul_route_w=True,
@@ -163,7 +167,7 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
-            cuda_moe.STREAM_WAVES = 1
+            cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = 1, 0
             if kern is not None and waves == 1 and (db is None or db > 60):  # by config
                 timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]
                 if variant.startswith("stream "):  # only the swept GEMM ran a new config

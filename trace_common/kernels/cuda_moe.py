@@ -246,6 +246,7 @@ def expected_blocks(n_tokens: int, top_k: int, num_experts: int, block_m: int, m
 
 
 STREAM_WAVES = 1  # waves of resident CTAs the streaming kernel's grid is sized for
+STREAM_PROBE = 0  # 1: the bench's timing probe (no decode, no block scale: wrong outputs)
 
 
 def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int,
@@ -264,13 +265,14 @@ def _stream_kernel(block_m: int, cfg: tuple[int, ...], gated: bool, smem: int,
                    device: torch.device) -> tuple[object, int]:  # fmt: skip
     """The compiled `moe_fp4_stream` instance, its dynamic shared-memory limit raised to `smem`
     (once, outside any graph capture), and the CTAs of it one SM holds."""
-    key = (block_m, cfg, gated, device.index)
+    key = (block_m, cfg, gated, device.index, STREAM_PROBE)
     hit = _STREAM_FNS.get(key)
     if hit is not None:
         return hit
     rw, wk, kgw, stages, minb = cfg
+    probe = f", {STREAM_PROBE}" if STREAM_PROBE else ""
     name = (f"moe_fp4_stream<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-            f"{stages}, {minb}>")  # fmt: skip
+            f"{stages}, {minb}{probe}>")  # fmt: skip
     fn = compiled_function(SOURCE, name)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
