@@ -7,7 +7,8 @@ its gRPC path (every byte through the service), vs redis-py on the same Redis in
 run, both one SET/GET per record and pipelined (SETs in a pipeline, MGET) with the client's
 batch size.
 weight-sync: push of one policy version, then a concurrent pull by 1 and 4 replica
-processes, vs a raw TCP socket copy of the same bytes to the same number of processes.
+processes with WeightSyncClient on its default (auto: the bulk data plane) path and on its
+gRPC path, vs a raw TCP socket copy of the same bytes to the same number of processes.
 All on loopback. Prints a table (and writes a PNG with --plot).
 
     python bench/stores.py [--qc-total-mib 64] [--ws-mib 128] [--repeats 5] [--plot docs/stores_bench.png]
@@ -47,7 +48,7 @@ RECORD_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
 QC_BATCH_BYTES = 8 * MIB  # records per call: a batch of about this many bytes (at least one)
 QC_CHUNK = QC_DEFAULT_CHUNK  # message size of QuantCacheClient and the gRPC-only echo
 RAW_CHUNK = 4 * MIB  # recv/send block for the raw socket copy
-PULL_PATHS: set[str] = set()  # data paths the pulling workers used ("direct"/"grpc", "raw")
+DEFAULT_PULL_PATHS: set[str] = set()  # data paths the default ("service") pullers used
 console = Console(width=150)
 
 
@@ -59,7 +60,7 @@ class Row:
     raw_mb_s: float
     raw_batched_mb_s: float | None = None  # quant-cache only: redis-py pipelined/MGET
     grpc_only_mb_s: float | None = None  # quant-cache only: the gRPC hop alone, no Redis
-    grpc_path_mb_s: float | None = None  # quant-cache only: the service's gRPC data path
+    grpc_path_mb_s: float | None = None  # the service's gRPC data path (default: direct)
 
     @property
     def ratio(self) -> float:
@@ -288,16 +289,18 @@ def make_policy(total_bytes: int) -> dict[str, torch.Tensor]:
 
 def _worker(kind: str, address: str, replica_id: str) -> None:
     """Subprocess: wait for 'go' on stdin, pull everything, print seconds and bytes.
-    "service": WeightSyncClient on its default data path (auto: the bulk data plane)."""
-    if kind == "service":
-        ws = WeightSyncClient(address, TOKEN)
+    "service": WeightSyncClient on its default data path (auto: the bulk data plane);
+    "grpc": the same client on its gRPC path (PullVersion)."""
+    if kind in ("service", "grpc"):
+        data_path = "auto" if kind == "service" else "grpc"
+        ws = WeightSyncClient(address, TOKEN, data_path=data_path)
         ws.register(replica_id, "bench:0")
         ws.wait_ready()
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.perf_counter()
     path = "raw"
-    if kind == "service":
+    if kind in ("service", "grpc"):
         _, tensors, _ = ws.pull_version(replica_id=replica_id)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         path = ws.path
@@ -341,7 +344,8 @@ def _run_pullers(kind: str, address: str, replicas: int, expected: int) -> float
     for p in procs:
         _, nbytes, path = p.stdout.readline().split()
         assert int(nbytes) == expected, f"worker got {nbytes} of {expected} bytes"
-        PULL_PATHS.add(path)
+        if kind == "service":
+            DEFAULT_PULL_PATHS.add(path)
     elapsed = time.perf_counter() - start  # last worker done (process exit not counted)
     for p in procs:
         p.wait()
@@ -381,7 +385,7 @@ def bench_weight_sync(total_bytes: int, repeats: int, progress: Progress) -> lis
     nbytes = len(payload_bytes)
     rows = []
     env = {"TRACE_AUTH_TOKEN": TOKEN, "TRACE_KEEP_VERSIONS": "2", "TRACE_LOG_LEVEL": "WARNING"}
-    task = progress.add_task("weight-sync", total=2 + (repeats + 1) * 4)
+    task = progress.add_task("weight-sync", total=2 + (repeats + 1) * 6)
     with ServiceProcess("services.weight_sync", env) as svc:
         ws = WeightSyncClient(svc.grpc_address, TOKEN)
         version = 0
@@ -400,14 +404,17 @@ def bench_weight_sync(total_bytes: int, repeats: int, progress: Progress) -> lis
         rows.append(Row("weight-sync push", _size(nbytes), push_mb_s, raw_push_mb_s))
         sender = RawSender(memoryview(payload_bytes))
         for replicas in (1, 4):
-            pulls, raws = [], []
+            pulls, grpcs, raws = [], [], []
             for rep in range(repeats + 1):  # the first round warms up, not counted
                 pull = _run_pullers("service", svc.grpc_address, replicas, nbytes)
+                progress.advance(task)
+                grpc_pull = _run_pullers("grpc", svc.grpc_address, replicas, nbytes)
                 progress.advance(task)
                 raw_pull = _run_pullers("raw", sender.address, replicas, nbytes)
                 progress.advance(task)
                 if rep:
                     pulls.append(pull)
+                    grpcs.append(grpc_pull)
                     raws.append(raw_pull)
             rows.append(
                 Row(
@@ -415,24 +422,30 @@ def bench_weight_sync(total_bytes: int, repeats: int, progress: Progress) -> lis
                     _size(nbytes),
                     statistics.median(pulls),
                     statistics.median(raws),
+                    grpc_path_mb_s=statistics.median(grpcs),
                 )
             )
         sender.close()
     # push + pull to N replicas: bytes moved over the time of both phases.
     for row in [r for r in rows if r.name.startswith("weight-sync pull")]:
         replicas = int(row.name.rsplit("x", 1)[1])
-        moved = (1 + replicas) * nbytes
-        svc_time = nbytes / (push_mb_s * 1e6) + replicas * nbytes / (row.service_mb_s * 1e6)
-        raw_time = nbytes / (raw_push_mb_s * 1e6) + replicas * nbytes / (row.raw_mb_s * 1e6)
+        assert row.grpc_path_mb_s is not None
         rows.append(
             Row(
                 f"weight-sync push+pull x{replicas}",
                 _size(nbytes),
-                mb_s(moved, svc_time),
-                mb_s(moved, raw_time),
+                _push_pull(nbytes, replicas, push_mb_s, row.service_mb_s),
+                _push_pull(nbytes, replicas, raw_push_mb_s, row.raw_mb_s),
+                grpc_path_mb_s=_push_pull(nbytes, replicas, push_mb_s, row.grpc_path_mb_s),
             )
         )
     return rows
+
+
+def _push_pull(nbytes: int, replicas: int, push_mb_s: float, pull_mb_s: float) -> float:
+    """MB/s of one push and `replicas` pulls of `nbytes`, one after the other."""
+    seconds = nbytes / (push_mb_s * 1e6) + replicas * nbytes / (pull_mb_s * 1e6)
+    return mb_s((1 + replicas) * nbytes, seconds)
 
 
 def _raw_push(payload: bytes) -> float:
@@ -502,10 +515,10 @@ def plot(rows: list[Row], path: str) -> None:
         ("raw: redis-py pipelined", [r.raw_batched_mb_s or 0 for r in rows]),
         ("gRPC hop only (no Redis)", [r.grpc_only_mb_s or 0 for r in rows]),
         (
-            "quant-cache via gRPC (every byte through the service)",
+            "via gRPC (every byte through the service's gRPC stream)",
             [r.grpc_path_mb_s or 0 for r in rows],
         ),
-        ("TRACE service (quant-cache: direct data path)", [r.service_mb_s for r in rows]),
+        ("TRACE service (default: direct data paths)", [r.service_mb_s for r in rows]),
     ]
     for k, (label, values) in enumerate(series):
         ax.bar([i + (k - 2) * w for i in x], values, w, label=label)
@@ -527,7 +540,7 @@ def main() -> None:
     )
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     parser.add_argument("--skip", choices=["qc", "ws"], default=None, help="leave one part out")
-    parser.add_argument("--worker", choices=["service", "raw"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["service", "grpc", "raw"], help=argparse.SUPPRESS)
     parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--replica-id", help=argparse.SUPPRESS)
@@ -558,7 +571,7 @@ def main() -> None:
         )
     ws = [r.ratio for r in rows if "push+pull" in r.name]
     if ws:
-        console.print(f"weight-sync pulls used data paths: {sorted(PULL_PATHS - {'raw'})}")
+        console.print(f"weight-sync default pulls used data paths: {sorted(DEFAULT_PULL_PATHS)}")
         console.print(
             f"weight-sync push+pull / raw socket: {', '.join(f'{x:.0%}' for x in ws)} (target >= 50%)"
         )
