@@ -424,6 +424,41 @@ __device__ __forceinline__ void ring_fill(u32 st, const u8* __restrict__ codes,
   cp_async4(st + ST_KR + 4 * lane, (lane < 16 ? krs : vrs) + tok, ok ? 4u : 0u);
 }
 
+// Where this lane's cp.async sources of the warp's next tile are: lane l copies code chunk
+// l & 3 of rows l >> 2 and (l >> 2) + 8 (K and V), the block-scale row and row scale of token
+// l & 15 (K for l < 16, V above). Advanced by one warp stride (WARPS tiles) per fill.
+struct RingSrc {
+  const u8* k;     // K code chunk, row l >> 2 (row + 8 at + 512)
+  const u8* v;     // V code chunk
+  const u8* s;     // 8-byte block-scale row
+  const float* r;  // row scale
+};
+
+// Fill stage `st` with the warp's next tile (tokens t0 .. t0 + 15): a full tile from the running
+// pointers (no per-row checks), the split's last, partial tile through ring_fill.
+template <int WARPS>
+__device__ __forceinline__ void ring_fill_next(u32 st, RingSrc& src, u32 dcode,
+                                               const u8* __restrict__ codes,
+                                               const u8* __restrict__ scales,
+                                               const float* __restrict__ krs,
+                                               const float* __restrict__ vrs, long kbase,
+                                               long vbase, int t0, int end, int lane) {
+  if (end - t0 >= TILE) {
+    cp_async16(st + ST_KC + dcode, src.k, 16u);
+    cp_async16(st + ST_KC + dcode + 512, src.k + 512, 16u);
+    cp_async16(st + ST_VC + dcode, src.v, 16u);
+    cp_async16(st + ST_VC + dcode + 512, src.v + 512, 16u);
+    cp_async8(st + ST_KS + 8 * lane, src.s, 8u);
+    cp_async4(st + ST_KR + 4 * lane, src.r, 4u);
+  } else {
+    ring_fill(st, codes, scales, krs, vrs, kbase, vbase, t0, end, lane);
+  }
+  src.k += WARPS * TILE * 64;
+  src.v += WARPS * TILE * 64;
+  src.s += WARPS * TILE * 8;
+  src.r += WARPS * TILE;
+}
+
 template <int WARPS, int MINB, int NS>
 __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     const u16* __restrict__ q,          // bf16 [B, HQ, 128]
@@ -442,10 +477,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
   const int sp = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int len = lens[b];
   const int start = sp * chunk;
-  if (start >= len) return;
+  if (start >= len) return;  // past the sequence's end: the reduce skips this split
   const int end = min(start + chunk, len);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hq = hkv * GROUP;
 
   const long kbase = ((long)b * hkv + hk) * cap;
@@ -455,12 +489,19 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
   const int ntiles = (end - start + TILE - 1) / TILE;
   const int nj = warp < ntiles ? (ntiles - warp + WARPS - 1) / WARPS : 0;  // this warp's tiles
   const u32 ring0 = smem_addr(&ring[warp][0][0]);
+  const long first = start + warp * TILE;  // the warp's first tile
+  RingSrc src;
+  src.k = codes + (kbase + first + (lane >> 2)) * 64 + (lane & 3) * 16;
+  src.v = codes + (vbase + first + (lane >> 2)) * 64 + (lane & 3) * 16;
+  src.s = scales + ((lane < 16 ? kbase : vbase) + first + (lane & 15)) * 8;
+  src.r = (lane < 16 ? krs : vrs) + first + (lane & 15);
+  const u32 dcode = ring_code_off(lane >> 2, lane & 3);
 
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s) {
     if (s < nj)
-      ring_fill(ring0 + s * RING_STAGE, codes, scales, krs, vrs, kbase, vbase,
-                start + (warp + WARPS * s) * TILE, end, lane);
+      ring_fill_next<WARPS>(ring0 + s * RING_STAGE, src, dcode, codes, scales, krs, vrs, kbase,
+                            vbase, start + (warp + WARPS * s) * TILE, end, lane);
     cp_commit();
   }
 
@@ -488,8 +529,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
       const int jn = j + NS - 1;
       const int fill = slot == 0 ? NS - 1 : slot - 1;
       if (jn < nj)
-        ring_fill(ring0 + fill * RING_STAGE, codes, scales, krs, vrs, kbase, vbase,
-                  start + (warp + WARPS * jn) * TILE, end, lane);
+        ring_fill_next<WARPS>(ring0 + fill * RING_STAGE, src, dcode, codes, scales, krs, vrs,
+                              kbase, vbase, start + (warp + WARPS * jn) * TILE, end, lane);
       cp_commit();
     }
     const u8* st = &ring[warp][slot][0];
