@@ -1,8 +1,10 @@
 """CUDA C++ split-KV decode attention over the FP4 KV cache (mma.sync, Hopper).
 
-The kernel (`cuda/attn_fp4.cu`) reads the cache in the layout the append kernel writes
+Two kernels in `cuda/attn_fp4.cu`, picked by the launch config (`kernel_name`): `attn_fp4_ring`
+(the default: a per-warp cp.async shared-memory ring, swapped MMAs) and `attn_fp4_split` (the
+first version, "regs"). Both read the cache in the layout the append kernel writes
 (`attention.KVCacheGPU`: NVFP4 codes + e4m3 block scales + per-token fp32 scale, contiguous)
-and writes the same split partials as the Triton split kernel, so `attention.decode_attention`
+and write the same split partials as the Triton split kernel, so `attention.decode_attention`
 combines them with the Triton reduce kernel either way. It handles head_dim 128 and 8 query
 heads per kv head (the Qwen3-MoE shape); `supports` says whether a shape fits. Compiled by
 NVRTC through CuPy on first use and launched on PyTorch's current stream (CUDA-graph safe).
