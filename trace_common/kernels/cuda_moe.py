@@ -139,21 +139,24 @@ CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 # `moe_fp4_stream` (the streaming kernel, see cuda/moe_fp4.cu) per (K, token slots, gated):
 # (RW output tiles per item, WK warps along K, KGW 64-wide k groups per warp, S ring stages,
 # MINB CTAs per SM for the register allocator, 0 = none); WK * KGW * 64 == K.
+# Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200 (2026-12-02; fastest summed
+# over 1, 8, 32 tokens for 8 slots, at 128 tokens for 16).
 STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
-    (2048, 8, True): (1, 8, 4, 4, 2),
-    (2048, 16, True): (1, 8, 4, 4, 2),
-    (768, 8, False): (2, 6, 2, 6, 3),
-    (768, 16, False): (2, 6, 2, 6, 3),
+    (2048, 8, True): (1, 4, 8, 3, 3),
+    (2048, 16, True): (1, 4, 8, 3, 3),
+    (768, 8, False): (2, 4, 3, 4, 3),
+    (768, 16, False): (2, 4, 3, 4, 3),
 }
 CUDA_KERNELS = ("stream", "mma")  # moe_fp4_stream, moe_fp4_mma (the first CUDA kernel)
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
-# The kernel per (K, token slots, gated): the faster one measured on an H200 with
-# `bench/rollout_gpu_kernels.py --cuda-sweep` (docs/benchmarks.md, /work/notes of issue 7).
+# The kernel per (K, token slots, gated): the faster one (same sums) measured on an H200 with
+# `bench/rollout_gpu_kernels.py --cuda-sweep` (2026-12-02, graph-timed, us): 8 slots gate_up
+# mma 97.5 vs stream 98.8, down 58.7 vs 61.7; 16 slots gate_up 97.5 vs 75.7, down 50.3 vs 48.1.
 KERNEL_FOR: dict[tuple[int, int, bool], str] = {
     (2048, 8, True): "mma",
     (2048, 16, True): "stream",
     (768, 8, False): "mma",
-    (768, 16, False): "mma",
+    (768, 16, False): "stream",
 }
 
 
