@@ -129,7 +129,7 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             pl = plans_cuda if impl == "cuda" else plans
 
             waves = int(variant.split()[-1]) if variant.startswith("stream waves") else 1
-            probe = int(variant.startswith("stream probe"))
+            probe = variant.startswith("stream probe")
 
             def run_gu(p, wg=wg, a_in=a_in, dec=dec, impl=impl, kern=kern, cfg=cfg_gu, waves=waves,
                        probe=probe):  # fmt: skip
@@ -167,7 +167,7 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
-            cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = 1, 0
+            cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = 1, False
             if kern is not None and waves == 1 and (db is None or db > 60):  # by config
                 timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]
                 if variant.startswith("stream "):  # only the swept GEMM ran a new config

@@ -249,7 +249,7 @@ def expected_blocks(n_tokens: int, top_k: int, num_experts: int, block_m: int, m
 
 
 STREAM_WAVES = 1  # waves of resident CTAs the streaming kernel's grid is sized for
-STREAM_PROBE = 0  # 1: the bench's timing probe (no decode, no block scale: wrong outputs)
+STREAM_PROBE = False  # the bench's timing probe (no decode, no block scale: wrong outputs)
 
 
 def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int,
@@ -273,7 +273,7 @@ def _stream_kernel(block_m: int, cfg: tuple[int, ...], gated: bool, smem: int,
     if hit is not None:
         return hit
     rw, wk, kgw, stages, minb = cfg
-    probe = f", {STREAM_PROBE}" if STREAM_PROBE else ""
+    probe = ", true" if STREAM_PROBE else ""
     name = (f"moe_fp4_stream<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
             f"{stages}, {minb}{probe}>")  # fmt: skip
     fn = compiled_function(SOURCE, name)

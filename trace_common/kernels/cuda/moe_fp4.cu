@@ -87,6 +87,93 @@ __device__ __forceinline__ void scale_fragment(u32 sc, u32& r0, u32& r1, u32& r2
       : "+r"(r0), "+r"(r1), "+r"(r2), "+r"(r3) : "r"(sc));
 }
 
+// Epilogue scalars of expert block `blk` (threads < BT load them): its pairs, their activation
+// rows' second-level scales, and the routing weights (1 unless mul_route_w).
+template <int BT>
+__device__ __forceinline__ void load_block_scalars(int* pair_s, float* xg_s, float* rw_s,
+                                                   const int* sorted_pair, const float* x_g,
+                                                   const float* route_w, int blk, int n_pairs,
+                                                   int a_div, int mul_route_w) {
+  if (threadIdx.x < BT) {
+    const int p = sorted_pair[blk * BT + threadIdx.x];
+    const bool ok = p < n_pairs;
+    pair_s[threadIdx.x] = p;
+    xg_s[threadIdx.x] = ok ? x_g[p / a_div] : 0.f;
+    rw_s[threadIdx.x] = ok && mul_route_w ? route_w[p] : 1.f;
+  }
+}
+
+// B fragments of a warp's K slice (KGW k groups from group kg0) for expert block `blk`: token
+// slot nt*8 + g, k-tile kk, lane quad t; padding slots are zero.
+template <int NT, int KGW, int KT>
+__device__ __forceinline__ void load_b_fragments(u32 (&b)[KGW * 4][NT][2], const u32* x_dq,
+                                                 const int* sorted_pair, int blk, int kg0, int g,
+                                                 int t, int n_pairs, int a_div) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int pair = sorted_pair[blk * NT * 8 + nt * 8 + g];
+    const bool valid = pair < n_pairs;
+    const long row = valid ? pair / a_div : 0;
+#pragma unroll
+    for (int kk = 0; kk < KGW * 4; ++kk) {
+      if (valid) {
+        ldg_v2(x_dq + ((row * KT + kg0 * 4 + kk) * 4 + t) * 2, b[kk][nt][0], b[kk][nt][1]);
+      } else {
+        b[kk][nt][0] = 0u;
+        b[kk][nt][1] = 0u;
+      }
+    }
+  }
+}
+
+// acc += (packed word of k-tile Q of its group, decoded and block-scaled by the scale word sw)
+// x the B fragments bq of that k-tile, for each n-tile. RAW (timing probe only): the word goes
+// to the MMA undecoded.
+template <int NT, int Q, bool RAW = false>
+__device__ __forceinline__ void mma_word(float (&acc)[NT][4], u32 word, u32 sw,
+                                         const u32 (&bq)[NT][2]) {
+  u32 r0 = word, r1 = word, r2 = word, r3 = word;
+  if (!RAW) {
+    decode_word(word, r0, r1, r2, r3);
+    scale_fragment(tile_scale<Q & 1>(sw), r0, r1, r2, r3);
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) mma_16816(acc[nt], r0, r1, r2, r3, bq[nt][0], bq[nt][1]);
+}
+
+// Output (feature f, token slot c) of RW tiles from the WK warps' partial sums
+// red [WK][TILES][NT][4 regs][32 lanes], features fastest for coalesced stores, into columns
+// col0 + f: times 2**28, the expert's and the row's scales, silu(gate) * up (GATED) and the
+// routing weight, rounded to bf16.
+template <int NT, int RW, int WK, bool GATED>
+__device__ __forceinline__ void store_outputs(const float* red, const int* pair_s,
+                                              const float* xg_s, const float* rw_s, float wgain,
+                                              u16* out, int n_pairs, int n_out, int col0) {
+  constexpr int BT = NT * 8;
+  constexpr int TILES = GATED ? 2 * RW : RW;
+  for (int o = threadIdx.x; o < RW * 16 * BT; o += WK * 32) {
+    const int f = o % (RW * 16), c = o / (RW * 16);
+    const int pair = pair_s[c];
+    if (pair >= n_pairs) continue;
+    const int ti = f >> 4, rr = f & 15, nt = c >> 3, cc = c & 7;
+    const int ln = (rr & 7) * 4 + (cc >> 1), idx = (rr >> 3) * 2 + (cc & 1);
+    float v = 0.f, u = 0.f;
+#pragma unroll
+    for (int w = 0; w < WK; ++w) {
+      v += red[((w * TILES + ti) * NT + nt) * 128 + idx * 32 + ln];
+      if (GATED) u += red[((w * TILES + ti + RW) * NT + nt) * 128 + idx * 32 + ln];
+    }
+    const float gain = wgain * xg_s[c];
+    v *= gain;
+    if (GATED) {
+      u *= gain;
+      v = v / (1.0f + __expf(-v)) * u;
+    }
+    v *= rw_s[c];
+    out[(long)pair * n_out + col0 + f] = f32_to_bf16(v);
+  }
+}
+
 template <int NT, int RW, int WK, int KGW, bool GATED, int MINB>
 __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
@@ -113,35 +200,15 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   if (e < 0) return;
   // epilogue scalars, loaded now so that their latency hides under the weight loads
   const float wgain = w_g[e] * FP16_GAIN_SQ;
-  if (threadIdx.x < BT) {
-    const int p = sorted_pair[blk * BT + threadIdx.x];
-    const bool ok = p < n_pairs;
-    pair_s[threadIdx.x] = p;
-    xg_s[threadIdx.x] = ok ? x_g[p / a_div] : 0.f;
-    rw_s[threadIdx.x] = ok && mul_route_w ? route_w[p] : 1.f;
-  }
+  load_block_scalars<BT>(pair_s, xg_s, rw_s, sorted_pair, x_g, route_w, blk, n_pairs, a_div,
+                         mul_route_w);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
   const int kg0 = warp * KGW;
 
-  // B fragments of this warp's K slice: token slot nt*8 + g, k-tile kt, lane quad t.
   u32 b[KGW * 4][NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int pair = sorted_pair[blk * BT + nt * 8 + g];
-    const bool valid = pair < n_pairs;
-    const long row = valid ? pair / a_div : 0;
-#pragma unroll
-    for (int kk = 0; kk < KGW * 4; ++kk) {
-      if (valid) {
-        ldg_v2(x_dq + ((row * KT + kg0 * 4 + kk) * 4 + t) * 2, b[kk][nt][0], b[kk][nt][1]);
-      } else {
-        b[kk][nt][0] = 0u;
-        b[kk][nt][1] = 0u;
-      }
-    }
-  }
+  load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
 
   // A: packed codes and scales of every tile of this warp's K slice.
   u32 a[TILES][KGW][4];
@@ -171,17 +238,10 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   for (int ti = 0; ti < TILES; ++ti) {
 #pragma unroll
     for (int j = 0; j < KGW; ++j) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const u32 sw = s[ti][j][q >> 1];
-        const u32 sc = (q & 1) ? tile_scale<1>(sw) : tile_scale<0>(sw);
-        u32 r0, r1, r2, r3;
-        decode_word(a[ti][j][q], r0, r1, r2, r3);
-        scale_fragment(sc, r0, r1, r2, r3);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          mma_16816(acc[ti][nt], r0, r1, r2, r3, b[j * 4 + q][nt][0], b[j * 4 + q][nt][1]);
-      }
+      mma_word<NT, 0>(acc[ti], a[ti][j][0], s[ti][j][0], b[j * 4 + 0]);
+      mma_word<NT, 1>(acc[ti], a[ti][j][1], s[ti][j][0], b[j * 4 + 1]);
+      mma_word<NT, 2>(acc[ti], a[ti][j][2], s[ti][j][1], b[j * 4 + 2]);
+      mma_word<NT, 3>(acc[ti], a[ti][j][3], s[ti][j][1], b[j * 4 + 3]);
     }
   }
 
@@ -192,29 +252,8 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][ti][nt][i][lane] = acc[ti][nt][i];
   __syncthreads();
-
-  // Epilogue: output (feature f, token slot c), features fastest for coalesced stores.
-  for (int o = threadIdx.x; o < RW * 16 * BT; o += WK * 32) {
-    const int f = o % (RW * 16), c = o / (RW * 16);
-    const int pair = pair_s[c];
-    if (pair >= n_pairs) continue;
-    const int ti = f >> 4, rr = f & 15, nt = c >> 3, cc = c & 7;
-    const int ln = (rr & 7) * 4 + (cc >> 1), idx = (rr >> 3) * 2 + (cc & 1);
-    float v = 0.f, u = 0.f;
-#pragma unroll
-    for (int w = 0; w < WK; ++w) {
-      v += red[w][ti][nt][idx][ln];
-      if (GATED) u += red[w][ti + RW][nt][idx][ln];
-    }
-    const float gain = wgain * xg_s[c];
-    v *= gain;
-    if (GATED) {
-      u *= gain;
-      v = v / (1.0f + __expf(-v)) * u;
-    }
-    v *= rw_s[c];
-    out[(long)pair * n_out + blockIdx.y * RW * 16 + f] = f32_to_bf16(v);
-  }
+  store_outputs<NT, RW, WK, GATED>(&red[0][0][0][0][0], pair_s, xg_s, rw_s, wgain, out, n_pairs,
+                                   n_out, blockIdx.y * RW * 16);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -263,9 +302,9 @@ __device__ __forceinline__ void lds_v2(u32 addr, u32& a, u32& b) {
   asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr) : "memory");
 }
 
-// PROBE = 1 (a timing probe for the bench only; its outputs are meaningless): the packed words
+// PROBE (a timing probe for the bench only; its outputs are meaningless): the packed words
 // go to the MMA as they are, without the decode and the block scale, to time what those cost.
-template <int NT, int RW, int WK, int KGW, bool GATED, int S, int MINB, int PROBE = 0>
+template <int NT, int RW, int WK, int KGW, bool GATED, int S, int MINB, bool PROBE = false>
 __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
     const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
@@ -333,31 +372,10 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
   for (int j = 0; j < S - 1; ++j) issue();
 
   const float wgain = w_g[e] * FP16_GAIN_SQ;
-  if (threadIdx.x < BT) {
-    const int p = sorted_pair[blk * BT + threadIdx.x];
-    const bool ok = p < n_pairs;
-    pair_s[threadIdx.x] = p;
-    xg_s[threadIdx.x] = ok ? x_g[p / a_div] : 0.f;
-    rw_s[threadIdx.x] = ok && mul_route_w ? route_w[p] : 1.f;
-  }
-
-  // B fragments of this warp's K slice: token slot nt*8 + g, k-tile kk, lane quad t.
+  load_block_scalars<BT>(pair_s, xg_s, rw_s, sorted_pair, x_g, route_w, blk, n_pairs, a_div,
+                         mul_route_w);
   u32 b[KGW * 4][NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int pair = sorted_pair[blk * BT + nt * 8 + g];
-    const bool valid = pair < n_pairs;
-    const long row = valid ? pair / a_div : 0;
-#pragma unroll
-    for (int kk = 0; kk < KGW * 4; ++kk) {
-      if (valid) {
-        ldg_v2(x_dq + ((row * KT + kg0 * 4 + kk) * 4 + t) * 2, b[kk][nt][0], b[kk][nt][1]);
-      } else {
-        b[kk][nt][0] = 0u;
-        b[kk][nt][1] = 0u;
-      }
-    }
-  }
+  load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
 
   int rd_slot = 0;  // ring slot of the stage consumed now
   for (int it = 0; it < n_my; ++it) {
@@ -379,18 +397,10 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
         u32 aw[4], sw[2];
         lds_v4(st + kk * 512 + lane * 16, aw[0], aw[1], aw[2], aw[3]);
         lds_v2(st + A_BYTES + kk * 64 + g * 8, sw[0], sw[1]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          u32 r0 = aw[q], r1 = aw[q], r2 = aw[q], r3 = aw[q];
-          if (!PROBE) {
-            const u32 sc = (q & 1) ? tile_scale<1>(sw[q >> 1]) : tile_scale<0>(sw[q >> 1]);
-            decode_word(aw[q], r0, r1, r2, r3);
-            scale_fragment(sc, r0, r1, r2, r3);
-          }
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            mma_16816(acc[nt], r0, r1, r2, r3, b[kk * 4 + q][nt][0], b[kk * 4 + q][nt][1]);
-        }
+        mma_word<NT, 0, PROBE>(acc, aw[0], sw[0], b[kk * 4 + 0]);
+        mma_word<NT, 1, PROBE>(acc, aw[1], sw[0], b[kk * 4 + 1]);
+        mma_word<NT, 2, PROBE>(acc, aw[2], sw[1], b[kk * 4 + 2]);
+        mma_word<NT, 3, PROBE>(acc, aw[3], sw[1], b[kk * 4 + 3]);
       }
       float* r = red_it + ((warp * TILES + ti) * NT) * 128;
 #pragma unroll
@@ -400,29 +410,8 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
     }
     __syncthreads();  // all warps' partial sums of this item are in red_it
 
-    // Epilogue: output (feature f, token slot c), features fastest for coalesced stores. The
-    // other buffer takes the next item's partials, so no second barrier is needed here.
-    const int col0 = (item0 + it) * RW * 16;
-    for (int o = threadIdx.x; o < RW * 16 * BT; o += WK * 32) {
-      const int f = o % (RW * 16), c = o / (RW * 16);
-      const int pair = pair_s[c];
-      if (pair >= n_pairs) continue;
-      const int ti = f >> 4, rr = f & 15, nt = c >> 3, cc = c & 7;
-      const int ln = (rr & 7) * 4 + (cc >> 1), idx = (rr >> 3) * 2 + (cc & 1);
-      float v = 0.f, u = 0.f;
-#pragma unroll
-      for (int w = 0; w < WK; ++w) {
-        v += red_it[((w * TILES + ti) * NT + nt) * 128 + idx * 32 + ln];
-        if (GATED) u += red_it[((w * TILES + ti + RW) * NT + nt) * 128 + idx * 32 + ln];
-      }
-      const float gain = wgain * xg_s[c];
-      v *= gain;
-      if (GATED) {
-        u *= gain;
-        v = v / (1.0f + __expf(-v)) * u;
-      }
-      v *= rw_s[c];
-      out[(long)pair * n_out + col0 + f] = f32_to_bf16(v);
-    }
+    // Epilogue; the other buffer takes the next item's partials, so no second barrier here.
+    store_outputs<NT, RW, WK, GATED>(red_it, pair_s, xg_s, rw_s, wgain, out, n_pairs, n_out,
+                                     (item0 + it) * RW * 16);
   }
 }
