@@ -10,6 +10,8 @@ outside baseline. Writes JSON + a PNG under --out.
 
     python bench/rollout_gpu.py --out /tmp/rollout_gpu            # full run (~6 min on H200)
     python bench/rollout_gpu.py --layers 4 --quick                  # smoke
+    python bench/rollout_gpu.py --contexts 1024 --batches 1 8 --budget-gib 0 --hf-batches \
+        --small both --no-capture --profile --gemv-table              # small-batch kernels A/B
 """
 
 from __future__ import annotations
@@ -268,7 +270,7 @@ def main() -> None:
     smalls = {"auto": [None], "off": [False], "on": [True], "both": [False, True]}[args.small]
 
     def use_small(small: bool | None, b: int) -> bool:
-        on = cuda_small.small_batch_enabled() if small is None else small
+        on = cuda_small.small_batch_enabled(b) if small is None else small
         return on and small_batch_supported(shape, b)
 
     def record(engine: str, ctx: int, b: int, guided_layers: tuple[int, ...] = (),

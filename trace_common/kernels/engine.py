@@ -143,10 +143,10 @@ def small_batch_supported(shape: EngineShape, batch: int) -> bool:
 class DecodeEngine:
     """Static-shape decode for `batch` sequences with caches of `capacity` tokens.
 
-    `small_batch` (default: TRACE_SMALL_BATCH, where the shape allows) runs the step on the
-    fused small-batch kernels of `cuda_small` (7 launches per layer instead of 13, projections
-    and BF16 experts on its GEMVs); the FP4 experts, the FP4 KV append and the attention are the
-    same kernels either way."""
+    `small_batch` (default: cuda_small.small_batch_enabled(batch), where the shape allows) runs
+    the step on the fused small-batch kernels of `cuda_small` (7 launches per layer instead of
+    13; projections and BF16 experts on its GEMVs, the LM head on cuBLAS); the FP4 experts, the
+    FP4 KV append and the attention are the same kernels either way."""
 
     def __init__(
         self, shape: EngineShape, weights: EngineWeights, *, batch: int, capacity: int,
@@ -168,7 +168,7 @@ class DecodeEngine:
         if guided_layers and not self.fp4:
             raise ValueError("guidance capture needs the FP4 engine (BF16 has no FP4 sites)")
         if small_batch is None:
-            small_batch = cuda_small.small_batch_enabled() and small_batch_supported(s, batch)
+            small_batch = cuda_small.small_batch_enabled(batch) and small_batch_supported(s, batch)
         elif small_batch and not small_batch_supported(s, batch):
             raise ValueError(f"small_batch: batch={batch} or shape {s} not handled by cuda_small")
         self.small = small_batch
@@ -356,7 +356,8 @@ class DecodeEngine:
                                     self.y_sum)  # fmt: skip
                 delta, nsum = self.y_sum, 1
         attn.add_rmsnorm(delta, cur, w.final_norm, self.xn, nsum=nsum, eps=s.eps)
-        cuda_small.gemv(self.xn, w.lm_head, self.logits, warps=cuda_small.WARPS["lm_head"])
+        # cuBLAS: 144 vs 173 us for the 622 MB LM head at batch 1 (bench/rollout_gpu.py --gemv-table)
+        torch.mm(self.xn, w.lm_head.t(), out=self.logits)
         torch.argmax(self.logits, dim=-1, out=self.tokens)
         self.pos.add_(1)
         self.lens.add_(1)
