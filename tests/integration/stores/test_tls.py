@@ -83,19 +83,21 @@ def make_pki(d: pathlib.Path) -> None:
         )
 
 
-def test_mtls_requires_client_certificate(tmp_path: pathlib.Path) -> None:
-    make_pki(tmp_path)
+def mtls_setup(d: pathlib.Path) -> tuple[dict[str, str], ClientTLS]:
+    """The PKI in `d`, weight-sync's environment for mTLS, and a client's ClientTLS."""
+    make_pki(d)
     env = {
         "TRACE_AUTH_TOKEN": TOKEN,
-        "TRACE_TLS_CERT_FILE": str(tmp_path / "server.pem"),
-        "TRACE_TLS_KEY_FILE": str(tmp_path / "server.key"),
-        "TRACE_TLS_CLIENT_CA_FILE": str(tmp_path / "ca.pem"),
+        "TRACE_TLS_CERT_FILE": str(d / "server.pem"),
+        "TRACE_TLS_KEY_FILE": str(d / "server.key"),
+        "TRACE_TLS_CLIENT_CA_FILE": str(d / "ca.pem"),
     }
-    mtls = ClientTLS(
-        ca_file=tmp_path / "ca.pem",
-        cert_file=tmp_path / "client.pem",
-        key_file=tmp_path / "client.key",
-    )
+    mtls = ClientTLS(ca_file=d / "ca.pem", cert_file=d / "client.pem", key_file=d / "client.key")
+    return env, mtls
+
+
+def test_mtls_requires_client_certificate(tmp_path: pathlib.Path) -> None:
+    env, mtls = mtls_setup(tmp_path)
     with ServiceProcess("services.weight_sync", env, tls=mtls) as svc:
         ok = WeightSyncClient(svc.grpc_address, TOKEN, tls=mtls, timeout=5)
         assert ok.register("r0", "x:1").latest_version == -1
@@ -124,18 +126,7 @@ def test_data_plane_uses_the_same_mtls(tmp_path: pathlib.Path) -> None:
     """With TLS on, weight-sync's bulk data plane is TLS too (same certificates, client
     certificate required): a direct pull over it is exact, a cleartext or certificate-less
     connection gets no bytes."""
-    make_pki(tmp_path)
-    env = {
-        "TRACE_AUTH_TOKEN": TOKEN,
-        "TRACE_TLS_CERT_FILE": str(tmp_path / "server.pem"),
-        "TRACE_TLS_KEY_FILE": str(tmp_path / "server.key"),
-        "TRACE_TLS_CLIENT_CA_FILE": str(tmp_path / "ca.pem"),
-    }
-    mtls = ClientTLS(
-        ca_file=tmp_path / "ca.pem",
-        cert_file=tmp_path / "client.pem",
-        key_file=tmp_path / "client.key",
-    )
+    env, mtls = mtls_setup(tmp_path)
     policy = {"w": torch.arange(100_000, dtype=torch.int32), "b": torch.ones(7).bfloat16()}
     with ServiceProcess("services.weight_sync", env, tls=mtls) as svc:
         ws = WeightSyncClient(svc.grpc_address, TOKEN, tls=mtls, timeout=5, data_path="direct")

@@ -140,27 +140,24 @@ class DamagingProxy:
         self.port = self.sock.getsockname()[1]
         self.upstream = 0
         self.mode = "pass"
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self._serve, daemon=True).start()
 
-    def _accept(self) -> None:
+    def _serve(self) -> None:
+        """One connection at a time (a test pulls one version at a time)."""
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
-
-    def _relay(self, conn: socket.socket) -> None:
-        with conn, socket.create_connection(("127.0.0.1", self.upstream)) as up:
-            up.sendall(wire.recv_exact(conn, wire.REQUEST_BYTES))
-            head = wire.recv_exact(up, wire.REPLY_BYTES)
-            _, length = wire.decode_reply(head)
-            body = bytearray(wire.recv_exact(up, length))
-            if self.mode == "truncate":
-                body = body[:-1]
-            elif self.mode == "flip":
-                body[1000] ^= 0x10
-            conn.sendall(head + body)
+            with conn, socket.create_connection(("127.0.0.1", self.upstream)) as up:
+                up.sendall(wire.recv_exact(conn, wire.REQUEST_BYTES))
+                head = wire.recv_exact(up, wire.REPLY_BYTES)
+                body = bytearray(wire.recv_exact(up, wire.decode_reply(head)[1]))
+                if self.mode == "truncate":
+                    body = body[:-1]
+                elif self.mode == "flip":
+                    body[1000] ^= 0x10
+                conn.sendall(head + body)
 
     def close(self) -> None:
         self.sock.close()

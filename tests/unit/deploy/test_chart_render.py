@@ -184,8 +184,22 @@ def test_pods_are_hardened(rendered: tuple[str, list[dict]]) -> None:
             assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
 
 
+def _check_data_plane_port(comp: str, c: dict, ports: dict, service: dict) -> None:
+    """Replicas dial weight-sync's bulk data plane at its Service name (the gRPC host) and
+    the port its container listens on; only weight-sync has one."""
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    if comp != "weight-sync":
+        assert "data" not in ports and "TRACE_DATA_PLANE_PORT" not in env, comp
+        return
+    assert env["TRACE_DATA_PLANE_PORT"] == str(ports["data"]) == "50062"
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert service_ports["data"]["port"] == ports["data"]
+    assert service_ports["data"]["targetPort"] == "data"
+
+
 def test_probes_ports_and_gpus(rendered: tuple[str, list[dict]]) -> None:
     name, docs = rendered
+    services = {_component(s): s for s in _by_kind(docs, "Service").values()}
     for w in _workloads(docs):
         comp = _component(w)
         if comp not in TRACE:
@@ -194,32 +208,12 @@ def test_probes_ports_and_gpus(rendered: tuple[str, list[dict]]) -> None:
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert c["readinessProbe"]["grpc"]["port"] == ports["grpc"]
         assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+        _check_data_plane_port(comp, c, ports, services[comp])
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         if comp in GPU and name == "defaults":
             assert gpus == 1, comp
         else:
             assert gpus is None, (comp, gpus)
-
-
-def test_weight_sync_data_plane_port(rendered: tuple[str, list[dict]]) -> None:
-    """Replicas dial weight-sync's bulk data plane at its Service name (the gRPC host) and
-    the port its container listens on; only weight-sync has one."""
-    _, docs = rendered
-    services = {_component(s): s for s in _by_kind(docs, "Service").values()}
-    for w in _workloads(docs):
-        comp = _component(w)
-        if comp not in TRACE:
-            continue
-        c = _trace_container(w)
-        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        env = {e["name"]: e.get("value") for e in c["env"]}
-        if comp != "weight-sync":
-            assert "data" not in ports and "TRACE_DATA_PLANE_PORT" not in env, comp
-            continue
-        assert env["TRACE_DATA_PLANE_PORT"] == str(ports["data"]) == "50062"
-        service_ports = {p["name"]: p for p in services[comp]["spec"]["ports"]}
-        assert service_ports["data"]["port"] == ports["data"]
-        assert service_ports["data"]["targetPort"] == "data"
 
 
 def test_rollout_discovery_and_scaling(rendered: tuple[str, list[dict]]) -> None:
