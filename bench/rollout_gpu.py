@@ -77,6 +77,20 @@ def copy_bandwidth(nbytes: int = 4 * GIB, reps: int = 20) -> float:
     return 2 * nbytes / sec / 1e12
 
 
+def seconds_per_replay(replay, reps: int) -> float:
+    """Seconds per call of `replay` (a graph replay): one untimed call, then CUDA events around
+    `reps` back-to-back calls."""
+    replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 def time_engine(
     shape: EngineShape, weights: EngineWeights, *, batch: int, context: int, steps: int,
     guided: tuple[int, ...] = (),
@@ -89,15 +103,7 @@ def time_engine(
     eng.fill_context_()
     eng.tokens.random_(0, shape.vocab)
     eng.capture(warmup=2)
-    eng.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        eng.replay()
-    end.record()
-    torch.cuda.synchronize()
-    sec = start.elapsed_time(end) / 1e3 / steps
+    sec = seconds_per_replay(eng.replay, steps)
     nbytes = eng.bytes_last_step(context + 2 + steps)
     if profile and batch in (1, 32) and context <= 1024:  # kernel time by name, 2 eager steps
         from torch.profiler import ProfilerActivity
@@ -352,15 +358,7 @@ def gemv_table(weights: EngineWeights, shape: EngineShape, batches: tuple[int, .
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
-        g.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps / calls
+        return seconds_per_replay(g.replay, reps) / calls
 
     print("\n| op | tokens | MB/call | small-batch us | TB/s | reference us | TB/s |\n"
           "|---|---|---|---|---|---|---|", flush=True)  # fmt: skip

@@ -215,21 +215,18 @@ def test_engine_small_graph_replay_equals_eager(fp4, gemm, batch):
     eng, _, _ = _engine(fp4, gemm, batch, small=True)
     assert eng.small
     eng.capture(warmup=1)
-    state = [eng.tokens.clone(), eng.pos.clone(), eng.lens.clone()]
-    caches = [(c.values if not fp4 else c.codes).clone() for c in eng.caches]
+    state = [eng.tokens, eng.pos, eng.lens, *(c.codes if fp4 else c.values for c in eng.caches)]
+    saved = [t.clone() for t in state]
     eng.replay()
     torch.cuda.synchronize()
-    tok_graph, logits_graph = eng.tokens.clone(), eng.logits.clone()
-    eng.tokens.copy_(state[0])
-    eng.pos.copy_(state[1])
-    eng.lens.copy_(state[2])
-    for c, saved in zip(eng.caches, caches, strict=True):
-        (c.values if not fp4 else c.codes).copy_(saved)
-    eng.step()
+    replayed = {"tokens": eng.tokens.clone(), "logits": eng.logits.clone()}
+    for t, before in zip(state, saved, strict=True):
+        t.copy_(before)
+    eng.step()  # eager, from the same state
     torch.cuda.synchronize()
-    assert torch.isfinite(logits_graph.float()).all()
-    assert torch.equal(eng.logits, logits_graph), "graph replay and eager step differ"
-    assert torch.equal(eng.tokens, tok_graph)
+    assert torch.isfinite(replayed["logits"].float()).all()
+    for name, got in replayed.items():
+        assert torch.equal(getattr(eng, name), got), f"graph replay and eager step: {name} differ"
 
 
 def test_engine_small_matches_standard_step():
