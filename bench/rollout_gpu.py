@@ -12,6 +12,8 @@ outside baseline. Writes JSON + a PNG under --out.
     python bench/rollout_gpu.py --layers 4 --quick                  # smoke
     python bench/rollout_gpu.py --contexts 1024 --batches 1 8 --budget-gib 0 --hf-batches \
         --small both --no-capture --profile --gemv-table              # small-batch kernels A/B
+    python bench/rollout_gpu.py --contexts 1024 --batches 1 8 --budget-gib 0 --hf-batches \
+        --pdl both --no-capture                                        # PDL A/B (small path)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from trace_common.kernels import cuda_small
+from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.engine import (
     DecodeEngine,
     EngineShape,
@@ -57,6 +60,7 @@ class Row:
     bw_frac: float | None = None  # achieved / copy bandwidth
     note: str = ""
     small: bool = False  # the small-batch kernels (trace_common/kernels/cuda_small.py)
+    pdl: bool = False  # ... launched as programmatic dependent launches (cuda_launch.launch_pdl)
 
 
 def copy_bandwidth(nbytes: int = 4 * GIB, reps: int = 20) -> float:
@@ -96,10 +100,12 @@ def time_engine(
     guided: tuple[int, ...] = (),
     profile: bool = False,
     small: bool = False,
+    pdl: bool = False,
 ) -> tuple[float, int]:  # fmt: skip
     """(seconds per decode step, bytes the step moved) for one captured configuration."""
     eng = DecodeEngine(shape, weights, batch=batch, capacity=context + STEP_MARGIN,
-                       context=context, guided_layers=guided, small_batch=small)  # fmt: skip
+                       context=context, guided_layers=guided, small_batch=small,
+                       pdl=pdl)  # fmt: skip
     eng.fill_context_()
     eng.tokens.random_(0, shape.vocab)
     eng.capture(warmup=2)
@@ -232,6 +238,9 @@ def main() -> None:
     ap.add_argument("--small", choices=("auto", "off", "on", "both"), default="auto",
                     help="small-batch kernels (cuda_small) at batch <= 8: the engine's default "
                          "(TRACE_SMALL_BATCH), off, on, or both (each configuration twice)")  # fmt: skip
+    ap.add_argument("--pdl", choices=("auto", "off", "on", "both"), default="auto",
+                    help="programmatic dependent launch of the small-batch kernels: the engine's "
+                         "default (TRACE_PDL), off, on, or both (A/B)")  # fmt: skip
     ap.add_argument("--no-capture", action="store_true", help="skip the guidance-capture rows")
     ap.add_argument(
         "--gemv-table",
@@ -253,7 +262,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda,
         "command": " ".join(sys.argv), "fp4_decode": decode, "fp4_gemm": args.fp4_gemm,
-        "fp4_attn": args.fp4_attn, "small": args.small,
+        "fp4_attn": args.fp4_attn, "small": args.small, "pdl": args.pdl,
     }  # fmt: skip
     print(env, flush=True)
     bw = copy_bandwidth()
@@ -274,19 +283,24 @@ def main() -> None:
     guided = tuple(range(shape.num_layers // 2, shape.num_layers))  # the deeper half
 
     smalls = {"auto": [None], "off": [False], "on": [True], "both": [False, True]}[args.small]
+    pdls = {"auto": [None], "off": [False], "on": [True], "both": [False, True]}[args.pdl]
 
     def use_small(small: bool | None, b: int) -> bool:
         on = cuda_small.small_batch_enabled(b) if small is None else small
         return on and small_batch_supported(shape, b)
 
+    def use_pdl(pdl: bool | None, small: bool) -> bool:
+        return small and (pdl_enabled() if pdl is None else pdl)
+
     def record(engine: str, ctx: int, b: int, guided_layers: tuple[int, ...] = (),
-               small: bool = False) -> Row:  # fmt: skip
+               small: bool = False, pdl: bool = False) -> Row:  # fmt: skip
         sec, nbytes = time_engine(shape, weights, batch=b, context=ctx, steps=args.steps,
                                   guided=guided_layers, profile=args.profile,
-                                  small=small)  # fmt: skip
+                                  small=small, pdl=pdl)  # fmt: skip
         r = Row(engine, ctx, b, b / sec, sec * 1e3, nbytes / 1e9, nbytes / sec / 1e12,
-                nbytes / sec / 1e12 / bw, small=small)  # fmt: skip
-        print(f"{engine:12s} ctx {ctx:6d} batch {b:4d} small {int(small)}: {r.tok_s:9.1f} tok/s "
+                nbytes / sec / 1e12 / bw, small=small, pdl=pdl)  # fmt: skip
+        print(f"{engine:12s} ctx {ctx:6d} batch {b:4d} small {int(small)} pdl {int(pdl)}: "
+              f"{r.tok_s:9.1f} tok/s "
               f"{r.ms_step:7.2f} ms/step {r.gb_step:6.2f} GB/step {r.bw_tb_s:5.2f} TB/s "
               f"({100 * r.bw_frac:.0f}% of copy)", flush=True)  # fmt: skip
         rows.append(r)
@@ -314,7 +328,13 @@ def main() -> None:
                                         small=sm))  # fmt: skip
                         print(f"{engine:12s} ctx {ctx:6d} batch {b:4d}: does not fit", flush=True)
                         continue
-                    record(engine, ctx, b, small=sm)
+                    for pd in sorted({use_pdl(p, sm) for p in pdls}):  # PDL: small path only
+                        try:
+                            record(engine, ctx, b, small=sm, pdl=pd)
+                        except Exception as exc:  # a failed PDL launch keeps the other rows
+                            if not pd:
+                                raise
+                            print(f"{engine} ctx {ctx} batch {b} PDL failed: {exc!r}", flush=True)
         if not fp4 and args.gemv_table:
             try:
                 gemv_table(weights, shape)
@@ -330,12 +350,15 @@ def main() -> None:
             budget_rows[engine] = record(engine, long_ctx, bmax)
             budget_rows[engine].note = f"largest batch in a {args.budget_gib:.0f} GiB budget"
         if fp4 and not args.no_capture:
-            for ctx, b in ((min(args.contexts), max(1, min(32, max(args.batches)))),
-                           (min(args.contexts), 1)):  # fmt: skip
+            ctx = min(args.contexts)
+            for b in sorted({min(32, max(args.batches)), 1} & set(args.batches), reverse=True):
                 small_b = use_small(smalls[-1], b)
-                base = next(r for r in rows if (r.engine, r.context, r.batch, r.small)
-                            == ("fp4", ctx, b, small_b))  # fmt: skip
-                cap = record("fp4+capture", ctx, b, guided, small=small_b)
+                pdl_b = use_pdl(pdls[-1], small_b)
+                base = next((r for r in rows if (r.engine, r.context, r.batch, r.small, r.pdl)
+                             == ("fp4", ctx, b, small_b, pdl_b) and r.tok_s), None)  # fmt: skip
+                if base is None:  # did not fit (or its PDL launch failed)
+                    continue
+                cap = record("fp4+capture", ctx, b, guided, small=small_b, pdl=pdl_b)
                 cap.note = (f"capture on layers {guided[0]}-{guided[-1]}: "
                             f"{100 * (1 - cap.tok_s / base.tok_s):+.1f}% slowdown")  # fmt: skip
     summarize(rows, budget_rows, env, bw, args)
@@ -417,15 +440,15 @@ def gemv_table(weights: EngineWeights, shape: EngineShape, batches: tuple[int, .
 
 
 def summarize(rows: list[Row], budget_rows: dict, env: dict, bw: float, args) -> None:
-    def get(engine: str, ctx: int, b: int, small: bool) -> Row | None:
-        return next((r for r in rows if (r.engine, r.context, r.batch, r.small)
-                     == (engine, ctx, b, small)), None)  # fmt: skip
+    def get(engine: str, ctx: int, b: int, small: bool, pdl: bool) -> Row | None:
+        return next((r for r in rows if (r.engine, r.context, r.batch, r.small, r.pdl)
+                     == (engine, ctx, b, small, pdl)), None)  # fmt: skip
 
-    print("\n| context | batch | small | BF16 tok/s | FP4 tok/s | FP4/BF16 | BF16 % copy BW | "
-          "FP4 % copy BW |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for ctx, b, small in sorted({(r.context, r.batch, r.small) for r in rows
-                                 if r.engine in ("bf16", "fp4")}):  # fmt: skip
-        r16, r4 = get("bf16", ctx, b, small), get("fp4", ctx, b, small)
+    print("\n| context | batch | small | PDL | BF16 tok/s | FP4 tok/s | FP4/BF16 | BF16 % copy BW | "
+          "FP4 % copy BW |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for ctx, b, small, pdl in sorted({(r.context, r.batch, r.small, r.pdl) for r in rows
+                                      if r.engine in ("bf16", "fp4")}):  # fmt: skip
+        r16, r4 = get("bf16", ctx, b, small, pdl), get("fp4", ctx, b, small, pdl)
 
         def fmt(r: Row | None, key: str, scale: float = 1.0, nd: int = 0) -> str:
             v = None if r is None else getattr(r, key)
@@ -433,7 +456,8 @@ def summarize(rows: list[Row], budget_rows: dict, env: dict, bw: float, args) ->
 
         ratio = (f"{r4.tok_s / r16.tok_s:.2f}x" if r16 and r4 and r16.tok_s and r4.tok_s
                  else "-")  # fmt: skip
-        print(f"| {ctx} | {b} | {'on' if small else 'off'} | {fmt(r16, 'tok_s')} | "
+        print(f"| {ctx} | {b} | {'on' if small else 'off'} | {'on' if pdl else 'off'} | "
+              f"{fmt(r16, 'tok_s')} | "
               f"{fmt(r4, 'tok_s')} | {ratio} | "
               f"{fmt(r16, 'bw_frac', 100)} | {fmt(r4, 'bw_frac', 100)} |")  # fmt: skip
     for name, r in budget_rows.items():
@@ -467,7 +491,7 @@ def plot(rows: list[Row], args) -> None:
         for off, engine in ((-0.2, "bf16"), (0.2, "fp4")):
             vals = []
             for b in args.batches:
-                # the faster variant where --small both ran a configuration twice
+                # the faster variant where --small / --pdl both ran a configuration twice
                 r = max((r for r in rows if (r.engine, r.context, r.batch) == (engine, ctx, b)
                          and r.tok_s), key=lambda r: r.tok_s, default=None)  # fmt: skip
                 vals.append(0 if r is None or r.tok_s is None else r.tok_s)

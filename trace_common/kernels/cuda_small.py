@@ -10,6 +10,12 @@ block layout), expert gate_up, expert down (+ routing weights and the top-k sum)
 Compiled by NVRTC through CuPy on first use and launched on PyTorch's current stream, so the
 engine's CUDA graph captures them (`cuda_launch`). Importing this module needs neither CuPy
 nor a GPU. `TRACE_SMALL_BATCH=auto|on|off` (`small_batch_enabled`) selects them in the engine.
+
+`pdl=True` launches a kernel as a programmatic dependent launch (`cuda_launch.launch_pdl`,
+TRACE_PDL in the engine): it starts while the kernel before it drains, and streams its weights
+into its cp.async ring before `griddepcontrol.wait` (the expert kernels wait first: their
+weights depend on the routing). Every kernel here waits before it touches activations, so any
+neighbour (PDL or not, ours or cuBLAS/Triton) is safe.
 """
 
 from __future__ import annotations
@@ -119,7 +125,8 @@ def _tokens(t: int) -> None:
         raise ValueError(f"{t} tokens: the small-batch kernels take 1..{MAX_TOKENS}")
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, warps: int = 8) -> None:
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, warps: int = 8,
+         pdl: bool = False) -> None:  # fmt: skip
     """out [T, N] = x [T, K] @ w [N, K]^T in bf16 (fp32 accumulate), T <= 8."""
     import numpy as np
 
@@ -134,7 +141,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, warps: int = 8)
     sp = split_k(k, warps)
     fn = _fn(f"gemv_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
     launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,),
-                           (*_ptrs(w, x, out), np.int32(n)), out.device, sp.smem)  # fmt: skip
+                           (*_ptrs(w, x, out), np.int32(n)), out.device, sp.smem, pdl)  # fmt: skip
 
 
 def _prologue_args(resid_in: torch.Tensor, delta: torch.Tensor | None, nsum: int,
@@ -172,6 +179,7 @@ def qkv_rope(
     nsum: int = 0,
     ln_w: torch.Tensor | None = None,  # bf16 [H]
     resid_out: torch.Tensor | None = None,  # bf16 [T, H]
+    pdl: bool = False,
 ) -> None:
     """q, k, v of the new tokens: (RMSNorm(resid_in + sum delta) * ln_w, or xn) @ w_qkv^T, then
     per-head RMSNorm + RoPE of q and k; k and v into kv_new (and the BF16 cache at pos)."""
@@ -212,7 +220,8 @@ def qkv_rope(
     args = (*pargs, np.float32(eps), *_ptrs(rout, xn, w_qkv, qkv, counters, norm_w, pos,
             inv_freq, q_out, kv_new, cache), np.int32(cap), np.int32(q_heads),
             np.int32(kv_heads))  # fmt: skip
-    launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,), args, q_out.device, sp.smem)
+    launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,), args, q_out.device, sp.smem,
+                           pdl)  # fmt: skip
 
 
 def router_topk(
@@ -232,6 +241,7 @@ def router_topk(
     sorted_pair: torch.Tensor,  # int32 [maxb * bm]
     block_expert: torch.Tensor,  # int32 [maxb]
     block_m: int,
+    pdl: bool = False,
 ) -> None:
     """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
     logits, softmax top-k (renormalized) and the grouped GEMMs' block layout (moe.RoutePlan,
@@ -262,11 +272,13 @@ def router_topk(
     args = (*pargs, np.float32(eps), *_ptrs(resid_out, xn_out, w_router, logits, counter,
             topk_ids, topk_w, sorted_pair, block_expert), np.int32(e), np.int32(k),
             np.int32(block_m), np.int32(maxb))  # fmt: skip
-    launch_on_torch_stream(fn, (e // TILE_ROWS,), (sp.wk * 32,), args, xn_out.device, sp.smem)
+    launch_on_torch_stream(fn, (e // TILE_ROWS,), (sp.wk * 32,), args, xn_out.device, sp.smem,
+                           pdl)  # fmt: skip
 
 
 def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
-                block_expert: torch.Tensor, act: torch.Tensor, *, top_k: int) -> None:  # fmt: skip
+                block_expert: torch.Tensor, act: torch.Tensor, *, top_k: int,
+                pdl: bool = False) -> None:  # fmt: skip
     """act [P, I] = silu(x W_gate^T) * (x W_up^T) per pair p (token p // top_k, expert of its
     block); w [E, 2I, H] (gate rows then up rows); blocks of 8 pair slots (plan block_m 8)."""
     import numpy as np
@@ -287,11 +299,11 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
     args = (*_ptrs(w, x, sorted_pair, block_expert, act), np.int32(inter), np.int32(n_pairs),
             np.int32(top_k))  # fmt: skip
     launch_on_torch_stream(fn, (maxb, inter // TILE_ROWS), (sp.wk * 32,), args, act.device,
-                           sp.smem)  # fmt: skip
+                           sp.smem, pdl)  # fmt: skip
 
 
 def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-             y: torch.Tensor) -> None:  # fmt: skip
+             y: torch.Tensor, *, pdl: bool = False) -> None:  # fmt: skip
     """y [T, H] = sum_j bf16(topk_w[t, j] * act[t k + j] @ w[topk_ids[t, j]]^T) (fp32 sum in
     order j, then bf16): the down projection, routing weights and top-k sum of each token."""
     import numpy as np
@@ -308,7 +320,7 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
     sp = split_k(inter, 1)  # one warp per expert, all of K
     fn = _fn(f"moe_down_bf16<{k}, {sp.kcw}, {sp.u}, {sp.ns}>", k * sp.smem)
     args = (*_ptrs(w, act, topk_ids, topk_w, y), np.int32(h))
-    launch_on_torch_stream(fn, (t, h // TILE_ROWS), (k * 32,), args, y.device, k * sp.smem)
+    launch_on_torch_stream(fn, (t, h // TILE_ROWS), (k * 32,), args, y.device, k * sp.smem, pdl)
 
 
 __all__ = [

@@ -24,6 +24,7 @@ import torch
 
 from trace_common.kernels import attention as attn
 from trace_common.kernels import cuda_small, fp4_attn_impl, fp4_gemm_impl, moe
+from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
 WEIGHT_STD = 0.02
@@ -146,12 +147,16 @@ class DecodeEngine:
     `small_batch` (default: cuda_small.small_batch_enabled(batch), where the shape allows) runs
     the step on the fused small-batch kernels of `cuda_small` (7 launches per layer instead of
     13; projections and BF16 experts on its GEMVs, the LM head on cuBLAS); the FP4 experts, the
-    FP4 KV append and the attention are the same kernels either way."""
+    FP4 KV append and the attention are the same kernels either way. `pdl` (default:
+    TRACE_PDL, `cuda_launch.pdl_enabled`) launches the small-batch kernels as programmatic
+    dependent launches (each overlaps its start and weight prefetch with its predecessor's
+    tail); without `small_batch` it has no effect."""
 
     def __init__(
         self, shape: EngineShape, weights: EngineWeights, *, batch: int, capacity: int,
         context: int, guided_layers: tuple[int, ...] = (), device: str = "cuda",
         small_batch: bool | None = None,
+        pdl: bool | None = None,
     ) -> None:  # fmt: skip
         s = self.shape = shape
         self.w = weights
@@ -172,6 +177,8 @@ class DecodeEngine:
         elif small_batch and not small_batch_supported(s, batch):
             raise ValueError(f"small_batch: batch={batch} or shape {s} not handled by cuda_small")
         self.small = small_batch
+        # programmatic dependent launches of the small-batch kernels (cuda_launch.pdl_enabled)
+        self.pdl = small_batch and (pdl_enabled() if pdl is None else pdl)
         self.batch, self.capacity, self.guided = batch, capacity, frozenset(guided_layers)
         b, h, d = batch, s.hidden, s.head_dim
         bf = dict(dtype=torch.bfloat16, device=device)
@@ -327,22 +334,23 @@ class DecodeEngine:
             )  # fmt: skip
             if b * (nsum + 1) <= cuda_small.PROLOGUE_MAX_ROWS:
                 cuda_small.qkv_rope(**qkv_args, resid_in=cur, delta=delta, nsum=nsum,
-                                    ln_w=lw.ln1, resid_out=other)  # fmt: skip
+                                    ln_w=lw.ln1, resid_out=other, pdl=self.pdl)  # fmt: skip
                 cur, other = other, cur
             else:
                 attn.add_rmsnorm(delta, cur, lw.ln1, self.xn, nsum=nsum, eps=s.eps)
-                cuda_small.qkv_rope(**qkv_args, xn=self.xn)
+                cuda_small.qkv_rope(**qkv_args, xn=self.xn, pdl=self.pdl)
             if self.fp4:
                 attn.kv_append(cache, self.kv_new, self.pos, None if rec is None else rec[1])
             attn.decode_attention(self.q, cache, self.lens, self.attn_plan, out=self.attn_out)
-            cuda_small.gemv(self.attn_out, lw.w_o, self.o, warps=cuda_small.WARPS["o"])
+            cuda_small.gemv(self.attn_out, lw.w_o, self.o, warps=cuda_small.WARPS["o"],
+                            pdl=self.pdl)  # fmt: skip
             plan = self.plans[li]
             cuda_small.router_topk(
                 resid_in=cur, delta=self.o, nsum=1, ln_w=lw.ln2, eps=s.eps, resid_out=other,
                 xn_out=self.xn, w_router=lw.router, logits=self.rlogits,
                 counter=self.counters[heads:], topk_ids=plan.topk_ids, topk_w=plan.topk_w,
                 sorted_pair=plan.sorted_pair, block_expert=plan.block_expert,
-                block_m=plan.block_m,
+                block_m=plan.block_m, pdl=self.pdl,
             )  # fmt: skip
             cur, other = other, cur
             if self.fp4:
@@ -351,9 +359,10 @@ class DecodeEngine:
             else:
                 assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None
                 cuda_small.moe_gate_up(self.xn, lw.gate_up.bf16, plan.sorted_pair,
-                                       plan.block_expert, self.act, top_k=s.top_k)  # fmt: skip
+                                       plan.block_expert, self.act, top_k=s.top_k,
+                                       pdl=self.pdl)  # fmt: skip
                 cuda_small.moe_down(self.act, lw.down.bf16, plan.topk_ids, plan.topk_w,
-                                    self.y_sum)  # fmt: skip
+                                    self.y_sum, pdl=self.pdl)  # fmt: skip
                 delta, nsum = self.y_sum, 1
         attn.add_rmsnorm(delta, cur, w.final_norm, self.xn, nsum=nsum, eps=s.eps)
         # cuBLAS: 144 vs 173 us for the 622 MB LM head at batch 1 (bench/rollout_gpu.py --gemv-table)

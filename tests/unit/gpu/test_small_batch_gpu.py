@@ -246,3 +246,58 @@ def test_engine_small_matches_standard_step():
     got = sqnr_db(ref.logits, eng.logits)
     print(f"small vs standard step: logits SQNR {got:.1f} dB")
     assert got > 20, f"small-batch step vs standard step: logits SQNR {got:.1f} dB <= 20"
+
+
+def test_gemv_pdl_waits_for_its_predecessor():
+    """A PDL-launched GEMV right after a slow kernel that writes its input reads the finished
+    input (griddepcontrol.wait after the weight prefetch), and a normal launch after it reads
+    its finished output: bit-identical to the plain launch."""
+    from trace_common.kernels import cuda_small
+
+    k, n, m = 2048, 2048, 1 << 16
+    w = _rand(n, k, std=0.02, seed=1)
+    a = _rand(1, m, std=0.02, seed=2)
+    b = _rand(m, k, seed=3)  # x = a @ b: ~270 MB read, long enough for an early start to show
+    x = torch.empty(1, k, dtype=torch.bfloat16, device=DEV)
+    outs = {}
+    for pdl in (False, True):
+        for _ in range(3):
+            x.fill_(float("nan"))
+            out = _nan(1, n)
+            torch.cuda.synchronize()
+            torch.mm(a, b, out=x)
+            cuda_small.gemv(x, w, out, warps=8, pdl=pdl)
+            outs.setdefault(pdl, []).append(out.clone())  # a normal launch after the PDL one
+        torch.cuda.synchronize()
+    ref = (x.float() @ w.float().t()).bfloat16()
+    assert sqnr_db(ref, outs[False][0]) > 40
+    for got in outs[True]:
+        assert torch.isfinite(got.float()).all(), "the PDL GEMV read its input before the wait"
+        assert torch.equal(got, outs[False][0]), "PDL and plain GEMV launches differ"
+
+
+@pytest.mark.parametrize("fp4,gemm,batch", [(False, None, 1), (False, None, 8),
+                                            (True, "cuda", 1)])  # fmt: skip
+def test_engine_small_pdl_equals_plain_launches(fp4, gemm, batch):
+    """Three graph replays of the step with programmatic dependent launches give, step by step,
+    the tokens and logits of three eager steps with plain launches from the same state (the
+    kernels are deterministic; PDL only changes when they start)."""
+    eng, _, _ = _engine(fp4, gemm, batch, small=True)
+    eng.pdl = True
+    eng.capture(warmup=1)
+    state = [eng.tokens, eng.pos, eng.lens, *(c.codes if fp4 else c.values for c in eng.caches)]
+    saved = [t.clone() for t in state]
+    with_pdl = []
+    for _ in range(3):
+        eng.replay()
+        with_pdl.append((eng.tokens.clone(), eng.logits.clone()))
+    torch.cuda.synchronize()
+    for t, before in zip(state, saved, strict=True):
+        t.copy_(before)
+    eng.pdl = False
+    for i, (tokens, logits) in enumerate(with_pdl):
+        eng.step()
+        torch.cuda.synchronize()
+        assert torch.isfinite(logits.float()).all()
+        assert torch.equal(eng.logits, logits), f"step {i}: logits differ with PDL"
+        assert torch.equal(eng.tokens, tokens), f"step {i}: tokens differ with PDL"

@@ -356,31 +356,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_split(
 #define ST_KS 2048       // K block scales, 16 x 8 B (V's follow at 2176)
 #define ST_KR 2304       // K row scales, 16 x fp32 (V's follow at 2368)
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 n) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n));
-}
-
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src, u32 n) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(n));
-}
-
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 n) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n));
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // m8n8 b16 transpose within the warp: lane (g, t) gets row g of the transpose (elements 2t, 2t+1)
 __device__ __forceinline__ u32 movm_trans(u32 x) {
   u32 r;
@@ -502,7 +477,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     if (s < nj)
       ring_fill_next<WARPS>(ring0 + s * RING_STAGE, src, dcode, codes, scales, krs, vrs, kbase,
                             vbase, start + (warp + WARPS * s) * TILE, end, lane);
-    cp_commit();
+    cp_async_commit();
   }
 
   // Q of head g as the B fragments (b0, b1) of 8 k-tiles (the same registers as the A
@@ -523,7 +498,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
 
   int slot = 0;  // stage of tile j
   for (int j = 0; j < nj; ++j) {
-    cp_wait<NS - 2>();
+    cp_async_wait<NS - 2>();
     __syncwarp();  // every lane's copies of stage j landed; stage j - 1 is no longer read
     {
       const int jn = j + NS - 1;
@@ -531,7 +506,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
       if (jn < nj)
         ring_fill_next<WARPS>(ring0 + fill * RING_STAGE, src, dcode, codes, scales, krs, vrs,
                               kbase, vbase, start + (warp + WARPS * jn) * TILE, end, lane);
-      cp_commit();
+      cp_async_commit();
     }
     const u8* st = &ring[warp][slot][0];
     slot = slot == NS - 1 ? 0 : slot + 1;
@@ -622,7 +597,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
       }
     }
   }
-  cp_wait<0>();
+  cp_async_wait<0>();
 
   // ---- merge the warps through shared memory (the ring is free once every warp is done)
 #pragma unroll

@@ -23,6 +23,12 @@
 //    same bf16 roundings as the per-pair path: bf16(w * acc) summed in fp32 in order j).
 // Rounding points follow the Triton kernels (trace_common/kernels/_tl_attn.py, _tl_moe.py).
 //
+// Programmatic dependent launch (cuda_launch.launch_pdl, TRACE_PDL=on): every kernel here calls
+// pdl_wait() before it reads an activation or writes anything, and pdl_launch_dependents()
+// right after it. The projections issue their first weight stages before the wait (no kernel
+// writes weights), so their prefetch overlaps the previous kernel's tail; the expert kernels
+// wait first (the routing picks their weights). Launched without the attribute, both are no-ops.
+//
 // No system headers: compiled by NVRTC (CuPy RawModule, -I on this folder) or nvcc alike.
 
 #include "fp4_common.cuh"
@@ -86,21 +92,6 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  u32 sa;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(sa) : "l"(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // Shared-memory ring of one warp: NS stages of U chunks x RT tiles x (rows g, g + 8) x 32 lanes.
 template <int RT, int U, int NS>
 struct Ring {
@@ -145,8 +136,8 @@ struct WarpGemv {
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
           const u16* src = wa[r] + 32 * (round * U + u);
-          cp_async16(st + ((u * RT + r) * 2) * 32 + lane, src);
-          cp_async16(st + ((u * RT + r) * 2 + 1) * 32 + lane, src + half);
+          cp_async16(smem_addr(st + ((u * RT + r) * 2) * 32 + lane), src);
+          cp_async16(smem_addr(st + ((u * RT + r) * 2 + 1) * 32 + lane), src + half);
         }
     }
     cp_async_commit();
@@ -324,7 +315,9 @@ __global__ void __launch_bounds__(WK * 32) gemv_bf16(const u16* __restrict__ w,
   const u16* wt[1] = {w + (long)row0 * K};
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
-  gv.start();
+  gv.start();  // the weights: no earlier kernel writes them
+  pdl_wait();
+  pdl_launch_dependents();
   gv.run(g < NT ? x + (long)g * K : nullptr, acc);
   cta_reduce<1, WK>(acc, red);
   if (warp == 0) store_tile<NT>(out, n, row0, acc[0]);
@@ -354,6 +347,8 @@ __global__ void __launch_bounds__(WK * 32) qkv_rope_bf16(
   const u16* wt[1] = {w + (long)row0 * K};
   WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
   gv.start();  // weight copies in flight during the prologue
+  pdl_wait();
+  pdl_launch_dependents();
   if (PRO) add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out,
                                               nullptr, xs, red);
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
@@ -455,6 +450,8 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   const u16* wt[1] = {w + (long)row0 * K};
   WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
   gv.start();  // weight copies in flight during the prologue
+  pdl_wait();
+  pdl_launch_dependents();
   add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out, xn_out, xs,
                                      red);
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
@@ -562,6 +559,8 @@ __global__ void __launch_bounds__(WK * 32) moe_gate_up_bf16(
     int top_k) {
   constexpr int K = WK * KCW * 32;
   __shared__ float red[WK * 2 * 4 * 32];
+  pdl_wait();  // the expert (and so the weights) comes from the router
+  pdl_launch_dependents();
   const int e = block_expert[blockIdx.x];
   if (e < 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -597,6 +596,8 @@ __global__ void __launch_bounds__(TOPK * 32) moe_down_bf16(
   __shared__ float part[TOPK][TILE_ROWS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int tok = blockIdx.x, p = tok * TOPK + warp;
+  pdl_wait();  // topk_ids / act: the router and gate_up
+  pdl_launch_dependents();
   const int e = topk_ids[p];
   const float rw = topk_w[p];
   const int h0 = blockIdx.y * TILE_ROWS;
