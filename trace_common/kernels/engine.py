@@ -210,8 +210,10 @@ class DecodeEngine:
         if self.small:
             self.resid_b = torch.empty(b, h, **bf)  # residual ping-pong (fused prologues)
             self.y_sum = torch.empty(b, h, **bf)  # BF16 experts: top-k sum per token
-            self.counters = torch.zeros(s.q_heads + 2 * s.kv_heads + 1, dtype=torch.int32,
-                                        device=device)  # fmt: skip
+            heads = s.q_heads + 2 * s.kv_heads
+            counters = torch.zeros(heads + 1, dtype=torch.int32, device=device)
+            # last-CTA counters: one per qkv head, then the router's
+            self.qkv_counters, self.router_counter = counters[:heads], counters[heads:]
         self.plans = [
             moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
@@ -292,7 +294,15 @@ class DecodeEngine:
                              mul_route_w=False, out=self.act)  # fmt: skip
                 moe.moe_gemm(self.act, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
                              out=self.y)  # fmt: skip
-        attn.add_rmsnorm(self.y, self.resid, w.final_norm, self.xn, nsum=s.top_k, eps=s.eps)
+        self._finish(self.y, self.resid, s.top_k)
+
+    def _finish(self, delta: torch.Tensor | None, resid: torch.Tensor, nsum: int) -> None:
+        """The step's tail on both paths: the last layer's output `delta` (`nsum` rows per
+        token) added to `resid`, final RMSNorm, LM head (cuBLAS: 144 vs 173 us for the 622 MB
+        LM head at batch 1 against the small-batch GEMV, bench/rollout_gpu.py --gemv-table),
+        greedy token, positions advanced."""
+        s, w = self.shape, self.w
+        attn.add_rmsnorm(delta, resid, w.final_norm, self.xn, nsum=nsum, eps=s.eps)
         torch.mm(self.xn, w.lm_head.t(), out=self.logits)
         torch.argmax(self.logits, dim=-1, out=self.tokens)
         self.pos.add_(1)
@@ -322,12 +332,11 @@ class DecodeEngine:
         torch.index_select(w.embed, 0, self.tokens, out=cur)
         delta: torch.Tensor | None = None
         nsum = 0
-        heads = s.q_heads + 2 * s.kv_heads
         for li, lw in enumerate(w.layers):
             rec = self.records.get(li) if self.fp4 else None
             cache = self.caches[li]
             qkv_args = dict(
-                w_qkv=lw.w_qkv, qkv=self.qkv, counters=self.counters, norm_w=lw.norm_qk,
+                w_qkv=lw.w_qkv, qkv=self.qkv, counters=self.qkv_counters, norm_w=lw.norm_qk,
                 pos=self.pos, inv_freq=self.inv_freq, q_out=self.q, kv_new=self.kv_new,
                 cache=None if self.fp4 else cache.values, q_heads=s.q_heads,
                 kv_heads=s.kv_heads, eps=s.eps,
@@ -348,7 +357,7 @@ class DecodeEngine:
             cuda_small.router_topk(
                 resid_in=cur, delta=self.o, nsum=1, ln_w=lw.ln2, eps=s.eps, resid_out=other,
                 xn_out=self.xn, w_router=lw.router, logits=self.rlogits,
-                counter=self.counters[heads:], topk_ids=plan.topk_ids, topk_w=plan.topk_w,
+                counter=self.router_counter, topk_ids=plan.topk_ids, topk_w=plan.topk_w,
                 sorted_pair=plan.sorted_pair, block_expert=plan.block_expert,
                 block_m=plan.block_m, pdl=self.pdl,
             )  # fmt: skip
@@ -364,12 +373,7 @@ class DecodeEngine:
                 cuda_small.moe_down(self.act, lw.down.bf16, plan.topk_ids, plan.topk_w,
                                     self.y_sum, pdl=self.pdl)  # fmt: skip
                 delta, nsum = self.y_sum, 1
-        attn.add_rmsnorm(delta, cur, w.final_norm, self.xn, nsum=nsum, eps=s.eps)
-        # cuBLAS: 144 vs 173 us for the 622 MB LM head at batch 1 (bench/rollout_gpu.py --gemv-table)
-        torch.mm(self.xn, w.lm_head.t(), out=self.logits)
-        torch.argmax(self.logits, dim=-1, out=self.tokens)
-        self.pos.add_(1)
-        self.lens.add_(1)
+        self._finish(delta, cur, nsum)
 
     def capture(self, warmup: int = 2) -> None:
         """Compile (eager warm-up steps on a side stream), then capture one step as a graph."""
