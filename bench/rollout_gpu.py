@@ -444,8 +444,10 @@ def summarize(rows: list[Row], budget_rows: dict, env: dict, bw: float, args) ->
         return next((r for r in rows if (r.engine, r.context, r.batch, r.small, r.pdl)
                      == (engine, ctx, b, small, pdl)), None)  # fmt: skip
 
-    print("\n| context | batch | small | PDL | BF16 tok/s | FP4 tok/s | FP4/BF16 | BF16 % copy BW | "
-          "FP4 % copy BW |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    # "ceiling": BF16 bytes / FP4 bytes per step, the FP4/BF16 ratio if both ran at the same
+    # bandwidth (the most FP4 can gain at this batch and context)
+    print("\n| context | batch | small | PDL | BF16 tok/s | FP4 tok/s | FP4/BF16 | ceiling | "
+          "BF16 % copy BW | FP4 % copy BW |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for ctx, b, small, pdl in sorted({(r.context, r.batch, r.small, r.pdl) for r in rows
                                       if r.engine in ("bf16", "fp4")}):  # fmt: skip
         r16, r4 = get("bf16", ctx, b, small, pdl), get("fp4", ctx, b, small, pdl)
@@ -456,9 +458,11 @@ def summarize(rows: list[Row], budget_rows: dict, env: dict, bw: float, args) ->
 
         ratio = (f"{r4.tok_s / r16.tok_s:.2f}x" if r16 and r4 and r16.tok_s and r4.tok_s
                  else "-")  # fmt: skip
+        ceiling = (f"{r16.gb_step / r4.gb_step:.2f}x" if r16 and r4 and r16.gb_step
+                   and r4.gb_step else "-")  # fmt: skip
         print(f"| {ctx} | {b} | {'on' if small else 'off'} | {'on' if pdl else 'off'} | "
               f"{fmt(r16, 'tok_s')} | "
-              f"{fmt(r4, 'tok_s')} | {ratio} | "
+              f"{fmt(r4, 'tok_s')} | {ratio} | {ceiling} | "
               f"{fmt(r16, 'bw_frac', 100)} | {fmt(r4, 'bw_frac', 100)} |")  # fmt: skip
     for name, r in budget_rows.items():
         print(f"budget {args.budget_gib:.0f} GiB, ctx {r.context}: {name} batch {r.batch} -> "
