@@ -34,6 +34,7 @@ K_GROUP = 64  # k per packed 16-byte load (4 k-tiles)
 LANES = 32
 BLOCK_MS = (8, 16)  # token slots per expert block the kernel is built for (NT = 1, 2)
 SMEM_LIMIT = 48 * 1024  # static shared memory of the split-K reduction
+QUANT_OUT_MAX_ROWS = 64  # pairs the mma kernel's last CTA quantizes (.cu NVFP4_CTA_MAX_ROWS)
 
 # Where each A-fragment register r (a0..a3) takes its bits in the packed word, for its low
 # half (h = 0; add 16 for h = 1): the 3 magnitude bits (m, e0, e1) from MAG[r]..MAG[r]+2, the
@@ -289,10 +290,12 @@ def _stream_kernel(block_m: int, cfg: tuple[int, ...], gated: bool, smem: int,
     return _STREAM_FNS[key]
 
 
-def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int):
-    """The compiled expert-GEMM instance for one launch configuration."""
+def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int,
+            qout: bool = False):  # fmt: skip
+    """The compiled expert-GEMM instance for one launch configuration (`qout`: it also
+    quantizes its output, see `moe_gemm_cuda`)."""
     name = (f"moe_fp4_mma<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-            f"{minb}>")  # fmt: skip
+            f"{minb}, {str(qout).lower()}>")  # fmt: skip
     return compiled_function(SOURCE, name)
 
 
@@ -307,8 +310,17 @@ def moe_gemm_cuda(
     out: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,  # mma: (RW, WK, KGW, MINB); stream: + S before MINB
     kernel: str | None = None,  # "stream" | "mma" (default: see `cuda_kernel`)
+    pdl: bool = False,
+    quant_out: FP4Rows | None = None,
+    counter: torch.Tensor | None = None,  # int32 [>= 1], zero: quant_out's last-CTA counter
 ) -> torch.Tensor:
-    """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring)."""
+    """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring).
+
+    `pdl`: the `mma` kernel as a programmatic dependent launch (it waits before reading
+    anything; the `stream` kernel is launched normally). `quant_out`: also NVFP4-quantize
+    `out` into it (per-row scale_2, and its dq16 if given), equal to quant.quantize_rows(out,
+    scale_2=None, dq16=quant_out.dq16): by the `mma` kernel's last CTA (after `counter`) for
+    up to QUANT_OUT_MAX_ROWS pairs, else by a quantize launch after the GEMM."""
     if w.packed is None:
         raise ValueError("weights are not packed for the CUDA kernel: pack_fp4_weights first")
     if a.dq16 is None:
@@ -318,11 +330,38 @@ def moe_gemm_cuda(
     n_out = w.n // 2 if gated else w.n
     if out is None:
         out = torch.empty(plan.n_pairs, n_out, dtype=torch.bfloat16, device=plan.topk_w.device)
-    if cuda_kernel(kernel, (w.k, plan.block_m, gated)) == "stream":
-        _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
+    if quant_out is not None:
+        _check_quant_out(quant_out, counter, plan.n_pairs, n_out)
+    stream = cuda_kernel(kernel, (w.k, plan.block_m, gated)) == "stream"
+    if stream or (quant_out is not None and plan.n_pairs > QUANT_OUT_MAX_ROWS):
+        if stream:
+            _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
+        else:
+            _launch_mma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
+        if quant_out is not None:
+            from trace_common.kernels.quant import quantize_rows
+
+            quantize_rows(out, scale_2=None, dq16=quant_out.dq16,
+                          out=(quant_out.codes, quant_out.scales, quant_out.scale_2))  # fmt: skip
     else:
-        _launch_mma(a, w, plan, gated, a_div, mul_route_w, out, config)
+        _launch_mma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl, quant_out, counter)
     return out
+
+
+def _check_quant_out(q: FP4Rows, counter: torch.Tensor | None, rows: int, k: int) -> None:
+    want = {"codes": (torch.uint8, (rows, k // 2)), "scales": (torch.uint8, (rows, k // 16)),
+            "scale_2": (torch.float32, (rows,)), "dq16": (torch.float16, (rows, k))}  # fmt: skip
+    for name, (dtype, shape) in want.items():
+        t = getattr(q, name)
+        if t is None and name == "dq16":
+            continue
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"quant_out.{name}: expected contiguous {dtype} {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")  # fmt: skip
+    if k % 16:
+        raise ValueError(f"quant_out: N_out={k} is not a multiple of 16")
+    if counter is None or counter.dtype != torch.int32 or counter.numel() < 1:
+        raise ValueError("quant_out needs counter: a zeroed int32 tensor of >= 1 element")
 
 
 def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor, n_out: int,
@@ -367,7 +406,11 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
 
 
 def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
-                mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None) -> None:  # fmt: skip
+                mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
+                pdl: bool = False, quant_out: FP4Rows | None = None,
+                counter: torch.Tensor | None = None) -> None:  # fmt: skip
+    import numpy as np
+
     n_out = w.n // 2 if gated else w.n
     cfg = config or default_config(w.k, plan.block_m, gated)
     if len(cfg) != 4:
@@ -380,10 +423,14 @@ def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
     ):
         raise ValueError(f"config RW={rw}, WK={wk}, KGW={kgw} does not fit N_out={n_out}, "
                          f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb)
+    fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None)
     grid = (plan.block_expert.numel(), n_out // (MMA_M * rw))
-    launch_on_torch_stream(fn, grid, (wk * LANES,), _args(a, w, plan, out, n_out, a_div, mul_route_w),
-                           out.device)  # fmt: skip
+    q = quant_out
+    qptrs = (counter, *((None,) * 4 if q is None else (q.codes, q.scales, q.scale_2, q.dq16)))
+    qargs = tuple(np.uint64(0 if t is None else t.data_ptr()) for t in qptrs)
+    launch_on_torch_stream(fn, grid, (wk * LANES,),
+                           (*_args(a, w, plan, out, n_out, a_div, mul_route_w), *qargs),
+                           out.device, pdl=pdl)  # fmt: skip
 
 
 def block_m_for(n_pairs: int, num_experts: int) -> int:
@@ -403,6 +450,7 @@ __all__ = [
     "CONFIGS",
     "CUDA_KERNELS",
     "KERNEL_FOR",
+    "QUANT_OUT_MAX_ROWS",
     "STREAM_CONFIGS",
     "PackedFP4",
     "block_m_for",

@@ -24,10 +24,16 @@ import importlib.util
 import os
 import pathlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
+
+if TYPE_CHECKING:
+    from trace_common.kernels.attention import KVCacheGPU
+    from trace_common.kernels.moe import FP4Rows
+    from trace_common.kernels.quant import CompactRecordBuffers
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "small_batch.cu"
 MAX_TOKENS = 8  # MMA N: the tokens of one step are the 8 columns of the B operand
@@ -51,6 +57,28 @@ DEFAULT_SMALL_BATCH = "auto"
 # (BF16 261 -> 284 tok/s), slower at batch 8 (889 -> 822): the expert GEMVs re-read an expert
 # per token that chose it, and the fused prologues give way to add_rmsnorm launches there.
 AUTO_MAX_BATCH = 1
+
+
+# The FP4 expert path's fusions on the small-batch step (engine._step_small), each measured
+# on its own (TRACE_SMALL_FP4_FUSE=<comma list>|all|none): "pdl": the expert GEMMs as
+# programmatic dependent launches; "xq": the experts' input quantize (and the `moe_in` record)
+# in router_topk; "act": the activation quantize in the gate_up GEMM's last CTA; "kv": the FP4
+# KV append (and the k, v records) in qkv_rope's last CTA of the k (v) heads.
+FP4_FUSE_PARTS = ("pdl", "xq", "act", "kv")
+DEFAULT_FP4_FUSE = "pdl,xq"
+
+
+def fp4_fuse_parts(spec: str | None = None) -> frozenset[str]:
+    """The FP4 fusions the small-batch step uses: `spec`, else TRACE_SMALL_FP4_FUSE, else
+    DEFAULT_FP4_FUSE."""
+    spec = spec or os.environ.get("TRACE_SMALL_FP4_FUSE", DEFAULT_FP4_FUSE)
+    if spec == "all":
+        return frozenset(FP4_FUSE_PARTS)
+    parts = frozenset() if spec == "none" else frozenset(p.strip() for p in spec.split(","))
+    if not parts <= set(FP4_FUSE_PARTS):
+        raise ValueError(f"TRACE_SMALL_FP4_FUSE={spec!r}; expected all, none or a comma list "
+                         f"of {FP4_FUSE_PARTS}")  # fmt: skip
+    return parts
 
 
 def small_batch_enabled(batch: int, mode: str | None = None) -> bool:
@@ -180,9 +208,14 @@ def qkv_rope(
     ln_w: torch.Tensor | None = None,  # bf16 [H]
     resid_out: torch.Tensor | None = None,  # bf16 [T, H]
     pdl: bool = False,
+    fp4_cache: KVCacheGPU | None = None,  # FP4 cache: k, v quantized and appended at pos
+    kv_counters: torch.Tensor | None = None,  # int32 [>= 2], zero (with fp4_cache)
+    kv_capture: CompactRecordBuffers | None = None,  # rows [2 T, HKV 128]: the k, v records
 ) -> None:
     """q, k, v of the new tokens: (RMSNorm(resid_in + sum delta) * ln_w, or xn) @ w_qkv^T, then
-    per-head RMSNorm + RoPE of q and k; k and v into kv_new (and the BF16 cache at pos)."""
+    per-head RMSNorm + RoPE of q and k; k and v into kv_new (and the BF16 cache at pos). With
+    `fp4_cache`, the last CTA of the k (v) heads also appends them to it, equal to
+    quant.kv_append_fp4(kv_new, ..., pos, kv_capture)."""
     import numpy as np
 
     n, h = w_qkv.shape
@@ -214,12 +247,37 @@ def qkv_rope(
         _check("xn", xn, torch.bfloat16, (t, h))
         pargs = (*_ptrs(None, None), np.int32(0), *_ptrs(None))
         rout = None
+    kvq = fp4_cache is not None
+    if kvq:
+        if cache is not None:
+            raise ValueError("fp4_cache and a BF16 cache at once")
+        cap = fp4_cache.row_scales.shape[2]
+        width = kv_heads * HEAD_DIM
+        _check("fp4_cache.codes", fp4_cache.codes, torch.uint8,
+               (2, t, kv_heads, cap, HEAD_DIM // 2))  # fmt: skip
+        _check("fp4_cache.scales", fp4_cache.scales, torch.uint8,
+               (2, t, kv_heads, cap, HEAD_DIM // 16))  # fmt: skip
+        _check("fp4_cache.row_scales", fp4_cache.row_scales, torch.float32, (2, t, cap))
+        if kv_counters is None or kv_counters.dtype != torch.int32 or kv_counters.numel() < 2:
+            raise ValueError("fp4_cache needs kv_counters: a zeroed int32 tensor of >= 2")
+        rec: tuple = (None, None, None)
+        if kv_capture is not None:
+            _check("kv_capture.mbits", kv_capture.mbits, torch.uint8, (2 * t, width // 8))
+            _check("kv_capture.block_scales", kv_capture.block_scales, torch.uint8,
+                   (2 * t, width // 16))  # fmt: skip
+            _check("kv_capture.row_scales", kv_capture.row_scales, torch.float32, (2 * t,))
+            rec = (kv_capture.mbits, kv_capture.block_scales, kv_capture.row_scales)
+        kvargs = _ptrs(kv_counters, fp4_cache.codes, fp4_cache.scales, fp4_cache.row_scales, *rec)
+    elif kv_capture is not None:
+        raise ValueError("kv_capture needs fp4_cache")
+    else:
+        kvargs = _ptrs(*(None,) * 7)
     sp = split_k(h, WARPS["qkv"])
-    fn = _fn(f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}>",
-             sp.smem)  # fmt: skip
+    fn = _fn(f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}, "
+             f"{str(kvq).lower()}>", sp.smem)  # fmt: skip
     args = (*pargs, np.float32(eps), *_ptrs(rout, xn, w_qkv, qkv, counters, norm_w, pos,
             inv_freq, q_out, kv_new, cache), np.int32(cap), np.int32(q_heads),
-            np.int32(kv_heads))  # fmt: skip
+            np.int32(kv_heads), *kvargs)  # fmt: skip
     launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,), args, q_out.device, sp.smem,
                            pdl)  # fmt: skip
 
@@ -242,10 +300,14 @@ def router_topk(
     block_expert: torch.Tensor,  # int32 [maxb]
     block_m: int,
     pdl: bool = False,
+    xq: FP4Rows | None = None,  # NVFP4 rows of xn: codes [T, H/2], scales [T, H/16], g [T]
+    capture: CompactRecordBuffers | None = None,  # rows [T, H]: the `moe_in` record
 ) -> None:
     """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
     logits, softmax top-k (renormalized) and the grouped GEMMs' block layout (moe.RoutePlan,
-    pairs of each expert in (j, t) order as moe.align_reference)."""
+    pairs of each expert in (j, t) order as moe.align_reference). With `xq`, one more CTA
+    also writes xn's NVFP4 rows (and xq.dq16, and the compact record into `capture`), equal
+    to quant.quantize_rows(xn, scale_2=None, capture=capture, dq16=xq.dq16)."""
     import numpy as np
 
     t, h = resid_in.shape
@@ -267,13 +329,36 @@ def router_topk(
     _check("logits", logits, torch.bfloat16, (t, e))
     _check("topk_ids", topk_ids, torch.int32, (t, k))
     _check("topk_w", topk_w, torch.float32, (t, k))
+    qargs = _quant_args(xq, capture, t, h)
     sp = split_k(h, WARPS["router"])
-    fn = _fn(f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
+    qx = str(xq is not None).lower()
+    fn = _fn(f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {qx}>", sp.smem)
     args = (*pargs, np.float32(eps), *_ptrs(resid_out, xn_out, w_router, logits, counter,
             topk_ids, topk_w, sorted_pair, block_expert), np.int32(e), np.int32(k),
-            np.int32(block_m), np.int32(maxb))  # fmt: skip
-    launch_on_torch_stream(fn, (e // TILE_ROWS,), (sp.wk * 32,), args, xn_out.device, sp.smem,
-                           pdl)  # fmt: skip
+            np.int32(block_m), np.int32(maxb), *qargs)  # fmt: skip
+    grid = e // TILE_ROWS + (xq is not None)  # + the quantizing CTA
+    launch_on_torch_stream(fn, (grid,), (sp.wk * 32,), args, xn_out.device, sp.smem, pdl)
+
+
+def _quant_args(xq: FP4Rows | None, capture: CompactRecordBuffers | None, t: int,
+                h: int) -> tuple:  # fmt: skip
+    """Pointers of the router's fused quantize outputs (zeros where there are none)."""
+    if xq is None:
+        if capture is not None:
+            raise ValueError("capture needs xq (the record is written by the quantizing CTA)")
+        return _ptrs(*(None,) * 7)
+    _check("xq.codes", xq.codes, torch.uint8, (t, h // 2))
+    _check("xq.scales", xq.scales, torch.uint8, (t, h // 16))
+    _check("xq.scale_2", xq.scale_2, torch.float32, (t,))
+    if xq.dq16 is not None:
+        _check("xq.dq16", xq.dq16, torch.float16, (t, h))
+    rec: tuple = (None, None, None)
+    if capture is not None:
+        _check("capture.mbits", capture.mbits, torch.uint8, (t, h // 8))
+        _check("capture.block_scales", capture.block_scales, torch.uint8, (t, h // 16))
+        _check("capture.row_scales", capture.row_scales, torch.float32, (t,))
+        rec = (capture.mbits, capture.block_scales, capture.row_scales)
+    return _ptrs(xq.codes, xq.scales, xq.scale_2, xq.dq16, *rec)
 
 
 def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
@@ -325,9 +410,11 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
 
 __all__ = [
     "AUTO_MAX_BATCH",
+    "FP4_FUSE_PARTS",
     "MAX_TOKENS",
     "PROLOGUE_MAX_ROWS",
     "Split",
+    "fp4_fuse_parts",
     "gemv",
     "moe_down",
     "moe_gate_up",

@@ -308,14 +308,40 @@ class DecodeEngine:
         self.pos.add_(1)
         self.lens.add_(1)
 
-    def _experts_fp4(self, lw: LayerWeights, plan: moe.RoutePlan, rec: tuple | None) -> None:
+    def _experts_fp4(self, lw: LayerWeights, plan: moe.RoutePlan, rec: tuple | None, *,
+                     x_quantized: bool = False, fuse_act: bool = False,
+                     pdl: bool = False) -> None:  # fmt: skip
         """FP4 routed experts of self.xn into self.y (per pair): quantize, gate_up, quantize,
-        down (the guidance record of `moe_in` written by the first quantize)."""
+        down (the guidance record of `moe_in` written by the first quantize). CUDA GEMM only
+        (`_step_small`): `x_quantized` (self.xq already holds xn's rows and the record, from
+        cuda_small.router_topk), `fuse_act` (gate_up's last CTA quantizes act), `pdl` (both
+        GEMMs as programmatic dependent launches)."""
         s = self.shape
         impl = "cuda" if self.cuda_gemm else "triton"
-        quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
-                      out=(self.xq.codes, self.xq.scales, self.xq.scale_2),
-                      dq16=self.xq.dq16)  # fmt: skip
+        if (x_quantized or fuse_act or pdl) and not self.cuda_gemm:
+            raise ValueError("x_quantized / fuse_act / pdl need the CUDA expert GEMM")
+        if not x_quantized:
+            quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
+                          out=(self.xq.codes, self.xq.scales, self.xq.scale_2),
+                          dq16=self.xq.dq16)  # fmt: skip
+        if fuse_act or pdl:
+            from trace_common.kernels.cuda_moe import moe_gemm_cuda
+
+            counter = getattr(self, "fp4_counters", None)
+            if fuse_act and counter is None:  # gate_up's last-CTA counter (zero between uses)
+                counter = self.fp4_counters = torch.zeros(3, dtype=torch.int32,
+                                                          device=self.tokens.device)  # fmt: skip
+            moe_gemm_cuda(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
+                          mul_route_w=False, out=self.act, pdl=pdl,
+                          quant_out=self.actq if fuse_act else None,
+                          counter=None if counter is None else counter[:1])  # fmt: skip
+            if not fuse_act:
+                quantize_rows(self.act, scale_2=None,
+                              out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
+                              dq16=self.actq.dq16)  # fmt: skip
+            moe_gemm_cuda(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
+                          out=self.y, pdl=pdl)  # fmt: skip
+            return
         moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
                      mul_route_w=False, out=self.act, impl=impl)  # fmt: skip
         quantize_rows(self.act, scale_2=None,
@@ -328,6 +354,11 @@ class DecodeEngine:
         """`step` on the small-batch kernels. The residual alternates between self.resid and
         self.resid_b: a fused add + RMSNorm prologue reads one and writes the other."""
         s, w, b = self.shape, self.w, self.batch
+        # FP4 fusions on the CUDA expert GEMM (cuda_small.fp4_fuse_parts, TRACE_SMALL_FP4_FUSE)
+        fuse = cuda_small.fp4_fuse_parts() if self.fp4 and self.cuda_gemm else frozenset()
+        if fuse and getattr(self, "fp4_counters", None) is None:  # last-CTA counters, zero
+            # between launches: gate_up's (act), qkv_rope's k and v groups (kv)
+            self.fp4_counters = torch.zeros(3, dtype=torch.int32, device=self.tokens.device)
         cur, other = self.resid, self.resid_b
         torch.index_select(w.embed, 0, self.tokens, out=cur)
         delta: torch.Tensor | None = None
@@ -341,6 +372,9 @@ class DecodeEngine:
                 cache=None if self.fp4 else cache.values, q_heads=s.q_heads,
                 kv_heads=s.kv_heads, eps=s.eps,
             )  # fmt: skip
+            if "kv" in fuse:  # the FP4 KV append (and k, v records) in qkv_rope
+                qkv_args.update(fp4_cache=cache, kv_counters=self.fp4_counters[1:],
+                                kv_capture=None if rec is None else rec[1])  # fmt: skip
             if b * (nsum + 1) <= cuda_small.PROLOGUE_MAX_ROWS:
                 cuda_small.qkv_rope(**qkv_args, resid_in=cur, delta=delta, nsum=nsum,
                                     ln_w=lw.ln1, resid_out=other, pdl=self.pdl)  # fmt: skip
@@ -348,7 +382,7 @@ class DecodeEngine:
             else:
                 attn.add_rmsnorm(delta, cur, lw.ln1, self.xn, nsum=nsum, eps=s.eps)
                 cuda_small.qkv_rope(**qkv_args, xn=self.xn, pdl=self.pdl)
-            if self.fp4:
+            if self.fp4 and "kv" not in fuse:
                 attn.kv_append(cache, self.kv_new, self.pos, None if rec is None else rec[1])
             attn.decode_attention(self.q, cache, self.lens, self.attn_plan, out=self.attn_out)
             cuda_small.gemv(self.attn_out, lw.w_o, self.o, warps=cuda_small.WARPS["o"],
@@ -360,10 +394,13 @@ class DecodeEngine:
                 counter=self.router_counter, topk_ids=plan.topk_ids, topk_w=plan.topk_w,
                 sorted_pair=plan.sorted_pair, block_expert=plan.block_expert,
                 block_m=plan.block_m, pdl=self.pdl,
+                xq=self.xq if "xq" in fuse else None,
+                capture=None if rec is None or "xq" not in fuse else rec[0],
             )  # fmt: skip
             cur, other = other, cur
             if self.fp4:
-                self._experts_fp4(lw, plan, rec)
+                self._experts_fp4(lw, plan, rec, x_quantized="xq" in fuse,
+                                  fuse_act="act" in fuse, pdl=self.pdl and "pdl" in fuse)  # fmt: skip
                 delta, nsum = self.y, s.top_k
             else:
                 assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None

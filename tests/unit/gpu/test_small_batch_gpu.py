@@ -301,3 +301,196 @@ def test_engine_small_pdl_equals_plain_launches(fp4, gemm, batch):
         assert torch.isfinite(logits.float()).all()
         assert torch.equal(eng.logits, logits), f"step {i}: logits differ with PDL"
         assert torch.equal(eng.tokens, tokens), f"step {i}: tokens differ with PDL"
+
+
+def _fp4_rows(rows: int, k: int):
+    """Poisoned NVFP4 row buffers with the dq16 operand, and compact-record buffers."""
+    from trace_common.kernels import moe
+    from trace_common.kernels.quant import CompactRecordBuffers
+
+    u8 = dict(dtype=torch.uint8, device=DEV)
+    xq = moe.FP4Rows(torch.full((rows, k // 2), 0xA5, **u8), torch.full((rows, k // 16), 0xA5, **u8),
+                     _nan(rows, dtype=torch.float32), _nan(rows, k, dtype=torch.float16))  # fmt: skip
+    rec = CompactRecordBuffers.allocate(rows, k, DEV)
+    rec.mbits.fill_(0xA5)
+    rec.block_scales.fill_(0xA5)
+    rec.row_scales.fill_(float("nan"))
+    return xq, rec
+
+
+def _assert_rows_equal(xq, rec, x, what: str) -> None:
+    """xq (and rec, if given) equal quant.quantize_rows(x, ...) bit for bit."""
+    from trace_common.kernels.quant import quantize_rows
+
+    ref_q, ref_rec = _fp4_rows(*x.shape)
+    quantize_rows(x, scale_2=None, capture=None if rec is None else ref_rec, dq16=ref_q.dq16,
+                  out=(ref_q.codes, ref_q.scales, ref_q.scale_2))  # fmt: skip
+    pairs = [("codes", xq.codes, ref_q.codes), ("scales", xq.scales, ref_q.scales),
+             ("scale_2", xq.scale_2, ref_q.scale_2), ("dq16", xq.dq16, ref_q.dq16)]  # fmt: skip
+    if rec is not None:
+        pairs += [("record mbits", rec.mbits, ref_rec.mbits),
+                  ("record scales", rec.block_scales, ref_rec.block_scales),
+                  ("record scale_2", rec.row_scales, ref_rec.row_scales)]  # fmt: skip
+    for name, got, ref in pairs:
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), f"{what}: {name}"
+
+
+@pytest.mark.parametrize("t,e,h,capture", [(1, 128, 2048, True), (3, 128, 2048, False),
+                                           (8, 128, 2048, True), (4, 32, 512, True)])  # fmt: skip
+def test_router_topk_quantizes_xn(t, e, h, capture):
+    """router_topk with xq: its extra CTA's NVFP4 rows of xn (codes, scales, scale_2, dq16 and
+    the compact record) equal quant.quantize_rows(xn) bit for bit; every other output equals
+    the launch without it."""
+    from trace_common.kernels import cuda_small, moe
+
+    eps, k, bm = 1e-6, 8, 8
+    resid, delta = _rand(t, h, seed=31), _rand(t, h, std=0.5, seed=32)
+    resid[0, :16] = 0  # an all-zero block
+    delta[0, :16] = 0
+    ln_w = (1 + 0.1 * _rand(h, seed=33).float()).bfloat16()
+    w = _rand(e, h, std=0.02, seed=34)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    outs = {}
+    for fused in (False, True):
+        plan = moe.RoutePlan.allocate(t, e, k, bm, DEV)
+        r_out, xn, logits = _nan(t, h), _nan(t, h), _nan(t, e)
+        xq, rec = _fp4_rows(t, h)
+        cuda_small.router_topk(resid_in=resid, delta=delta, nsum=1, ln_w=ln_w, eps=eps,
+                               resid_out=r_out, xn_out=xn, w_router=w, logits=logits,
+                               counter=counter, topk_ids=plan.topk_ids, topk_w=plan.topk_w,
+                               sorted_pair=plan.sorted_pair, block_expert=plan.block_expert,
+                               block_m=bm, pdl=fused, xq=xq if fused else None,
+                               capture=rec if fused and capture else None)  # fmt: skip
+        outs[fused] = (r_out, xn, logits, plan.topk_ids, plan.topk_w, plan.sorted_pair,
+                       plan.block_expert)  # fmt: skip
+    torch.cuda.synchronize()
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "router outputs differ"
+    _assert_rows_equal(xq, rec if capture else None, outs[True][1], "router xq")
+    assert int(counter) == 0, "counter not reset"
+
+
+@pytest.mark.parametrize("t,e,h,inter", [(1, 128, 2048, 768), (8, 128, 2048, 768),
+                                         (4, 32, 512, 256)])  # fmt: skip
+def test_fp4_gate_up_quantizes_act(t, e, h, inter):
+    """The CUDA FP4 gate_up with quant_out (last CTA) and PDL: act equal to the plain launch,
+    its NVFP4 rows equal quant.quantize_rows(act) bit for bit, the counter left at zero; the
+    down GEMM after it (PDL) equal to the plain one."""
+    from trace_common.kernels import cuda_moe, moe
+    from trace_common.kernels.quant import quantize_rows
+
+    k = 8
+    gu = moe.quantize_weights(_rand(e, 2 * inter, h, std=0.05, seed=41), shared_halves=True)
+    dn = moe.quantize_weights(_rand(e, h, inter, std=0.05, seed=42), shared_halves=False)
+    gu.pack_for_cuda_()
+    dn.pack_for_cuda_()
+    plan = moe.RoutePlan.allocate(t, e, k, 8, DEV)
+    ids, wts = moe.route_reference(torch.randn(t, e, device=DEV), k)
+    plan.topk_ids.copy_(ids)
+    plan.topk_w.copy_(wts)
+    sp, be = moe.align_reference(ids, e, 8)
+    plan.sorted_pair.copy_(sp)
+    plan.block_expert.copy_(be)
+    xq, _ = _fp4_rows(t, h)
+    quantize_rows(_rand(t, h, seed=43), scale_2=None, dq16=xq.dq16,
+                  out=(xq.codes, xq.scales, xq.scale_2))  # fmt: skip
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    acts, ys = {}, {}
+    for fused in (False, True):
+        act = _nan(t * k, inter)
+        actq, _ = _fp4_rows(t * k, inter)
+        cuda_moe.moe_gemm_cuda(xq, gu, plan, gated=True, a_div=k, mul_route_w=False, out=act,
+                               kernel="mma", pdl=fused, quant_out=actq if fused else None,
+                               counter=counter)  # fmt: skip
+        if not fused:
+            quantize_rows(act, scale_2=None, dq16=actq.dq16,
+                          out=(actq.codes, actq.scales, actq.scale_2))  # fmt: skip
+        y = _nan(t * k, h)
+        cuda_moe.moe_gemm_cuda(actq, dn, plan, gated=False, a_div=1, mul_route_w=True, out=y,
+                               kernel="mma", pdl=fused)  # fmt: skip
+        acts[fused], ys[fused] = act, y
+        torch.cuda.synchronize()
+        if fused:
+            _assert_rows_equal(actq, None, act, "gate_up quant_out")
+    assert torch.isfinite(acts[True].float()).all(), "unwritten act rows"
+    assert torch.equal(acts[False], acts[True]), "gate_up output differs with quant_out/PDL"
+    assert torch.equal(ys[False], ys[True]), "down output differs"
+    assert int(counter) == 0, "counter not reset"
+
+
+@pytest.mark.parametrize("t,hkv,pro,capture", [(1, 4, True, True), (4, 4, True, False),
+                                               (8, 2, False, True), (3, 8, True, True)])  # fmt: skip
+def test_qkv_rope_fp4_kv_append(t, hkv, pro, capture):
+    """qkv_rope with fp4_cache: the FP4 cache (codes, scales, row scales: everywhere, so also
+    nothing outside pos) and the k, v records equal quant.kv_append_fp4 of its own kv_new bit
+    for bit; q and kv_new equal the launch without it; the counters left at zero."""
+    from trace_common.kernels import cuda_small
+    from trace_common.kernels.attention import KVCacheGPU
+    from trace_common.kernels.quant import CompactRecordBuffers, kv_append_fp4
+
+    h, hq, cap, eps = 512, 16, 40, 1e-6
+    n = (hq + 2 * hkv) * D
+    w = _rand(n, h, std=0.02, seed=51)
+    resid = _rand(t, h, seed=52)
+    ln_w = (1 + 0.1 * _rand(h, seed=53).float()).bfloat16()
+    norm_w = (1 + 0.1 * _rand(2, D, seed=54).float()).bfloat16()
+    pos = torch.randperm(cap, device=DEV)[:t].int()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))
+    _, xn = ref_add_rmsnorm(resid, None, 0, ln_w, eps)
+    counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device=DEV)
+    kv_counters = torch.zeros(2, dtype=torch.int32, device=DEV)
+    caches, recs, outs = [], [], []
+    for fused in (False, True):
+        c = KVCacheGPU.allocate(fp4=True, batch=t, kv_heads=hkv, capacity=cap, head_dim=D,
+                                device=DEV)  # fmt: skip
+        c.fill_random_(torch.Generator(device=DEV).manual_seed(55))
+        rec = CompactRecordBuffers.allocate(2 * t, hkv * D, DEV) if capture else None
+        q, kv, qkv = _nan(t, hq, D), _nan(2, t, hkv * D), _nan(t, n)
+        common = dict(w_qkv=w, qkv=qkv, counters=counters, norm_w=norm_w, pos=pos,
+                      inv_freq=inv_freq, q_out=q, kv_new=kv, cache=None, q_heads=hq,
+                      kv_heads=hkv, eps=eps, pdl=fused)  # fmt: skip
+        if fused:
+            common.update(fp4_cache=c, kv_counters=kv_counters, kv_capture=rec)
+        if pro:
+            cuda_small.qkv_rope(**common, resid_in=resid, delta=None, nsum=0, ln_w=ln_w,
+                                resid_out=_nan(t, h))  # fmt: skip
+        else:
+            cuda_small.qkv_rope(**common, xn=xn)
+        if not fused:
+            kv_append_fp4(kv, c.codes, c.scales, c.row_scales, pos, rec)
+        caches.append(c)
+        recs.append(rec)
+        outs.append((q, kv))
+    torch.cuda.synchronize()
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(a, b), "q / kv_new differ with fp4_cache"
+    for name in ("codes", "scales", "row_scales"):
+        a, b = getattr(caches[0], name), getattr(caches[1], name)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"FP4 cache {name}"
+    if capture:
+        for name in ("mbits", "block_scales", "row_scales"):
+            a, b = getattr(recs[0], name), getattr(recs[1], name)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"k/v record {name}"
+    assert int(counters.abs().sum()) == 0 and int(kv_counters.abs().sum()) == 0, "counters"
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_engine_small_fp4_fusions_equal_unfused(batch, monkeypatch):
+    """The FP4 small-batch step with its fusions (quantizes folded into router_topk and
+    gate_up, PDL expert GEMMs) equals the step without them bit for bit (logits, tokens, FP4
+    KV cache, guidance records), eager and replayed."""
+    results = {}
+    for spec in ("none", "all"):
+        monkeypatch.setenv("TRACE_SMALL_FP4_FUSE", spec)
+        eng, _, _ = _engine(True, "cuda", batch, small=True)
+        eng.pdl = True
+        eng.step()
+        eng.capture(warmup=1)
+        eng.replay()
+        torch.cuda.synchronize()
+        rec = eng.records[2]
+        results[spec] = [eng.logits, eng.tokens,
+                         *(t for c in eng.caches for t in (c.codes, c.scales, c.row_scales)),
+                         *(t for r in rec for t in (r.mbits, r.block_scales, r.row_scales))]  # fmt: skip
+    for i, (a, b) in enumerate(zip(results["none"], results["all"], strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"

@@ -174,7 +174,41 @@ __device__ __forceinline__ void store_outputs(const float* red, const int* pair_
   }
 }
 
-template <int NT, int RW, int WK, int KGW, bool GATED, int MINB>
+// QOUT: the last CTA of the grid to finish (atomic counter, zero before and after) NVFP4-
+// quantizes all n_pairs (<= NVFP4_CTA_MAX_ROWS) rows of `out` (as quant.quantize_rows with per-row scale_2, reading
+// them back from L2): the next GEMM's input, one quantize launch fewer. Outputs as the
+// quantize kernel's: codes [n_pairs, n_out/2], e4m3 scales [n_pairs, n_out/16], scale_2
+// [n_pairs], dq16 [n_pairs, n_out] (the down GEMM's operand).
+template <int NTHREADS>
+__device__ __forceinline__ void quantize_out_if_last(const u16* out, int n_pairs, int n_out,
+                                                     int* counter, u8* q_codes, u8* q_scales,
+                                                     float* q_g, u16* q_dq) {
+  __shared__ int is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    is_last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  auto load = [&](int r, int blk, float (&x)[16]) {
+    load_bf16x16_cg(out + (long)r * n_out + 16 * blk, x);
+  };
+  auto dst = [&](int r) {
+    NVFP4RowOut o = nvfp4_row_out(q_codes + (long)r * (n_out / 2),
+                                  q_scales + (long)r * (n_out / 16), q_g + r);
+    o.dq16 = q_dq ? q_dq + (long)r * n_out : nullptr;
+    return o;
+  };
+  nvfp4_quantize_rows_cta<NTHREADS>(n_pairs, n_out, load, dst);
+  __syncthreads();
+  if (threadIdx.x == 0) *counter = 0;
+}
+
+// Programmatic dependent launch (cuda_launch.launch_pdl; a no-op without the attribute): every
+// CTA waits for the previous grid first (the routing picks the weights, so nothing is
+// prefetched before), then lets the next grid start its CTAs.
+template <int NT, int RW, int WK, int KGW, bool GATED, int MINB, bool QOUT = false>
 __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
     const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
@@ -185,7 +219,10 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const int* __restrict__ block_expert,  // [MAXB]
     const float* __restrict__ route_w,     // [n_pairs]
     u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
-    int n_pairs, int n_out, int a_div, int mul_route_w) {
+    int n_pairs, int n_out, int a_div, int mul_route_w,
+    int* __restrict__ counter,             // QOUT: int32 [1], zero
+    u8* __restrict__ q_codes, u8* __restrict__ q_scales, float* __restrict__ q_g,
+    u16* __restrict__ q_dq) {              // QOUT: the quantized `out` (see above)
   constexpr int K = WK * KGW * 64;
   constexpr int KT = K / 16;
   constexpr int KG = K / 64;
@@ -195,9 +232,15 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   __shared__ int pair_s[BT];
   __shared__ float xg_s[BT], rw_s[BT];
 
+  pdl_wait();
+  pdl_launch_dependents();
   const int blk = blockIdx.x;
   const int e = block_expert[blk];
-  if (e < 0) return;
+  if (e < 0) {
+    if (QOUT)
+      quantize_out_if_last<WK * 32>(out, n_pairs, n_out, counter, q_codes, q_scales, q_g, q_dq);
+    return;
+  }
   // epilogue scalars, loaded now so that their latency hides under the weight loads
   const float wgain = w_g[e] * FP16_GAIN_SQ;
   load_block_scalars<BT>(pair_s, xg_s, rw_s, sorted_pair, x_g, route_w, blk, n_pairs, a_div,
@@ -254,6 +297,8 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   __syncthreads();
   store_outputs<NT, RW, WK, GATED>(&red[0][0][0][0][0], pair_s, xg_s, rw_s, wgain, out, n_pairs,
                                    n_out, blockIdx.y * RW * 16);
+  if (QOUT)
+    quantize_out_if_last<WK * 32>(out, n_pairs, n_out, counter, q_codes, q_scales, q_g, q_dq);
 }
 
 // ---------------------------------------------------------------------------------------------

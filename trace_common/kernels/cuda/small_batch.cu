@@ -328,14 +328,24 @@ __global__ void __launch_bounds__(WK * 32) gemv_bf16(const u16* __restrict__ w,
 // and the last CTA of each head: q/k RMSNorm (norm_w [2, 128]) + rotate-half RoPE at pos[b]
 // -> q_out [NT, hq, 128] and kv_new [2, NT, hkv 128] (k, v); with a BF16 cache [2, NT, hkv, S,
 // 128] it also writes k and v at position pos[b]. counters [hq + 2 hkv]: zero before and after.
-template <int NT, int WK, int KCW, int U, int NS, bool PRO>
-__global__ void __launch_bounds__(WK * 32) qkv_rope_bf16(
+// KVQ: the FP4 KV append (as quant.kv_append_fp4): the last CTA of all k heads (then of all v
+// heads; kv_counters [2], zero before and after) NVFP4-quantizes the NT new k (v) rows of hkv
+// 128 values (one scale_2 per token over all kv heads) into the FP4 cache at pos[b]: codes
+// kv_codes [2, NT, hkv, S, 64], scales kv_scales [2, NT, hkv, S, 8], kv_g [2, NT, S]; with
+// r_mbits also the compact record of the rows r = kind NT + b (r_mbits [2 NT, hkv 16],
+// r_scales [2 NT, hkv 8], r_g [2 NT]).
+// KVQ asks ptxas for 5 CTAs per SM (<= 51 registers, the 48 it uses without; 0 = no bound):
+// the 640 CTAs of the Qwen3-30B-A3B shape stay one wave on an H200.
+template <int NT, int WK, int KCW, int U, int NS, bool PRO, bool KVQ>
+__global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
     const u16* __restrict__ resid_in, const u16* __restrict__ delta, int nsum,
     const u16* __restrict__ ln_w, float eps, u16* __restrict__ resid_out,
     const u16* __restrict__ xn, const u16* __restrict__ w, u16* __restrict__ qkv,
     int* __restrict__ counters, const u16* __restrict__ norm_w, const int* __restrict__ pos,
     const float* __restrict__ inv_freq, u16* __restrict__ q_out, u16* __restrict__ kv_new,
-    u16* __restrict__ cache, int cap, int hq, int hkv) {
+    u16* __restrict__ cache, int cap, int hq, int hkv, int* __restrict__ kv_counters,
+    u8* __restrict__ kv_codes, u8* __restrict__ kv_scales, float* __restrict__ kv_g,
+    u8* __restrict__ r_mbits, u8* __restrict__ r_scales, float* __restrict__ r_g) {
   constexpr int K = WK * KCW * 32;
   constexpr int XS = K + 32;  // padded smem row: token rows start 64 bytes apart in bank space
   __shared__ __align__(16) u16 xs[PRO ? NT * XS : 8];
@@ -421,6 +431,36 @@ __global__ void __launch_bounds__(WK * 32) qkv_rope_bf16(
   }
   __syncthreads();
   if (threadIdx.x == 0) counters[head] = 0;
+  if (!KVQ || head < hq) return;
+  const int kind = head >= hq + hkv;  // 0: k, 1: v
+  __threadfence();  // this head's kv_new rows, before the group counter
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(kv_counters + kind, 1) == hkv - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int width = hkv * HEAD_DIM;
+  auto load = [&](int b, int blk, float (&x)[16]) {  // row b: token b's k (v)
+    load_bf16x16_cg(kv_new + (long)(kind * NT + b) * width + 16 * blk, x);
+  };
+  auto dst = [&](int b) {
+    const int r = kind * NT + b;  // the record's row
+    const long at = (long)r * hkv * cap + pos[b];  // (kind, b, head 0, pos) in the cache
+    NVFP4RowOut o = nvfp4_row_out(kv_codes + at * (HEAD_DIM / 2), kv_scales + at * (HEAD_DIM / 16),
+                                  kv_g + (long)r * cap + pos[b]);
+    o.seg_blocks = HEAD_DIM / 16;  // a head at one position
+    o.seg_codes = (long)cap * (HEAD_DIM / 2);
+    o.seg_scales = (long)cap * (HEAD_DIM / 16);
+    if (r_mbits) {
+      o.mbits = r_mbits + (long)r * (width / 8);
+      o.rec_scales = r_scales + (long)r * (width / 16);
+      o.rec_g = r_g + r;
+    }
+    return o;
+  };
+  nvfp4_quantize_rows_cta<WK * 32>(NT, width, load, dst);
+  __syncthreads();
+  if (threadIdx.x == 0) kv_counters[kind] = 0;
 }
 
 // Fused router: add + RMSNorm prologue (resid_in + nsum delta rows, ln_w; CTA 0 writes
@@ -428,14 +468,21 @@ __global__ void __launch_bounds__(WK * 32) qkv_rope_bf16(
 // top-k (ties: lowest index; weights renormalized), and the block layout of the grouped expert
 // GEMMs exactly as moe.align_reference (pairs of an expert in (j, t) order, padded to bm,
 // experts ascending; pad = n_pairs; block_expert -1 past the end). counter: zero before/after.
-template <int NT, int WK, int KCW, int U, int NS>
+// QX: one more CTA (the grid's last, no weight tile) NVFP4-quantizes the normalized rows it
+// computed like the others (the FP4 experts' input, as quant.quantize_rows with per-row
+// scale_2): codes q_codes [NT, K/2], e4m3 scales q_scales [NT, K/16], scale_2 q_g [NT], the
+// CUDA expert GEMM's operand q_dq [NT, K] (null: none) and, with r_mbits, the compact guidance
+// record (r_mbits [NT, K/8], r_scales [NT, K/16], r_g [NT]); one launch fewer per layer.
+template <int NT, int WK, int KCW, int U, int NS, bool QX>
 __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
     const u16* __restrict__ resid_in, const u16* __restrict__ delta, int nsum,
     const u16* __restrict__ ln_w, float eps, u16* __restrict__ resid_out,
     u16* __restrict__ xn_out, const u16* __restrict__ w, u16* __restrict__ logits,
     int* __restrict__ counter, int* __restrict__ topk_ids, float* __restrict__ topk_w,
     int* __restrict__ sorted_pair, int* __restrict__ block_expert, int n_exp, int top_k, int bm,
-    int maxb) {
+    int maxb, u8* __restrict__ q_codes, u8* __restrict__ q_scales, float* __restrict__ q_g,
+    u16* __restrict__ q_dq, u8* __restrict__ r_mbits, u8* __restrict__ r_scales,
+    float* __restrict__ r_g) {
   constexpr int K = WK * KCW * 32;
   constexpr int XS = K + 32;
   __shared__ __align__(16) u16 xs[NT * XS];
@@ -446,18 +493,47 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   __shared__ int s_nblk[MAX_EXPERTS], s_start[MAX_EXPERTS];
   __shared__ int s_slots[MAX_SLOTS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const bool quant_cta = QX && blockIdx.x == gridDim.x - 1;
   const int row0 = blockIdx.x * TILE_ROWS;
-  const u16* wt[1] = {w + (long)row0 * K};
+  const u16* wt[1] = {w + (long)(quant_cta ? 0 : row0) * K};
   WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
-  gv.start();  // weight copies in flight during the prologue
+  if (!quant_cta) gv.start();  // weight copies in flight during the prologue
   pdl_wait();
   pdl_launch_dependents();
   add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out, xn_out, xs,
                                      red);
-  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-  gv.run(g < NT ? xs + g * XS : nullptr, acc);
-  cta_reduce<1, WK>(acc, red);
-  if (warp == 0) store_tile<NT>(logits, n_exp, row0, acc[0]);
+  if (quant_cta) {
+    auto load = [&](int tk, int blk, float (&x)[16]) {  // from the normalized rows in xs
+      const uint4* p = reinterpret_cast<const uint4*>(xs + tk * XS + 16 * blk);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const uint4 v = p[hh];
+        const u32 vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          x[8 * hh + 2 * i] = bf16lo_to_f32(vv[i]);
+          x[8 * hh + 2 * i + 1] = bf16hi_to_f32(vv[i]);
+        }
+      }
+    };
+    auto dst = [&](int tk) {
+      NVFP4RowOut o = nvfp4_row_out(q_codes + (long)tk * (K / 2), q_scales + (long)tk * (K / 16),
+                                    q_g + tk);
+      o.dq16 = q_dq ? q_dq + (long)tk * K : nullptr;
+      if (r_mbits) {
+        o.mbits = r_mbits + (long)tk * (K / 8);
+        o.rec_scales = r_scales + (long)tk * (K / 16);
+        o.rec_g = r_g + tk;
+      }
+      return o;
+    };
+    nvfp4_quantize_rows_cta<WK * 32>(NT, K, load, dst);
+  } else {
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    gv.run(g < NT ? xs + g * XS : nullptr, acc);
+    cta_reduce<1, WK>(acc, red);
+    if (warp == 0) store_tile<NT>(logits, n_exp, row0, acc[0]);
+  }
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
