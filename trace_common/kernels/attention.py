@@ -101,22 +101,32 @@ class DecodeAttnPlan:
     nsplit: int
     part_o: torch.Tensor  # fp32 [B, HQ, NSPLIT, D]
     part_ml: torch.Tensor  # fp32 [B, HQ, NSPLIT, 2]
+    # fused attention (one launch, the last CTA of each (sequence, kv head) combines): its
+    # arrival counters, int32 [B * HKV], zero between launches; None: split + reduce kernels
+    counters: torch.Tensor | None = None
 
     @classmethod
     def make(
         cls, *, batch: int, q_heads: int, kv_heads: int, capacity: int, head_dim: int,
-        context_hint: int, device: str, cuda_fp4: bool = False,
+        context_hint: int, device: str, cuda_fp4: bool = False, fused: bool = False,
     ) -> DecodeAttnPlan:  # fmt: skip
         """Pick keys-per-split so that batch * kv_heads * splits of the expected context fill
         the GPU; splits past a sequence's length return at once. `cuda_fp4`: for the CUDA FP4
         kernel: the ring kernel's wave rule (`ring_chunk`), or 2x the splits from
-        CUDA_FP4_LONG_CONTEXT tokens for the first ("regs") kernel."""
-        ring_slots = 0
-        if cuda_fp4:
-            from trace_common.kernels import cuda_attn
+        CUDA_FP4_LONG_CONTEXT tokens for the first ("regs") kernel. `fused` (the small-batch
+        step): the one-launch kernels where `cuda_attn.fused_enabled()` and `fused_chunk` takes
+        the context (short ones); then `counters` is set."""
+        from trace_common.kernels import cuda_attn
 
-            ring_slots = cuda_attn.ring_ctas_per_sm() * _sm_count(device)
-        if ring_slots:
+        chunk = 0
+        if fused and cuda_attn.fused_enabled():
+            chunk = cuda_attn.fused_chunk(batch * kv_heads, context_hint, fp4=cuda_fp4,
+                                          sms=_sm_count(device))  # fmt: skip
+        fused = chunk > 0
+        ring_slots = cuda_attn.ring_ctas_per_sm() * _sm_count(device) if cuda_fp4 else 0
+        if fused:
+            pass  # chunk: fused_chunk's
+        elif ring_slots:
             chunk = ring_chunk(batch * kv_heads, context_hint, ring_slots)
         else:
             target = TARGET_PROGRAMS
@@ -131,6 +141,7 @@ class DecodeAttnPlan:
             nsplit,
             torch.empty(batch, q_heads, nsplit, head_dim, dtype=torch.float32, device=device),
             torch.empty(batch, q_heads, nsplit, 2, dtype=torch.float32, device=device),
+            torch.zeros(batch * kv_heads, dtype=torch.int32, device=device) if fused else None,
         )
 
 
@@ -159,39 +170,33 @@ def decode_attention(
     out: torch.Tensor | None = None,  # bf16 [B, HQ * D]
     decode: str | None = None,  # FP4 cache, Triton: "ptx" | "bits" (default: TRACE_FP4_DECODE)
     impl: str | None = None,  # FP4 cache: "cuda" | "triton" (default: TRACE_FP4_ATTN)
+    pdl: bool = False,  # fused plan: launch as a programmatic dependent launch
 ) -> torch.Tensor:
     """Softmax attention of one new query per sequence over its cached keys/values. With an
     FP4 cache the split kernel is the CUDA one (`cuda_attn`) where chosen and the shape fits,
-    else Triton; the splits are combined by the Triton reduce kernel either way."""
-    k_mod = load_kernels("_tl_attn")
+    else Triton; the splits are combined by the Triton reduce kernel either way. With a fused
+    plan (`plan.counters`) and a shape the CUDA kernels handle: one launch that also combines
+    (BF16 cache, or FP4 with the CUDA kernel)."""
     b, hq, d = q.shape
     qk_scale = d**-0.5 * LOG2E
     if out is None:
         out = torch.empty(b, hq * d, dtype=torch.bfloat16, device=q.device)
-    cuda_split = False
-    if cache.fp4 and fp4_attn_impl(impl) == "cuda":
-        from trace_common.kernels import cuda_attn
-
-        assert cache.codes is not None
-        cuda_split = cuda_attn.supports(hq, cache.codes.shape[2], d, plan.chunk)
-    if cuda_split:
-        from trace_common.kernels.cuda_attn import decode_attn_split_cuda
-
-        decode_attn_split_cuda(q, cache.codes, cache.scales, cache.row_scales, lens,  # type: ignore[arg-type]
-                               plan.part_o, plan.part_ml, chunk=plan.chunk,
-                               qk_scale=qk_scale)  # fmt: skip
-    elif cache.fp4:
-        assert cache.codes is not None
-        hkv, s = cache.codes.shape[2], cache.codes.shape[3]
-        words = fp4_decode_words(q.device, decode)
-        kc = cache.codes.view(torch.int32) if words else cache.codes
-        ks, kg = cache.scales, cache.row_scales
-    else:
-        assert cache.values is not None
-        hkv, s = cache.values.shape[2], cache.values.shape[3]
-        kc = ks = kg = cache.values
-        words = False
-    if not cuda_split:
+    how = _attention_cuda(q, cache, lens, plan, out, qk_scale, impl, pdl)
+    if how == "fused":
+        return out
+    k_mod = load_kernels("_tl_attn")
+    if how != "split":  # else the CUDA FP4 split kernel wrote the partials
+        if cache.fp4:
+            assert cache.codes is not None
+            hkv, s = cache.codes.shape[2], cache.codes.shape[3]
+            words = fp4_decode_words(q.device, decode)
+            kc = cache.codes.view(torch.int32) if words else cache.codes
+            ks, kg = cache.scales, cache.row_scales
+        else:
+            assert cache.values is not None
+            hkv, s = cache.values.shape[2], cache.values.shape[3]
+            kc = ks = kg = cache.values
+            words = False
         k_mod.decode_attn_split_kernel[(b, hkv, plan.nsplit)](
             q, kc, ks, kg, lens, plan.part_o, plan.part_ml, b, s, qk_scale, plan.nsplit,
             CHUNK=plan.chunk, HQ=hq, HKV=hkv, D=d, BH=max(16, hq // hkv), BN=ATTN_BLOCK_N,
@@ -202,6 +207,36 @@ def decode_attention(
         BS=max(2, 1 << (plan.nsplit - 1).bit_length()), num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _attention_cuda(
+    q: torch.Tensor, cache: KVCacheGPU, lens: torch.Tensor, plan: DecodeAttnPlan,
+    out: torch.Tensor, qk_scale: float, impl: str | None, pdl: bool,
+) -> str:  # fmt: skip
+    """The CUDA kernels' part of `decode_attention`, where they handle the case: "fused" (one
+    launch wrote `out`), "split" (the FP4 split kernel wrote the partials), else ""."""
+    fp4_cuda = cache.fp4 and fp4_attn_impl(impl) == "cuda"
+    if plan.counters is None and not fp4_cuda:
+        return ""
+    from trace_common.kernels import cuda_attn
+
+    kv = cache.codes if cache.fp4 else cache.values
+    assert kv is not None
+    if not cuda_attn.supports(q.shape[1], kv.shape[2], q.shape[2], plan.chunk):
+        return ""
+    if not cache.fp4:  # a fused plan (counters set)
+        cuda_attn.decode_attn_fused_bf16(q, kv, lens, plan.part_o, plan.part_ml, plan.counters,  # type: ignore[arg-type]
+                                         out, chunk=plan.chunk, qk_scale=qk_scale, pdl=pdl)  # fmt: skip
+        return "fused"
+    if not fp4_cuda:
+        return ""
+    fused = plan.counters is not None and cuda_attn.DEFAULT_CONFIG[0] == "ring"
+    cuda_attn.decode_attn_split_cuda(
+        q, kv, cache.scales, cache.row_scales, lens, plan.part_o, plan.part_ml,  # type: ignore[arg-type]
+        chunk=plan.chunk, qk_scale=qk_scale, counters=plan.counters if fused else None,
+        out=out if fused else None, pdl=pdl and fused,
+    )  # fmt: skip
+    return "fused" if fused else "split"
 
 
 def dequantize_cache(cache: KVCacheGPU) -> torch.Tensor:

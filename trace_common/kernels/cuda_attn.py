@@ -9,11 +9,20 @@ combines them with the Triton reduce kernel either way. It handles head_dim 128 
 heads per kv head (the Qwen3-MoE shape); `supports` says whether a shape fits. Compiled by
 NVRTC through CuPy on first use and launched on PyTorch's current stream (CUDA-graph safe).
 
+Fused attention (`decode_attention` with a plan made `fused`, the small-batch step): one launch
+per layer, no reduce kernel: the CTA that finishes a (sequence, kv head) last combines its
+splits (`cuda/attn_common.cuh`). For the FP4 cache that is the ring kernel compiled with FUSED;
+for the BF16 cache `attn_bf16_fused` (`cuda/attn_small.cu`, registers, swapped MMAs, loads its
+first tile's older tokens before `griddepcontrol.wait`). Both may be launched as programmatic
+dependent launches (`pdl=True`). `TRACE_ATTN_FUSED=on|off` (`fused_enabled`) selects them.
+
 Importing this module needs neither CuPy nor a GPU.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import pathlib
 
 import torch
@@ -21,6 +30,7 @@ import torch
 from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_fp4.cu"
+SMALL_SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_small.cu"
 HEAD_DIM = 128
 GROUP = 8  # query heads per kv head
 TILE = 16  # tokens per warp step
@@ -34,15 +44,60 @@ TILE = 16  # tokens per warp step
 DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
 
 
-def kernel_name(config: tuple) -> tuple[str, int]:
-    """(template instance to compile, warps per CTA) of a launch configuration."""
+FUSED_MODES = ("on", "off")
+DEFAULT_FUSED = "on"
+# attn_bf16_fused: warps per CTA at most (fewer when a split has fewer 16-token tiles), and
+# CTAs per SM its 202 registers x 128 threads allow (nvcc -Xptxas -v, sm_90a, no spills); the
+# plan sizes its splits for that many resident CTAs (attention.ring_chunk)
+FUSED_BF16_MAX_WARPS = 4
+FUSED_BF16_CTAS_PER_SM = 2
+
+
+# The fused kernels' last CTA reads the splits' partials a batch of 8 at a time: cheap for a
+# few splits, slower than the reduce kernel's (B x HQ programs) for many. H200, batch 1, 48
+# layers, PDL (bench/attn_small_ab.py): 1K context (16 splits) fused 303.7 -> 313.1 tok/s BF16,
+# 317.5 -> 326.8 FP4; 32K (128-256 splits) 237.8 -> 220.6 BF16, 263.9 -> 227.9 FP4 (then with
+# one load per split in flight). So split + reduce beyond this many splits at the context hint.
+FUSED_MAX_SPLITS = 16
+
+
+def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
+    """Keys per split of the fused kernels for `heads` (batch x kv heads) sequences of
+    `context` tokens: TRACE_ATTN_FUSED_CHUNK if set, else the wave rule for their resident CTAs
+    (`attention.ring_chunk`); 0 (use split + reduce) where that is more than FUSED_MAX_SPLITS
+    splits."""
+    from trace_common.kernels.attention import ring_chunk
+
+    forced = os.environ.get("TRACE_ATTN_FUSED_CHUNK")
+    if forced:
+        return int(forced)
+    per_sm = ring_ctas_per_sm() if fp4 else FUSED_BF16_CTAS_PER_SM
+    if not per_sm:  # the FP4 "regs" kernel: no fused variant
+        return 0
+    chunk = ring_chunk(heads, context, per_sm * sms)
+    return chunk if -(-max(context, 1) // chunk) <= FUSED_MAX_SPLITS else 0
+
+
+def fused_enabled(mode: str | None = None) -> bool:
+    """Whether the small-batch step runs the fused (one-launch) attention: `mode`, else
+    TRACE_ATTN_FUSED, else DEFAULT_FUSED; "on" also needs CuPy."""
+    mode = mode or os.environ.get("TRACE_ATTN_FUSED", DEFAULT_FUSED)
+    if mode not in FUSED_MODES:
+        raise ValueError(f"TRACE_ATTN_FUSED={mode!r}; expected one of {FUSED_MODES}")
+    return mode == "on" and importlib.util.find_spec("cupy") is not None
+
+
+def kernel_name(config: tuple, fused: bool = False) -> tuple[str, int]:
+    """(template instance to compile, warps per CTA) of a launch configuration; `fused`: the
+    ring kernel's one-launch variant (combine in the last CTA)."""
     kind, *p = config
     if kind == "ring" and len(p) == 3 and p[2] >= 2:
-        return f"attn_fp4_ring<{p[0]}, {p[1]}, {p[2]}>", p[0]
-    if kind == "regs" and len(p) == 2:
+        return f"attn_fp4_ring<{p[0]}, {p[1]}, {p[2]}{', true' if fused else ''}>", p[0]
+    if kind == "regs" and len(p) == 2 and not fused:
         return f"attn_fp4_split<{p[0]}, {p[1]}>", p[0]
     raise ValueError(f"CUDA FP4 attention config {config!r}: expected ('ring', warps, "
-                     f"CTAs per SM, stages >= 2) or ('regs', warps, CTAs per SM)")  # fmt: skip
+                     f"CTAs per SM, stages >= 2) or ('regs', warps, CTAs per SM); fused={fused} "
+                     f"(the fused variant is the ring kernel's only)")  # fmt: skip
 
 
 def ring_ctas_per_sm(config: tuple | None = None) -> int:
@@ -69,9 +124,14 @@ def decode_attn_split_cuda(
     chunk: int,
     qk_scale: float,  # head_dim ** -0.5 * log2(e)
     config: tuple | None = None,  # default DEFAULT_CONFIG
+    counters: torch.Tensor | None = None,  # int32 [B * HKV], zero: the fused variant
+    out: torch.Tensor | None = None,  # bf16 [B, HQ * 128]: its output
+    pdl: bool = False,
 ) -> None:
     """Split kernel of FP4 decode attention: writes part_o / part_ml for splits of `chunk`
-    tokens (splits starting at or past lens[b] are left untouched, as the reduce skips them)."""
+    tokens (splits starting at or past lens[b] are left untouched, as the reduce skips them).
+    With `counters` and `out` (ring kernel only): the fused variant, which also combines the
+    splits into `out`; `pdl`: launched as a programmatic dependent launch."""
     import numpy as np
 
     b, hq, d = q.shape
@@ -86,7 +146,11 @@ def decode_attn_split_cuda(
     for name, t in (("codes", codes), ("scales", scales), ("row_scales", row_scales)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    name, warps = kernel_name(config or DEFAULT_CONFIG)
+    fused = counters is not None
+    if fused:
+        _check_fused(counters, out, b, hq, hkv)
+    config = config or DEFAULT_CONFIG
+    name, warps = kernel_name(config, fused)
     fn = compiled_function(SOURCE, name)
     ptr = np.uint64
     args = (
@@ -95,12 +159,78 @@ def decode_attn_split_cuda(
         ptr(part_ml.data_ptr()), np.int32(b), np.int32(hkv), np.int32(s), np.int32(chunk),
         np.int32(nsplit), np.float32(qk_scale),
     )  # fmt: skip
-    launch_on_torch_stream(fn, (nsplit, hkv, b), (warps * 32,), args, q.device)
+    if config[0] == "ring":  # its FUSED arguments (unused, null, when not fused)
+        args += (ptr(counters.data_ptr() if fused else 0), ptr(out.data_ptr() if fused else 0))  # type: ignore[union-attr]
+    launch_on_torch_stream(fn, (nsplit, hkv, b), (warps * 32,), args, q.device, pdl=pdl)
+
+
+def _check_fused(counters: torch.Tensor, out: torch.Tensor | None, b: int, hq: int,
+                 hkv: int) -> None:  # fmt: skip
+    if counters.dtype != torch.int32 or counters.numel() != b * hkv or not counters.is_contiguous():
+        raise ValueError(f"counters must be contiguous int32 [{b * hkv}]; got {counters.dtype} "
+                         f"{tuple(counters.shape)}")  # fmt: skip
+    if (out is None or out.dtype != torch.bfloat16 or tuple(out.shape) != (b, hq * HEAD_DIM)
+            or not out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"out must be contiguous bf16 [{b}, {hq * HEAD_DIM}]; got "
+                         f"{None if out is None else (out.dtype, tuple(out.shape))}")  # fmt: skip
+
+
+def fused_bf16_warps(chunk: int) -> int:
+    """Warps per CTA of attn_bf16_fused for splits of `chunk` tokens (one per 16-token tile,
+    at most FUSED_BF16_MAX_WARPS)."""
+    return max(1, min(FUSED_BF16_MAX_WARPS, chunk // TILE))
+
+
+def decode_attn_fused_bf16(
+    q: torch.Tensor,  # bf16 [B, HQ, 128]
+    values: torch.Tensor,  # bf16 [2, B, HKV, S, 128]
+    lens: torch.Tensor,  # int32 [B], >= 1
+    part_o: torch.Tensor,  # fp32 [B, HQ, NSPLIT, 128] scratch
+    part_ml: torch.Tensor,  # fp32 [B, HQ, NSPLIT, 2] scratch
+    counters: torch.Tensor,  # int32 [B * HKV], zero (zero again after the launch)
+    out: torch.Tensor,  # bf16 [B, HQ * 128]
+    *,
+    chunk: int,
+    qk_scale: float,  # head_dim ** -0.5 * log2(e)
+    pdl: bool = False,
+) -> None:
+    """Decode attention over the BF16 cache in one launch (`cuda/attn_small.cu`): splits of
+    `chunk` tokens, combined by the last CTA of each (sequence, kv head) into `out`. `pdl`: a
+    programmatic dependent launch, which reads the older cache rows before it waits for the
+    kernel before it (that kernel may write only position lens[b] - 1 and q)."""
+    import numpy as np
+
+    b, hq, d = q.shape
+    _, _, hkv, s, dv = values.shape
+    nsplit = part_o.shape[2]
+    if not supports(hq, hkv, d, chunk) or dv != d:
+        raise ValueError(f"fused BF16 attention needs head_dim {HEAD_DIM}, {GROUP} q heads per "
+                         f"kv head, chunk % {TILE} == 0; got D={d}, HQ={hq}, HKV={hkv}, "
+                         f"chunk={chunk}")  # fmt: skip
+    if q.dtype != torch.bfloat16 or not q.is_contiguous() or lens.dtype != torch.int32:
+        raise ValueError(f"q must be contiguous bf16 and lens int32; got {q.dtype}, {lens.dtype}")
+    if values.dtype != torch.bfloat16 or not values.is_contiguous():
+        raise ValueError(f"values must be contiguous bf16; got {values.dtype}")
+    _check_fused(counters, out, b, hq, hkv)
+    warps = fused_bf16_warps(chunk)
+    fn = compiled_function(SMALL_SOURCE, f"attn_bf16_fused<{warps}>")
+    ptr = np.uint64
+    args = (
+        ptr(q.data_ptr()), ptr(values.data_ptr()), ptr(lens.data_ptr()),
+        ptr(part_o.data_ptr()), ptr(part_ml.data_ptr()), ptr(counters.data_ptr()),
+        ptr(out.data_ptr()), np.int32(b), np.int32(hkv), np.int32(s), np.int32(chunk),
+        np.int32(nsplit), np.float32(qk_scale),
+    )  # fmt: skip
+    launch_on_torch_stream(fn, (nsplit, hkv, b), (warps * 32,), args, q.device, pdl=pdl)
 
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "decode_attn_fused_bf16",
     "decode_attn_split_cuda",
+    "fused_bf16_warps",
+    "fused_chunk",
+    "fused_enabled",
     "kernel_name",
     "ring_ctas_per_sm",
     "supports",

@@ -232,7 +232,7 @@ class DecodeEngine:
         self.attn_plan = attn.DecodeAttnPlan.make(
             batch=b, q_heads=s.q_heads, kv_heads=s.kv_heads, capacity=capacity, head_dim=d,
             context_hint=context, device=device,
-            cuda_fp4=self.fp4 and fp4_attn_impl() == "cuda",
+            cuda_fp4=self.fp4 and fp4_attn_impl() == "cuda", fused=self.small,
         )  # fmt: skip
         if self.fp4:
             u8 = dict(dtype=torch.uint8, device=device)
@@ -384,7 +384,8 @@ class DecodeEngine:
                 cuda_small.qkv_rope(**qkv_args, xn=self.xn, pdl=self.pdl)
             if self.fp4 and "kv" not in fuse:
                 attn.kv_append(cache, self.kv_new, self.pos, None if rec is None else rec[1])
-            attn.decode_attention(self.q, cache, self.lens, self.attn_plan, out=self.attn_out)
+            attn.decode_attention(self.q, cache, self.lens, self.attn_plan, out=self.attn_out,
+                                  pdl=self.pdl)  # fmt: skip
             cuda_small.gemv(self.attn_out, lw.w_o, self.o, warps=cuda_small.WARPS["o"],
                             pdl=self.pdl)  # fmt: skip
             plan = self.plans[li]

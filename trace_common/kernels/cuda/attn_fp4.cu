@@ -26,13 +26,9 @@
 //
 // No system headers: compiled by NVRTC (CuPy RawModule, -I on this folder) or nvcc alike.
 
-#include "fp4_common.cuh"
+#include "attn_common.cuh"  // HEAD_D, GROUP, TILE, merge_warps, the fused combine
 
-#define HEAD_D 128
-#define GROUP 8
-#define TILE 16
 #define FP16_GAIN 16384.0f  // 2**14: the fp16 decode gain of the codes
-#define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ void ldg_v4(const u32* p, u32* r) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -65,12 +61,6 @@ __device__ __forceinline__ float ldg_f32(const float* p) {
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
   u32 r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ float ex2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
 
@@ -113,35 +103,6 @@ __device__ __forceinline__ void load_q_frags(const u16* __restrict__ qrow, int t
     qf[2 * w][1] = pack_h2(f[4], f[6]);
     qf[2 * w + 1][0] = pack_h2(f[1], f[3]);
     qf[2 * w + 1][1] = pack_h2(f[5], f[7]);
-  }
-}
-
-// The CTA combines its warps' (max, sum, output) of the 8 heads and writes split `row0`'s
-// partials (row0 = (b * HQ + first head) * nsplit + split). o_s: warp w's [GROUP][HEAD_D + 4]
-// outputs start at o_s + w * o_stride.
-template <int WARPS>
-__device__ __forceinline__ void merge_warps(const float* o_s, int o_stride,
-                                            const float (*ml_s)[GROUP][2],
-                                            float* __restrict__ part_o,
-                                            float* __restrict__ part_ml, long row0, int nsplit) {
-  for (int o = threadIdx.x; o < GROUP * HEAD_D; o += WARPS * 32) {
-    const int h = o / HEAD_D, d = o % HEAD_D;
-    float mx = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, ml_s[w][h][0]);
-    float ov = 0.f, lv = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float wt = ex2(ml_s[w][h][0] - mx);
-      ov += o_s[w * o_stride + h * (HEAD_D + 4) + d] * wt;
-      lv += ml_s[w][h][1] * wt;
-    }
-    const long row = row0 + (long)h * nsplit;
-    part_o[row * HEAD_D + d] = ov;
-    if (d == 0) {
-      part_ml[row * 2] = mx;
-      part_ml[row * 2 + 1] = lv;
-    }
   }
 }
 
@@ -356,13 +317,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_split(
 #define ST_KS 2048       // K block scales, 16 x 8 B (V's follow at 2176)
 #define ST_KR 2304       // K row scales, 16 x fp32 (V's follow at 2368)
 
-// m8n8 b16 transpose within the warp: lane (g, t) gets row g of the transpose (elements 2t, 2t+1)
-__device__ __forceinline__ u32 movm_trans(u32 x) {
-  u32 r;
-  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
-  return r;
-}
-
 __device__ __forceinline__ void mma_full(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -434,7 +388,12 @@ __device__ __forceinline__ void ring_fill_next(u32 st, RingSrc& src, u32 dcode,
   src.r += WARPS * TILE;
 }
 
-template <int WARPS, int MINB, int NS>
+// FUSED: one launch for the whole attention (the small-batch step): the CTA that finishes a
+// (sequence, kv head) last combines its splits into `out` (attn_common.cuh; counters [B, HKV]
+// zero before and after), and as a programmatic dependent launch it waits (griddepcontrol) for
+// the kernel before it (the KV append) and lets the o projection start at once. Not FUSED:
+// partials only (counters, out unused), combined by the Triton reduce kernel.
+template <int WARPS, int MINB, int NS, bool FUSED = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     const u16* __restrict__ q,          // bf16 [B, HQ, 128]
     const u8* __restrict__ codes,       // [2, B, HKV, S, 64]
@@ -443,7 +402,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     const int* __restrict__ lens,       // [B] valid tokens (new one included)
     float* __restrict__ part_o,         // [B, HQ, NSPLIT, 128] unnormalized partial outputs
     float* __restrict__ part_ml,        // [B, HQ, NSPLIT, 2] max (log2 domain), sum
-    int n_batch, int hkv, int cap, int chunk, int nsplit, float qk_scale) {
+    int n_batch, int hkv, int cap, int chunk, int nsplit, float qk_scale,
+    int* __restrict__ counters,         // FUSED: [B, HKV]
+    u16* __restrict__ out) {            // FUSED: bf16 [B, HQ * 128]
   static_assert(NS >= 2, "a ring needs two stages");
   static_assert(NS * RING_STAGE >= GROUP * (HEAD_D + 4) * 4, "merge buffer aliases the ring");
   __shared__ alignas(128) u8 ring[WARPS][NS][RING_STAGE];
@@ -453,6 +414,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
   const int len = lens[b];
   const int start = sp * chunk;
   if (start >= len) return;  // past the sequence's end: the reduce skips this split
+  if (FUSED) {  // lens was written by an earlier step; the cache and q by the kernel before
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   const int end = min(start + chunk, len);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hq = hkv * GROUP;
@@ -625,6 +590,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     ml_s[warp][2 * t + 1][1] = l1;
   }
   __syncthreads();
+  const long row0 = ((long)b * hq + hk * GROUP) * nsplit;
   merge_warps<WARPS>((const float*)&ring[0][0][0], NS * RING_STAGE / 4, ml_s, part_o, part_ml,
-                     ((long)b * hq + hk * GROUP) * nsplit + sp, nsplit);
+                     row0 + sp, nsplit);
+  if (!FUSED) return;
+  const int nvalid = min(nsplit, (len + chunk - 1) / chunk);
+  if (!last_split_cta(counters + (long)b * hkv + hk, nvalid)) return;
+  combine_splits<WARPS * 32>(part_o, part_ml, out + ((long)b * hq + hk * GROUP) * HEAD_D, row0,
+                             nsplit, nvalid);
 }
