@@ -122,6 +122,79 @@ def dequant_tile_f16(packed, scale_bytes, R: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def row_scale_2(x):
+    """Per-row second-level scale of fp32 `x` (a whole row, zeros past its end): amax / 2688,
+    1.0 for an all-zero row (NVFP4_ZERO_AMAX_SCALE_2)."""
+    g = tl.math.div_rn(tl.max(tl.abs(x), axis=0), SCALE2_DIVISOR)
+    return tl.where(g == 0.0, 1.0, g)
+
+
+@triton.jit
+def quantize_store_row(
+    x,  # fp32 [BLOCK_C]: the row, zeros past C
+    g,  # fp32 scalar: its scale_2
+    r,  # int64 row index (records, dq16, row layout; KV_APPEND: r = kv * B + b)
+    pos,  # int64 cache position (KV_APPEND; else unused)
+    seq_cap,  # S (KV_APPEND)
+    codes_ptr, scale_ptr, g_out_ptr, mbits_ptr, rec_scale_ptr, rec_g_ptr, dq_ptr,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr, KV_APPEND: tl.constexpr,
+    CAPTURE: tl.constexpr, DQ16: tl.constexpr,
+):  # fmt: skip
+    """NVFP4-quantize one row held in registers and store codes, e4m3 block scales and
+    scale_2 (row layout, or the FP4 KV cache at `pos`), the dq16 operand and the compact
+    record: the body of `nvfp4_quant_kernel` (see its pointer comments), shared with the fused
+    kernels of `_tl_fused`. Every step is elementwise or a max, so the result does not depend
+    on how the row is laid out over threads."""
+    NB: tl.constexpr = BLOCK_C // BLOCK
+    xb = tl.reshape(x, [NB, BLOCK])  # [NB, 16]
+    block_amax = tl.max(tl.abs(xb), axis=1)  # [NB]
+    six_g = tl.zeros([NB], tl.float32) + E2M1_MAX * g  # fp32 product first, as the reference
+    s = tl.math.div_rn(block_amax, six_g)
+    s = tl.where(s == 0.0, 1.0, s)  # all-zero block: NVFP4_ZERO_BLOCK_SCALE
+    s = tl.minimum(tl.maximum(s, BLOCK_SCALE_MIN), BLOCK_SCALE_MAX)
+    s_val, s_byte = e4m3_round(s)
+    divisor = tl.broadcast_to((s_val * g)[:, None], [NB, BLOCK])  # fp32 block * scale_2
+    codes = f32_to_e2m1(tl.math.div_rn(xb, divisor))  # [NB, 16] int32
+    if DQ16:  # the CUDA expert GEMM's B operand: exact in fp16 (see cuda/moe_fp4.cu)
+        kk = tl.arange(0, BLOCK)
+        perm = ((kk % 8) // 2) * 4 + (kk // 8) * 2 + kk % 2  # lane quad t: 2t, 2t+1, 2t+8, 2t+9
+        jd = tl.arange(0, NB)
+        dq = e2m1_to_f32(codes) * s_val[:, None] * FP16_DECODE_INV
+        tl.store(dq_ptr + r * C + jd[:, None] * BLOCK + perm[None, :], dq.to(tl.float16),
+                 mask=(jd < C // BLOCK)[:, None])  # fmt: skip
+    codes = tl.reshape(codes, [BLOCK_C // 2, 2])
+    lo, hi = tl.split(codes)
+    packed = (lo | (hi << 4)).to(tl.uint8)  # [BLOCK_C/2]
+    jc = tl.arange(0, BLOCK_C // 2)
+    jb = tl.arange(0, NB)
+    if KV_APPEND:
+        NSEG: tl.constexpr = C // SEG
+        seg_c = jc // (SEG // 2)
+        code_off = ((r * NSEG + seg_c) * seq_cap + pos) * (SEG // 2) + jc % (SEG // 2)
+        seg_b = jb // (SEG // BLOCK)
+        scale_off = ((r * NSEG + seg_b) * seq_cap + pos) * (SEG // BLOCK) + jb % (SEG // BLOCK)
+        g_off = r * seq_cap + pos
+    else:
+        code_off = r * (C // 2) + jc
+        scale_off = r * (C // BLOCK) + jb
+        g_off = r
+    tl.store(codes_ptr + code_off, packed, mask=jc < C // 2)
+    tl.store(scale_ptr + scale_off, s_byte.to(tl.uint8), mask=jb < C // BLOCK)
+    tl.store(g_out_ptr + g_off, g)
+    if CAPTURE:
+        # byte j holds elements 8j..8j+7: lo[4j+i] is element 8j+2i (bit 2i), hi[4j+i] is
+        # element 8j+2i+1 (bit 2i+1); the bits are disjoint, so their sum is their OR.
+        shift = 2 * tl.arange(0, 4)
+        m_lo = tl.reshape(lo & 1, [BLOCK_C // 8, 4])
+        m_hi = tl.reshape(hi & 1, [BLOCK_C // 8, 4])
+        byte = tl.sum((m_lo << shift[None, :]) + (m_hi << (shift[None, :] + 1)), axis=1)
+        jm = tl.arange(0, BLOCK_C // 8)
+        tl.store(mbits_ptr + r * (C // 8) + jm, byte.to(tl.uint8), mask=jm < C // 8)
+        tl.store(rec_scale_ptr + r * (C // BLOCK) + jb, s_byte.to(tl.uint8), mask=jb < C // BLOCK)
+        tl.store(rec_g_ptr + r, g)
+
+
+@triton.jit
 def nvfp4_quant_kernel(
     x_ptr,  # [R, C] fp32/bf16/fp16, row stride x_row_stride
     x_row_stride,
@@ -150,60 +223,18 @@ def nvfp4_quant_kernel(
     cols = tl.arange(0, BLOCK_C)
     x = tl.load(x_ptr + r * x_row_stride + cols, mask=cols < C, other=0.0).to(tl.float32)
     if PER_ROW:
-        g = tl.math.div_rn(tl.max(tl.abs(x), axis=0), SCALE2_DIVISOR)
-        g = tl.where(g == 0.0, 1.0, g)  # all-zero row: NVFP4_ZERO_AMAX_SCALE_2
+        g = row_scale_2(x)
     elif GIVEN_ROWS:
         g = tl.load(g_in_ptr + r)
     else:
         g = tl.load(g_in_ptr)
-    NB: tl.constexpr = BLOCK_C // BLOCK
-    xb = tl.reshape(x, [NB, BLOCK])  # [NB, 16]
-    block_amax = tl.max(tl.abs(xb), axis=1)  # [NB]
-    six_g = tl.zeros([NB], tl.float32) + E2M1_MAX * g  # fp32 product first, as the reference
-    s = tl.math.div_rn(block_amax, six_g)
-    s = tl.where(s == 0.0, 1.0, s)  # all-zero block: NVFP4_ZERO_BLOCK_SCALE
-    s = tl.minimum(tl.maximum(s, BLOCK_SCALE_MIN), BLOCK_SCALE_MAX)
-    s_val, s_byte = e4m3_round(s)
-    divisor = tl.broadcast_to((s_val * g)[:, None], [NB, BLOCK])  # fp32 block * scale_2
-    codes = f32_to_e2m1(tl.math.div_rn(xb, divisor))  # [NB, 16] int32
-    if DQ16:  # the CUDA expert GEMM's B operand: exact in fp16 (see cuda/moe_fp4.cu)
-        kk = tl.arange(0, BLOCK)
-        perm = ((kk % 8) // 2) * 4 + (kk // 8) * 2 + kk % 2  # lane quad t: 2t, 2t+1, 2t+8, 2t+9
-        jd = tl.arange(0, NB)
-        dq = e2m1_to_f32(codes) * s_val[:, None] * FP16_DECODE_INV
-        tl.store(dq_ptr + r * C + jd[:, None] * BLOCK + perm[None, :], dq.to(tl.float16),
-                 mask=(jd < C // BLOCK)[:, None])  # fmt: skip
-    codes = tl.reshape(codes, [BLOCK_C // 2, 2])
-    lo, hi = tl.split(codes)
-    packed = (lo | (hi << 4)).to(tl.uint8)  # [BLOCK_C/2]
-    jc = tl.arange(0, BLOCK_C // 2)
-    jb = tl.arange(0, NB)
-    if KV_APPEND:
+    if KV_APPEND:  # noqa: SIM108 - constexpr branch, one side compiled
         pos = tl.load(pos_ptr + r % n_seq).to(tl.int64)
-        NSEG: tl.constexpr = C // SEG
-        seg_c = jc // (SEG // 2)
-        code_off = ((r * NSEG + seg_c) * seq_cap + pos) * (SEG // 2) + jc % (SEG // 2)
-        seg_b = jb // (SEG // BLOCK)
-        scale_off = ((r * NSEG + seg_b) * seq_cap + pos) * (SEG // BLOCK) + jb % (SEG // BLOCK)
-        g_off = r * seq_cap + pos
     else:
-        code_off = r * (C // 2) + jc
-        scale_off = r * (C // BLOCK) + jb
-        g_off = r
-    tl.store(codes_ptr + code_off, packed, mask=jc < C // 2)
-    tl.store(scale_ptr + scale_off, s_byte.to(tl.uint8), mask=jb < C // BLOCK)
-    tl.store(g_out_ptr + g_off, g)
-    if CAPTURE:
-        # byte j holds elements 8j..8j+7: lo[4j+i] is element 8j+2i (bit 2i), hi[4j+i] is
-        # element 8j+2i+1 (bit 2i+1); the bits are disjoint, so their sum is their OR.
-        shift = 2 * tl.arange(0, 4)
-        m_lo = tl.reshape(lo & 1, [BLOCK_C // 8, 4])
-        m_hi = tl.reshape(hi & 1, [BLOCK_C // 8, 4])
-        byte = tl.sum((m_lo << shift[None, :]) + (m_hi << (shift[None, :] + 1)), axis=1)
-        jm = tl.arange(0, BLOCK_C // 8)
-        tl.store(mbits_ptr + r * (C // 8) + jm, byte.to(tl.uint8), mask=jm < C // 8)
-        tl.store(rec_scale_ptr + r * (C // BLOCK) + jb, s_byte.to(tl.uint8), mask=jb < C // BLOCK)
-        tl.store(rec_g_ptr + r, g)
+        pos = r  # unused
+    quantize_store_row(x, g, r, pos, seq_cap, codes_ptr, scale_ptr, g_out_ptr, mbits_ptr,
+                       rec_scale_ptr, rec_g_ptr, dq_ptr, C, BLOCK_C, SEG, KV_APPEND, CAPTURE,
+                       DQ16)  # fmt: skip
 
 
 # One 32-bit word holds 8 E2M1 codes (element i in nibble i). For j = 0..3 the word shifted
