@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--profile", action="store_true", help="kernel table of the last spec")
+    ap.add_argument("--best-out", type=pathlib.Path, help="write the fastest setting here")
     args = ap.parse_args()
     os.environ.setdefault("TRACE_FP4_GEMM", "cuda")
     shape = EngineShape(num_layers=args.layers)
@@ -62,6 +63,10 @@ def main() -> None:
             cap = f"; capture {ms_cap:6.3f} ms (+{100 * (ms_cap / ms - 1):4.1f}%)"
         print(f"  fuse={spec:14s} {ms:6.3f} ms/step {args.batch / ms * 1e3:7.1f} tok/s "
               f"({base * 1e3 / ms:5.3f}x of {args.specs[0]}){cap}", flush=True)  # fmt: skip
+    best = min(args.specs, key=lambda sp: statistics.median(times[(sp, False)]))
+    print(f"fastest: {best}")
+    if args.best_out:
+        args.best_out.write_text(best)
     del weights
     torch.cuda.empty_cache()
 

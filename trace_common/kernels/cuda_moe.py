@@ -34,7 +34,6 @@ K_GROUP = 64  # k per packed 16-byte load (4 k-tiles)
 LANES = 32
 BLOCK_MS = (8, 16)  # token slots per expert block the kernel is built for (NT = 1, 2)
 SMEM_LIMIT = 48 * 1024  # static shared memory of the split-K reduction
-QUANT_OUT_MAX_ROWS = 64  # pairs the mma kernel's last CTA quantizes (.cu NVFP4_CTA_MAX_ROWS)
 
 # Where each A-fragment register r (a0..a3) takes its bits in the packed word, for its low
 # half (h = 0; add 16 for h = 1): the 3 magnitude bits (m, e0, e1) from MAG[r]..MAG[r]+2, the
@@ -312,15 +311,15 @@ def moe_gemm_cuda(
     kernel: str | None = None,  # "stream" | "mma" (default: see `cuda_kernel`)
     pdl: bool = False,
     quant_out: FP4Rows | None = None,
-    counter: torch.Tensor | None = None,  # int32 [>= 1], zero: quant_out's last-CTA counter
+    counter: torch.Tensor | None = None,  # int32 [>= MAXB], zero: quant_out's per-block counters
 ) -> torch.Tensor:
     """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring).
 
     `pdl`: the `mma` kernel as a programmatic dependent launch (it waits before reading
     anything; the `stream` kernel is launched normally). `quant_out`: also NVFP4-quantize
     `out` into it (per-row scale_2, and its dq16 if given), equal to quant.quantize_rows(out,
-    scale_2=None, dq16=quant_out.dq16): by the `mma` kernel's last CTA (after `counter`) for
-    up to QUANT_OUT_MAX_ROWS pairs, else by a quantize launch after the GEMM."""
+    scale_2=None, dq16=quant_out.dq16): by the last CTA of each expert block in the `mma`
+    kernel (`counter`: one per block), by a quantize launch after the `stream` kernel."""
     if w.packed is None:
         raise ValueError("weights are not packed for the CUDA kernel: pack_fp4_weights first")
     if a.dq16 is None:
@@ -331,13 +330,9 @@ def moe_gemm_cuda(
     if out is None:
         out = torch.empty(plan.n_pairs, n_out, dtype=torch.bfloat16, device=plan.topk_w.device)
     if quant_out is not None:
-        _check_quant_out(quant_out, counter, plan.n_pairs, n_out)
-    stream = cuda_kernel(kernel, (w.k, plan.block_m, gated)) == "stream"
-    if stream or (quant_out is not None and plan.n_pairs > QUANT_OUT_MAX_ROWS):
-        if stream:
-            _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
-        else:
-            _launch_mma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
+        _check_quant_out(quant_out, counter, plan.n_pairs, n_out, plan.block_expert.numel())
+    if cuda_kernel(kernel, (w.k, plan.block_m, gated)) == "stream":
+        _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
         if quant_out is not None:
             from trace_common.kernels.quant import quantize_rows
 
@@ -348,7 +343,8 @@ def moe_gemm_cuda(
     return out
 
 
-def _check_quant_out(q: FP4Rows, counter: torch.Tensor | None, rows: int, k: int) -> None:
+def _check_quant_out(q: FP4Rows, counter: torch.Tensor | None, rows: int, k: int,
+                     blocks: int) -> None:  # fmt: skip
     want = {"codes": (torch.uint8, (rows, k // 2)), "scales": (torch.uint8, (rows, k // 16)),
             "scale_2": (torch.float32, (rows,)), "dq16": (torch.float16, (rows, k))}  # fmt: skip
     for name, (dtype, shape) in want.items():
@@ -360,8 +356,9 @@ def _check_quant_out(q: FP4Rows, counter: torch.Tensor | None, rows: int, k: int
                              f"{t.dtype} {tuple(t.shape)}")  # fmt: skip
     if k % 16:
         raise ValueError(f"quant_out: N_out={k} is not a multiple of 16")
-    if counter is None or counter.dtype != torch.int32 or counter.numel() < 1:
-        raise ValueError("quant_out needs counter: a zeroed int32 tensor of >= 1 element")
+    if counter is None or counter.dtype != torch.int32 or counter.numel() < blocks:
+        raise ValueError(f"quant_out needs counter: a zeroed int32 tensor of >= {blocks} "
+                         "elements (one per expert block)")  # fmt: skip
 
 
 def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor, n_out: int,
@@ -450,7 +447,6 @@ __all__ = [
     "CONFIGS",
     "CUDA_KERNELS",
     "KERNEL_FOR",
-    "QUANT_OUT_MAX_ROWS",
     "STREAM_CONFIGS",
     "PackedFP4",
     "block_m_for",

@@ -158,21 +158,15 @@ __device__ __forceinline__ NVFP4RowOut nvfp4_row_out(u8* codes, u8* scales, floa
   return o;
 }
 
-// 16 bf16 values at p (32-byte aligned) -> fp32, read from L2 (.cg: written by other CTAs of
-// this grid before a fence + counter)
-__device__ __forceinline__ void load_bf16x16_cg(const u16* p, float (&x)[16]) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    u32 v[4];
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                 : "l"(p + 8 * hh) : "memory");
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[8 * hh + 2 * i] = __uint_as_float(v[i] << 16);
-      x[8 * hh + 2 * i + 1] = __uint_as_float(v[i] & 0xFFFF0000u);
-    }
-  }
+// 4 bf16 values at p (8-byte aligned) -> fp32, read from L2 (.cg: written by other CTAs of this
+// grid before a fence + counter)
+__device__ __forceinline__ void load_bf16x4_cg(const u16* p, float (&x)[4]) {
+  u32 v0, v1;
+  asm volatile("ld.global.cg.v2.u32 {%0,%1}, [%2];" : "=r"(v0), "=r"(v1) : "l"(p) : "memory");
+  x[0] = __uint_as_float(v0 << 16);
+  x[1] = __uint_as_float(v0 & 0xFFFF0000u);
+  x[2] = __uint_as_float(v1 << 16);
+  x[3] = __uint_as_float(v1 & 0xFFFF0000u);
 }
 
 // scale_2 of a row from its amax (NVFP4_ZERO_AMAX_SCALE_2 = 1 for an all-zero row)
@@ -181,45 +175,51 @@ __device__ __forceinline__ float nvfp4_scale_2(float amax) {
   return g == 0.f ? 1.0f : g;
 }
 
-// Quantize block blk (its 16 values x) of a row whose scale_2 is g into o (all but scale_2).
-__device__ __forceinline__ void nvfp4_quantize_block(const float (&x)[16], float g, int blk,
-                                                     const NVFP4RowOut& o) {
-  float bamax = 0.f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) bamax = fmaxf(bamax, fabsf(x[j]));
+// max / or over the 4 lanes of a quad (lanes 4j..4j+3, all of them active)
+__device__ __forceinline__ float quad_max(float v) {
+  const u32 m = 0xFu << (threadIdx.x & 28);
+  v = fmaxf(v, __shfl_xor_sync(m, v, 1));
+  return fmaxf(v, __shfl_xor_sync(m, v, 2));
+}
+
+__device__ __forceinline__ u32 quad_or(u32 v) {
+  const u32 m = 0xFu << (threadIdx.x & 28);
+  v |= __shfl_xor_sync(m, v, 1);
+  return v | __shfl_xor_sync(m, v, 2);
+}
+
+// Lane q of a quad quantizes elements 4q..4q+3 (x) of block blk of a row whose scale_2 is g
+// and block amax bamax (over the quad) into o (all but scale_2).
+__device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], float bamax, float g,
+                                                       int blk, int q, const NVFP4RowOut& o) {
   float s = div_rn_f32(bamax, NVFP4_E2M1_MAX * g);  // fp32 product first, as the reference
   if (s == 0.f) s = 1.0f;  // NVFP4_ZERO_BLOCK_SCALE
   s = fminf(fmaxf(s, NVFP4_SCALE_MIN), NVFP4_SCALE_MAX);
   u32 sbyte;
   const float sv = f32_to_e4m3_rn(s, sbyte);
   const float divisor = sv * g;
-  // codes (element 2j low nibble of byte j), mantissa bits, and the dq16 words: B-fragment
-  // order, slot 4 ((kk % 8) / 2) + 2 (kk / 8) + kk % 2 holds element kk (2 slots per word)
-  u32 cw2[2] = {0u, 0u}, mb = 0, h[8];
+  u32 cw = 0, mb = 0, h[2] = {0u, 0u};
 #pragma unroll
-  for (int kk = 0; kk < 16; ++kk) {
-    const u32 c = f32_to_e2m1(div_rn_f32(x[kk], divisor));
-    cw2[kk >> 3] |= c << (4 * (kk & 7));
-    mb |= (c & 1u) << kk;
-    const int slot = ((kk & 7) >> 1) * 4 + (kk >> 3) * 2 + (kk & 1);
+  for (int j = 0; j < 4; ++j) {
+    const u32 c = f32_to_e2m1(div_rn_f32(x[j], divisor));
+    cw |= c << (4 * j);  // element 2i: low nibble of byte i
+    mb |= (c & 1u) << j;
     const u32 v = f32_to_f16_rn(e2m1_to_f32(c) * sv * FP16_DECODE_INV);
-    h[slot >> 1] = (slot & 1) ? h[slot >> 1] | (v << 16) : v;
+    h[j >> 1] |= v << (16 * (j & 1));
   }
-  uint2 cw;
-  cw.x = cw2[0];
-  cw.y = cw2[1];
+  mb = quad_or(mb << (4 * q));
   const int seg = blk / o.seg_blocks, bi = blk - seg * o.seg_blocks;
-  *reinterpret_cast<uint2*>(o.codes + seg * o.seg_codes + 8 * bi) = cw;
-  o.scales[seg * o.seg_scales + bi] = (u8)sbyte;
-  if (o.dq16) {
-    uint4 d0, d1;
-    d0.x = h[0], d0.y = h[1], d0.z = h[2], d0.w = h[3];
-    d1.x = h[4], d1.y = h[5], d1.z = h[6], d1.w = h[7];
-    uint4* dst = reinterpret_cast<uint4*>(o.dq16 + 16 * blk);
-    dst[0] = d0;
-    dst[1] = d1;
+  *reinterpret_cast<u16*>(o.codes + seg * o.seg_codes + 8 * bi + 2 * q) = (u16)cw;
+  if (q == 0) o.scales[seg * o.seg_scales + bi] = (u8)sbyte;
+  if (o.dq16) {  // B-fragment order: the pair (kk, kk + 1), kk even, is word ((kk % 8) / 2) * 2 + kk / 8
+    u32* dq = reinterpret_cast<u32*>(o.dq16 + 16 * blk);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int kk = 4 * q + 2 * p;
+      dq[((kk & 7) >> 1) * 2 + (kk >> 3)] = h[p];
+    }
   }
-  if (o.mbits) {
+  if (o.mbits && q == 0) {
     *reinterpret_cast<u16*>(o.mbits + 2 * blk) = (u16)mb;
     o.rec_scales[blk] = (u8)sbyte;
   }
@@ -228,36 +228,39 @@ __device__ __forceinline__ void nvfp4_quantize_block(const float (&x)[16], float
 #define NVFP4_CTA_MAX_ROWS 64  // rows nvfp4_quantize_rows_cta takes (64 = 8 tokens x top-8)
 
 // The whole CTA (every one of its NTHREADS threads calls this) NVFP4-quantizes `rows` (<= 64)
-// rows of k bf16 values (k % 16 == 0): load(r, blk, x) puts the 16 values of block blk of row
-// r into x (fp32), out(r) says where row r goes (an NVFP4RowOut). Thread i takes blocks i,
-// i + NTHREADS, ... of the flattened [rows, k/16] (one each at decode sizes, then kept in
-// registers); the row amax meets in shared memory (atomicMax on the bits: amax >= 0).
+// rows of k bf16 values (k % 16 == 0): load(r, e, x) puts the 4 values from element e of row r
+// into x (fp32), out(r) says where row r goes (an NVFP4RowOut). A quad of threads takes a block
+// (lane q: elements 4q..4q+3; short per-thread chains, as the Triton kernel's), quad i of the
+// CTA blocks i, i + NTHREADS / 4, ... of the flattened [rows, k/16] (one each at decode sizes,
+// then kept in registers); the row amax meets in shared memory (atomicMax on the bits: >= 0).
 template <int NTHREADS, class Load, class Out>
 __device__ __forceinline__ void nvfp4_quantize_rows_cta(int rows, int k, const Load& load,
                                                         const Out& out) {
+  static_assert(NTHREADS % 32 == 0, "whole warps");
   __shared__ float s_amax[NVFP4_CTA_MAX_ROWS];
-  const int nb = k >> 4, total = rows * nb;
+  const int nb = k >> 4, total = rows * nb * 4, q = threadIdx.x & 3;
   for (int r = threadIdx.x; r < rows; r += NTHREADS) s_amax[r] = 0.f;
   __syncthreads();
-  float x[16];
-  for (int i = threadIdx.x; i < total; i += NTHREADS) {
-    const int r = i / nb;
-    load(r, i - r * nb, x);
-    float m = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) m = fmaxf(m, fabsf(x[j]));
-    atomicMax(reinterpret_cast<int*>(s_amax + r), __float_as_int(m));
+  float x[4], bamax = 0.f;
+  for (int i = threadIdx.x; i < total; i += NTHREADS) {  // a quad is active or not as a whole
+    const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
+    load(r, 16 * blk + 4 * q, x);
+    bamax = quad_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
+    if (q == 0) atomicMax(reinterpret_cast<int*>(s_amax + r), __float_as_int(bamax));
   }
   __syncthreads();
   for (int i = threadIdx.x; i < total; i += NTHREADS) {
-    const int r = i / nb, blk = i - r * nb;
-    if (total > NTHREADS) load(r, blk, x);  // else x still holds this block
+    const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
+    if (total > NTHREADS) {  // else x and bamax still hold this block
+      load(r, 16 * blk + 4 * q, x);
+      bamax = quad_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
+    }
     const float g = nvfp4_scale_2(s_amax[r]);
     const NVFP4RowOut o = out(r);
-    if (blk == 0) {
+    if (blk == 0 && q == 0) {
       *o.scale_2 = g;
       if (o.rec_g) *o.rec_g = g;
     }
-    nvfp4_quantize_block(x, g, blk, o);
+    nvfp4_quantize_quarter(x, bamax, g, blk, q, o);
   }
 }

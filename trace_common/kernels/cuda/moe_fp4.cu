@@ -174,35 +174,40 @@ __device__ __forceinline__ void store_outputs(const float* red, const int* pair_
   }
 }
 
-// QOUT: the last CTA of the grid to finish (atomic counter, zero before and after) NVFP4-
-// quantizes all n_pairs (<= NVFP4_CTA_MAX_ROWS) rows of `out` (as quant.quantize_rows with per-row scale_2, reading
-// them back from L2): the next GEMM's input, one quantize launch fewer. Outputs as the
-// quantize kernel's: codes [n_pairs, n_out/2], e4m3 scales [n_pairs, n_out/16], scale_2
-// [n_pairs], dq16 [n_pairs, n_out] (the down GEMM's operand).
-template <int NTHREADS>
-__device__ __forceinline__ void quantize_out_if_last(const u16* out, int n_pairs, int n_out,
-                                                     int* counter, u8* q_codes, u8* q_scales,
-                                                     float* q_g, u16* q_dq) {
-  __shared__ int is_last;
-  __threadfence();
+// QOUT: the last of the gridDim.y CTAs of expert block blk to finish (counters[blk], zero
+// before and after) NVFP4-quantizes the block's pair rows of `out` (as quant.quantize_rows with
+// per-row scale_2, read back from L2): the next GEMM's input, one quantize launch fewer, spread
+// over the blocks' CTAs. Outputs as the quantize kernel's: codes [n_pairs, n_out/2], e4m3
+// scales [n_pairs, n_out/16], scale_2 [n_pairs], dq16 [n_pairs, n_out] (the down GEMM's).
+template <int NTHREADS, int BT>
+__device__ __forceinline__ void quantize_block_rows_if_last(const u16* out, const int* pair_s,
+                                                            int n_pairs, int n_out,
+                                                            int* counters, u8* q_codes,
+                                                            u8* q_scales, float* q_g, u16* q_dq) {
+  __shared__ int is_last, s_nrows, s_rows[BT];
+  __threadfence();  // this CTA's outputs, before the block's counter
   __syncthreads();
-  if (threadIdx.x == 0)
-    is_last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(counters + blockIdx.x, 1) == (int)gridDim.y - 1;
+    if (is_last) counters[blockIdx.x] = 0;
+    int n = 0;
+    for (int c = 0; c < BT; ++c)
+      if (pair_s[c] < n_pairs) s_rows[n++] = pair_s[c];
+    s_nrows = n;
+  }
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  auto load = [&](int r, int blk, float (&x)[16]) {
-    load_bf16x16_cg(out + (long)r * n_out + 16 * blk, x);
+  auto load = [&](int r, int e, float (&x)[4]) {
+    load_bf16x4_cg(out + (long)s_rows[r] * n_out + e, x);
   };
   auto dst = [&](int r) {
-    NVFP4RowOut o = nvfp4_row_out(q_codes + (long)r * (n_out / 2),
-                                  q_scales + (long)r * (n_out / 16), q_g + r);
-    o.dq16 = q_dq ? q_dq + (long)r * n_out : nullptr;
+    const long p = s_rows[r];
+    NVFP4RowOut o = nvfp4_row_out(q_codes + p * (n_out / 2), q_scales + p * (n_out / 16), q_g + p);
+    o.dq16 = q_dq ? q_dq + p * n_out : nullptr;
     return o;
   };
-  nvfp4_quantize_rows_cta<NTHREADS>(n_pairs, n_out, load, dst);
-  __syncthreads();
-  if (threadIdx.x == 0) *counter = 0;
+  nvfp4_quantize_rows_cta<NTHREADS>(s_nrows, n_out, load, dst);
 }
 
 // Programmatic dependent launch (cuda_launch.launch_pdl; a no-op without the attribute): every
@@ -220,7 +225,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const float* __restrict__ route_w,     // [n_pairs]
     u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
     int n_pairs, int n_out, int a_div, int mul_route_w,
-    int* __restrict__ counter,             // QOUT: int32 [1], zero
+    int* __restrict__ counter,             // QOUT: int32 [MAXB], zero
     u8* __restrict__ q_codes, u8* __restrict__ q_scales, float* __restrict__ q_g,
     u16* __restrict__ q_dq) {              // QOUT: the quantized `out` (see above)
   constexpr int K = WK * KGW * 64;
@@ -236,11 +241,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   pdl_launch_dependents();
   const int blk = blockIdx.x;
   const int e = block_expert[blk];
-  if (e < 0) {
-    if (QOUT)
-      quantize_out_if_last<WK * 32>(out, n_pairs, n_out, counter, q_codes, q_scales, q_g, q_dq);
-    return;
-  }
+  if (e < 0) return;
   // epilogue scalars, loaded now so that their latency hides under the weight loads
   const float wgain = w_g[e] * FP16_GAIN_SQ;
   load_block_scalars<BT>(pair_s, xg_s, rw_s, sorted_pair, x_g, route_w, blk, n_pairs, a_div,
@@ -298,7 +299,8 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   store_outputs<NT, RW, WK, GATED>(&red[0][0][0][0][0], pair_s, xg_s, rw_s, wgain, out, n_pairs,
                                    n_out, blockIdx.y * RW * 16);
   if (QOUT)
-    quantize_out_if_last<WK * 32>(out, n_pairs, n_out, counter, q_codes, q_scales, q_g, q_dq);
+    quantize_block_rows_if_last<WK * 32, BT>(out, pair_s, n_pairs, n_out, counter, q_codes,
+                                             q_scales, q_g, q_dq);
 }
 
 // ---------------------------------------------------------------------------------------------

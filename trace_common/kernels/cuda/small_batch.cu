@@ -21,6 +21,8 @@
 //  - routed experts: gate_up grouped by expert block (silu * up epilogue), down per token with
 //    one warp per chosen expert, the routing weights and the top-k sum in its epilogue (the
 //    same bf16 roundings as the per-pair path: bf16(w * acc) summed in fp32 in order j).
+//  - FP4 engine (optional): NVFP4 quantize of the experts' input (router, one extra CTA) and
+//    the FP4 KV append (qkv, the last CTA of the k / v heads), fp4_common.cuh's quantizer.
 // Rounding points follow the Triton kernels (trace_common/kernels/_tl_attn.py, _tl_moe.py).
 //
 // Programmatic dependent launch (cuda_launch.launch_pdl, TRACE_PDL=on): every kernel here calls
@@ -440,8 +442,8 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
   if (!is_last) return;
   __threadfence();
   const int width = hkv * HEAD_DIM;
-  auto load = [&](int b, int blk, float (&x)[16]) {  // row b: token b's k (v)
-    load_bf16x16_cg(kv_new + (long)(kind * NT + b) * width + 16 * blk, x);
+  auto load = [&](int b, int e, float (&x)[4]) {  // row b: token b's k (v)
+    load_bf16x4_cg(kv_new + (long)(kind * NT + b) * width + e, x);
   };
   auto dst = [&](int b) {
     const int r = kind * NT + b;  // the record's row
@@ -503,18 +505,12 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out, xn_out, xs,
                                      red);
   if (quant_cta) {
-    auto load = [&](int tk, int blk, float (&x)[16]) {  // from the normalized rows in xs
-      const uint4* p = reinterpret_cast<const uint4*>(xs + tk * XS + 16 * blk);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const uint4 v = p[hh];
-        const u32 vv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          x[8 * hh + 2 * i] = bf16lo_to_f32(vv[i]);
-          x[8 * hh + 2 * i + 1] = bf16hi_to_f32(vv[i]);
-        }
-      }
+    auto load = [&](int tk, int e, float (&x)[4]) {  // from the normalized rows in xs
+      const uint2 v = *reinterpret_cast<const uint2*>(xs + tk * XS + e);
+      x[0] = bf16lo_to_f32(v.x);
+      x[1] = bf16hi_to_f32(v.x);
+      x[2] = bf16lo_to_f32(v.y);
+      x[3] = bf16hi_to_f32(v.y);
     };
     auto dst = [&](int tk) {
       NVFP4RowOut o = nvfp4_row_out(q_codes + (long)tk * (K / 2), q_scales + (long)tk * (K / 16),
