@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import cuda_small, fp4_attn_impl, fp4_gemm_impl, moe
+from trace_common.kernels import cuda_small, fp4_attn_impl, fp4_gemm_impl, fused, moe
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
@@ -270,24 +270,42 @@ class DecodeEngine:
             self._step_small()
             return
         s, w = self.shape, self.w
+        # fused launches (trace_common.kernels.fused, TRACE_FUSED_STEP): same results
+        parts = fused.fused_parts()
+        qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
+        norm_quant = self.fp4 and "norm_quant" in parts and not s.hidden & (s.hidden - 1)
         torch.index_select(w.embed, 0, self.tokens, out=self.resid)
         for li, lw in enumerate(w.layers):
             prev = None if li == 0 else self.y
             attn.add_rmsnorm(prev, self.resid, lw.ln1, self.xn, nsum=0 if li == 0 else s.top_k,
                              eps=s.eps)  # fmt: skip
             torch.mm(self.xn, lw.w_qkv.t(), out=self.qkv)
-            attn.qk_norm_rope(self.qkv, lw.norm_qk, self.pos, self.inv_freq, self.q, self.kv_new,
-                              q_heads=s.q_heads, kv_heads=s.kv_heads, eps=s.eps)  # fmt: skip
             rec = self.records.get(li) if self.fp4 else None
-            attn.kv_append(self.caches[li], self.kv_new, self.pos, None if rec is None else rec[1])
+            if qk_kv:
+                fused.qk_norm_rope_append(self.qkv, lw.norm_qk, self.pos, self.inv_freq, self.q,
+                                          self.caches[li], None if rec is None else rec[1],
+                                          q_heads=s.q_heads, kv_heads=s.kv_heads,
+                                          eps=s.eps)  # fmt: skip
+            else:
+                attn.qk_norm_rope(self.qkv, lw.norm_qk, self.pos, self.inv_freq, self.q,
+                                  self.kv_new, q_heads=s.q_heads, kv_heads=s.kv_heads,
+                                  eps=s.eps)  # fmt: skip
+                attn.kv_append(self.caches[li], self.kv_new, self.pos,
+                               None if rec is None else rec[1])  # fmt: skip
             attn.decode_attention(self.q, self.caches[li], self.lens, self.attn_plan,
                                   out=self.attn_out)  # fmt: skip
             torch.mm(self.attn_out, lw.w_o.t(), out=self.o)
-            attn.add_rmsnorm(self.o, self.resid, lw.ln2, self.xn, nsum=1, eps=s.eps)
+            if norm_quant:  # ln2 and the experts' input quantization in one launch
+                fused.add_rmsnorm_quant(self.o, self.resid, lw.ln2, self.xn, self.xq, nsum=1,
+                                        eps=s.eps, capture=None if rec is None else rec[0])  # fmt: skip
+            else:
+                attn.add_rmsnorm(self.o, self.resid, lw.ln2, self.xn, nsum=1, eps=s.eps)
             torch.mm(self.xn, lw.router.t(), out=self.rlogits)
             plan = self.plans[li]
             moe.route_align_into(self.rlogits, plan)
-            if self.fp4:
+            if norm_quant:
+                self._experts_fp4_quantized(lw, plan)
+            elif self.fp4:
                 self._experts_fp4(lw, plan, rec)
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
@@ -343,6 +361,19 @@ class DecodeEngine:
             moe_gemm_cuda(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
                           out=self.y, pdl=pdl)  # fmt: skip
             return
+        moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
+                     mul_route_w=False, out=self.act, impl=impl)  # fmt: skip
+        quantize_rows(self.act, scale_2=None,
+                      out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
+                      dq16=self.actq.dq16)  # fmt: skip
+        moe.moe_gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
+                     out=self.y, impl=impl)  # fmt: skip
+
+    def _experts_fp4_quantized(self, lw: LayerWeights, plan: moe.RoutePlan) -> None:
+        """`_experts_fp4` after its first quantize (self.xq already holds the NVFP4 rows of
+        self.xn, written by `fused.add_rmsnorm_quant`): gate_up, quantize, down."""
+        s = self.shape
+        impl = "cuda" if self.cuda_gemm else "triton"
         moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
                      mul_route_w=False, out=self.act, impl=impl)  # fmt: skip
         quantize_rows(self.act, scale_2=None,
