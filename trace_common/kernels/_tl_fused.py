@@ -36,7 +36,6 @@ def add_rmsnorm_quant_kernel(
     NSUM: tl.constexpr,
     CAPTURE: tl.constexpr,
     DQ16: tl.constexpr,
-    RELOAD: tl.constexpr,  # quantize `out` as re-read from memory (else from registers)
 ):
     """Program t: `_tl_attn.add_rmsnorm_kernel` (same lines), then `nvfp4_quant_kernel` with a
     per-row scale_2 on its bf16 output: the row is whole in this program, so the per-token
@@ -54,9 +53,6 @@ def add_rmsnorm_quant_kernel(
     y = (x * r).to(tl.bfloat16).to(tl.float32) * tl.load(w_ptr + cols).to(tl.float32)
     y = y.to(tl.bfloat16)
     tl.store(out_ptr + t * H + cols, y)
-    if RELOAD:
-        tl.debug_barrier()  # this program's stores are visible to all its threads
-        y = tl.load(out_ptr + t * H + cols)
     xq = y.to(tl.float32)
     quantize_store_row(xq, row_scale_2(xq), t, t, 1, codes_ptr, scale_ptr, g_out_ptr, mbits_ptr,
                        rec_scale_ptr, rec_g_ptr, dq_ptr, H, H, H, False, CAPTURE,

@@ -10,7 +10,7 @@ exactly what the two write, bit for bit (tests/unit/gpu/test_fused_gpu.py):
   optional compact record of the k/v rows).
 
 Measured on the H200 (2026-12-03, bench/fused_step_ab.py, 1K context, batch 32, FP4 engine):
-norm_quant +0.9%, qk_kv +0.6% tokens/s. Not kept: routing top-k + block layout in one launch
+norm_quant +0.9%, qk_kv +0.6% tokens/s; both +2.7% at batch 32, +2.2% at 128. Not kept: routing top-k + block layout in one launch
 (the last program to finish its top-k builds the layout): -1.5% at batch 32, worse at 128,
 because the layout then runs on the one warp that the top-k's bit-exact reduction order needs.
 
@@ -20,11 +20,9 @@ or a comma-separated subset of FUSED_PARTS.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from trace_common.kernels import load_kernels
+from trace_common.kernels import env_parts, load_kernels
 from trace_common.kernels.attention import KVCacheGPU
 from trace_common.kernels.moe import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
@@ -36,28 +34,17 @@ _HEAD_WARPS = 1  # qk_norm_rope's
 
 def fused_parts(value: str | None = None) -> frozenset[str]:
     """The fused launches to use: `value`, else TRACE_FUSED_STEP, else all of them."""
-    value = value if value is not None else os.environ.get("TRACE_FUSED_STEP", "all")
-    if value == "all":
-        return frozenset(FUSED_PARTS)
-    if value == "none":
-        return frozenset()
-    parts = frozenset(p for p in value.split(",") if p)
-    if not parts <= set(FUSED_PARTS):
-        raise ValueError(
-            f"TRACE_FUSED_STEP={value!r}: expected 'all', 'none' or a comma list of {FUSED_PARTS}"
-        )
-    return parts
+    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, "all")
 
 
 def add_rmsnorm_quant(
     delta: torch.Tensor | None, resid: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
     q: FP4Rows, *, nsum: int, eps: float, capture: CompactRecordBuffers | None = None,
-    reload: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """resid [T, H] += sum of `nsum` delta rows per token; out = RMSNorm(resid) * weight (as
     `attention.add_rmsnorm`); q = NVFP4 rows of out with a per-token scale_2 (codes, scales,
     scale_2 and, where q.dq16 is given, the CUDA GEMM operand, as `quant.quantize_rows`);
-    with `capture`, its compact record. `reload`: quantize out as re-read from memory."""
+    with `capture`, its compact record."""
     k_mod = load_kernels("_tl_fused")
     t, h = resid.shape
     if h & (h - 1) or h % 16:
@@ -69,7 +56,7 @@ def add_rmsnorm_quant(
         resid if delta is None else delta, resid, weight, out, eps,
         q.codes, q.scales, q.scale_2, cap.mbits, cap.block_scales, cap.row_scales,
         q.codes if q.dq16 is None else q.dq16,
-        H=h, NSUM=nsum, CAPTURE=capture is not None, DQ16=q.dq16 is not None, RELOAD=reload,
+        H=h, NSUM=nsum, CAPTURE=capture is not None, DQ16=q.dq16 is not None,
         num_warps=_NORM_WARPS,
     )  # fmt: skip
     return out
