@@ -10,9 +10,10 @@ exactly what the two write, bit for bit (tests/unit/gpu/test_fused_gpu.py):
   optional compact record of the k/v rows).
 
 Measured on the H200 (2026-12-03, bench/fused_step_ab.py, 1K context, batch 32, FP4 engine):
-norm_quant +0.9%, qk_kv +0.6% tokens/s; both +2.7% at batch 32, +2.2% at 128. Not kept: routing top-k + block layout in one launch
-(the last program to finish its top-k builds the layout): -1.5% at batch 32, worse at 128,
-because the layout then runs on the one warp that the top-k's bit-exact reduction order needs.
+norm_quant +0.9%, qk_kv +0.6% tokens/s; both +2.7% at batch 32, +2.2% at 128. Not kept:
+routing top-k + block layout in one launch (the last program to finish its top-k builds the
+layout): -1.5% at batch 32, worse at 128, because the layout then runs on the one warp that
+the top-k's bit-exact reduction order needs.
 
 `fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all" (default), "none",
 or a comma-separated subset of FUSED_PARTS.
@@ -20,9 +21,11 @@ or a comma-separated subset of FUSED_PARTS.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from trace_common.kernels import env_parts, load_kernels
+from trace_common.kernels import load_kernels
 from trace_common.kernels.attention import KVCacheGPU
 from trace_common.kernels.moe import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
@@ -34,7 +37,17 @@ _HEAD_WARPS = 1  # qk_norm_rope's
 
 def fused_parts(value: str | None = None) -> frozenset[str]:
     """The fused launches to use: `value`, else TRACE_FUSED_STEP, else all of them."""
-    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, "all")
+    value = value if value is not None else os.environ.get("TRACE_FUSED_STEP", "all")
+    if value == "all":
+        return frozenset(FUSED_PARTS)
+    if value == "none":
+        return frozenset()
+    parts = frozenset(p for p in value.split(",") if p)
+    if not parts <= set(FUSED_PARTS):
+        raise ValueError(
+            f"TRACE_FUSED_STEP={value!r}: expected 'all', 'none' or a comma list of {FUSED_PARTS}"
+        )
+    return parts
 
 
 def add_rmsnorm_quant(
