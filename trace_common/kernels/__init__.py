@@ -34,6 +34,33 @@ def require_triton() -> ModuleType:
     return require_module("triton", "the TRACE GPU kernels", TRITON_INSTALL_HINT)
 
 
+def env_choice(env: str, value: str | None, choices: tuple[str, ...], default: str) -> str:
+    """A setting: `value`, else the environment variable `env`, else `default`; a value not
+    in `choices` raises ValueError naming `env` and the value."""
+    value = value or os.environ.get(env, default)
+    if value not in choices:
+        raise ValueError(f"{env}={value!r}; expected one of {choices}")
+    return value
+
+
+def env_parts(env: str, value: str | None, parts: tuple[str, ...], default: str) -> frozenset[str]:
+    """A set of named parts: `value`, else $env, else `default`; "all", "none" or a comma
+    list of `parts` (anything else raises ValueError naming `env` and the value)."""
+    value = value or os.environ.get(env, default)
+    if value == "all":
+        return frozenset(parts)
+    chosen = frozenset() if value == "none" else frozenset(
+        p.strip() for p in value.split(",") if p.strip())  # fmt: skip
+    if not chosen <= set(parts):
+        raise ValueError(f"{env}={value!r}; expected all, none or a comma list of {parts}")
+    return chosen
+
+
+def cupy_available() -> bool:
+    """Whether CuPy (which compiles and launches the CUDA C++ kernels) is importable."""
+    return importlib.util.find_spec("cupy") is not None
+
+
 # How FP4 codes are decoded in the GEMM/attention kernels: "ptx" (int32 words, inline PTX,
 # ~3 instructions per element; CUDA only) or "bits" (uint8 codes, plain Triton integer ops;
 # also runs under TRITON_INTERPRET=1). Override with TRACE_FP4_DECODE.
@@ -42,9 +69,7 @@ FP4_DECODE_MODES = ("ptx", "bits")
 
 def fp4_decode_words(device: torch_device_like, mode: str | None = None) -> bool:
     """True when the FP4 kernels should read codes as int32 words (the "ptx" decode)."""
-    mode = mode or os.environ.get("TRACE_FP4_DECODE", "ptx")
-    if mode not in FP4_DECODE_MODES:
-        raise ValueError(f"TRACE_FP4_DECODE={mode!r}; expected one of {FP4_DECODE_MODES}")
+    mode = env_choice("TRACE_FP4_DECODE", mode, FP4_DECODE_MODES, "ptx")
     on_cuda = str(device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1"
     return mode == "ptx" and on_cuda
 
@@ -60,11 +85,8 @@ DEFAULT_FP4_GEMM = "cuda"
 def _cuda_or_triton(impl: str | None, env: str, default: str) -> str:
     """`impl`, else $env, else `default` where CuPy is importable and "triton" where not."""
     if impl is None and env not in os.environ:
-        return default if importlib.util.find_spec("cupy") is not None else "triton"
-    impl = impl or os.environ[env]
-    if impl not in FP4_GEMM_IMPLS:
-        raise ValueError(f"{env}={impl!r}; expected one of {FP4_GEMM_IMPLS}")
-    return impl
+        return default if cupy_available() else "triton"
+    return env_choice(env, impl, FP4_GEMM_IMPLS, default)
 
 
 def fp4_gemm_impl(impl: str | None = None) -> str:
@@ -97,6 +119,9 @@ __all__ = [
     "FP4_DECODE_MODES",
     "FP4_GEMM_IMPLS",
     "TRITON_INSTALL_HINT",
+    "cupy_available",
+    "env_choice",
+    "env_parts",
     "fp4_attn_impl",
     "fp4_decode_words",
     "fp4_gemm_impl",

@@ -31,7 +31,15 @@ def add_rmsnorm_kernel(
 ):
     """resid += sum of NSUM delta rows (attention output, or the top-k weighted expert
     outputs); out = rmsnorm(resid) * w, the model's RMSNorm (fp32 math, cast, then weight)."""
-    t = tl.program_id(0).to(tl.int64)
+    add_rmsnorm_row(delta_ptr, resid_ptr, w_ptr, out_ptr, eps, tl.program_id(0).to(tl.int64), H,
+                    NSUM)  # fmt: skip
+
+
+@triton.jit
+def add_rmsnorm_row(delta_ptr, resid_ptr, w_ptr, out_ptr, eps, t, H: tl.constexpr,
+                    NSUM: tl.constexpr):  # fmt: skip
+    """Row t of `add_rmsnorm_kernel` (also the first half of `_tl_fused.add_rmsnorm_quant_kernel`:
+    one body, so both reduce in the same order); returns the bf16 [H] row it stored to out."""
     cols = tl.arange(0, H)
     x = tl.load(resid_ptr + t * H + cols).to(tl.float32)
     if NSUM > 0:
@@ -41,8 +49,11 @@ def add_rmsnorm_kernel(
         x = (x + d.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
         tl.store(resid_ptr + t * H + cols, x.to(tl.bfloat16))
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    y = (x * r).to(tl.bfloat16).to(tl.float32) * tl.load(w_ptr + cols).to(tl.float32)
-    tl.store(out_ptr + t * H + cols, y.to(tl.bfloat16))
+    y = ((x * r).to(tl.bfloat16).to(tl.float32) * tl.load(w_ptr + cols).to(tl.float32)).to(
+        tl.bfloat16
+    )
+    tl.store(out_ptr + t * H + cols, y)
+    return y
 
 
 @triton.jit
@@ -75,22 +86,32 @@ def qk_norm_rope_kernel(
     else:
         is_q = h < HQ
         nw = norm_w_ptr + (h >= HQ).to(tl.int32) * D
-        r = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-        y1 = (x1 * r).to(tl.bfloat16).to(tl.float32) * tl.load(nw + half).to(tl.float32)
-        y2 = (x2 * r).to(tl.bfloat16).to(tl.float32) * tl.load(nw + D // 2 + half).to(tl.float32)
-        y1 = y1.to(tl.bfloat16).to(tl.float32)
-        y2 = y2.to(tl.bfloat16).to(tl.float32)
-        ang = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + half)
-        c = tl.cos(ang).to(tl.bfloat16).to(tl.float32)
-        s = tl.sin(ang).to(tl.bfloat16).to(tl.float32)
-        o1 = (y1 * c - y2 * s).to(tl.bfloat16)
-        o2 = (y2 * c + y1 * s).to(tl.bfloat16)
+        o1, o2 = norm_rope_head(x1, x2, nw, pos_ptr, b, inv_freq_ptr, eps, D)
         if is_q:  # noqa: SIM108 - a runtime branch over pointers
             dst = q_out_ptr + (b * HQ + h) * D
         else:
             dst = kv_out_ptr + b * HKV * D + (h - HQ) * D
         tl.store(dst + half, o1)
         tl.store(dst + D // 2 + half, o2)
+
+
+@triton.jit
+def norm_rope_head(x1, x2, nw, pos_ptr, b, inv_freq_ptr, eps, D: tl.constexpr):
+    """One q or k head of `qk_norm_rope_kernel` (also of `_tl_fused.qk_norm_rope_append_kernel`):
+    its halves x1, x2 (fp32 [D/2]) RMS-normalized with weight `nw`, then rotate-half RoPE at
+    position pos[b]; returns the two halves, bf16 [D/2]."""
+    half = tl.arange(0, D // 2)
+    r = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+    y1 = (x1 * r).to(tl.bfloat16).to(tl.float32) * tl.load(nw + half).to(tl.float32)
+    y2 = (x2 * r).to(tl.bfloat16).to(tl.float32) * tl.load(nw + D // 2 + half).to(tl.float32)
+    y1 = y1.to(tl.bfloat16).to(tl.float32)
+    y2 = y2.to(tl.bfloat16).to(tl.float32)
+    ang = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + half)
+    c = tl.cos(ang).to(tl.bfloat16).to(tl.float32)
+    s = tl.sin(ang).to(tl.bfloat16).to(tl.float32)
+    o1 = (y1 * c - y2 * s).to(tl.bfloat16)
+    o2 = (y2 * c + y1 * s).to(tl.bfloat16)
+    return o1, o2
 
 
 @triton.jit

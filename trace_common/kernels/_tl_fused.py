@@ -3,9 +3,9 @@ into one: add+RMSNorm with the NVFP4 quantization of its output, and q/k norm + 
 KV append.
 
 Each computes exactly what the launches it replaces compute, bit for bit: the RMSNorm and RoPE
-lines repeat those of `_tl_attn` in the same order with the same launch width (a reduction's
-order depends on both; the reduced tensors get the same layouts, checked in the TTGIR), and the
-NVFP4 math is `_tl_fp4.quantize_store_row` itself. Tests: tests/unit/gpu/test_fused_gpu.py.
+are `_tl_attn`'s own helpers (`add_rmsnorm_row`, `norm_rope_head`) at the same launch width (a
+reduction's order depends on both; the reduced tensors get the same layouts, checked in the
+TTGIR), and the NVFP4 math is `_tl_fp4.quantize_store_row` itself. Tests: tests/unit/gpu/test_fused_gpu.py.
 
 Imports Triton at module import: load it through `trace_common.kernels.load_kernels`.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from trace_common.kernels._tl_attn import add_rmsnorm_row, norm_rope_head
 from trace_common.kernels._tl_fp4 import quantize_store_row, row_scale_2
 
 
@@ -37,22 +38,11 @@ def add_rmsnorm_quant_kernel(
     CAPTURE: tl.constexpr,
     DQ16: tl.constexpr,
 ):
-    """Program t: `_tl_attn.add_rmsnorm_kernel` (same lines), then `nvfp4_quant_kernel` with a
+    """Program t: `_tl_attn.add_rmsnorm_kernel` (its helper), then `nvfp4_quant_kernel` with a
     per-row scale_2 on its bf16 output: the row is whole in this program, so the per-token
     amax needs no second pass."""
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, H)
-    x = tl.load(resid_ptr + t * H + cols).to(tl.float32)
-    if NSUM > 0:
-        d = tl.zeros([H], tl.float32)
-        for j in tl.static_range(NSUM):
-            d += tl.load(delta_ptr + (t * NSUM + j) * H + cols).to(tl.float32)
-        x = (x + d.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-        tl.store(resid_ptr + t * H + cols, x.to(tl.bfloat16))
-    r = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    y = (x * r).to(tl.bfloat16).to(tl.float32) * tl.load(w_ptr + cols).to(tl.float32)
-    y = y.to(tl.bfloat16)
-    tl.store(out_ptr + t * H + cols, y)
+    y = add_rmsnorm_row(delta_ptr, resid_ptr, w_ptr, out_ptr, eps, t, H, NSUM)
     xq = y.to(tl.float32)
     quantize_store_row(xq, row_scale_2(xq), t, t, 1, codes_ptr, scale_ptr, g_out_ptr, mbits_ptr,
                        rec_scale_ptr, rec_g_ptr, dq_ptr, H, H, H, False, CAPTURE,
@@ -60,23 +50,12 @@ def add_rmsnorm_quant_kernel(
 
 
 @triton.jit
-def _norm_rope_head(src, nw, pos_ptr, b, inv_freq_ptr, eps, D: tl.constexpr):
-    """One q or k head of `_tl_attn.qk_norm_rope_kernel` (same lines): RMSNorm with weight
-    `nw`, then rotate-half RoPE at position pos[b]; returns the two halves, bf16 [D/2]."""
+def _norm_rope_at(src, nw, pos_ptr, b, inv_freq_ptr, eps, D: tl.constexpr):
+    """`_tl_attn.norm_rope_head` of the head whose D values start at `src`."""
     half = tl.arange(0, D // 2)
     x1 = tl.load(src + half).to(tl.float32)
     x2 = tl.load(src + D // 2 + half).to(tl.float32)
-    r = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-    y1 = (x1 * r).to(tl.bfloat16).to(tl.float32) * tl.load(nw + half).to(tl.float32)
-    y2 = (x2 * r).to(tl.bfloat16).to(tl.float32) * tl.load(nw + D // 2 + half).to(tl.float32)
-    y1 = y1.to(tl.bfloat16).to(tl.float32)
-    y2 = y2.to(tl.bfloat16).to(tl.float32)
-    ang = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + half)
-    c = tl.cos(ang).to(tl.bfloat16).to(tl.float32)
-    s = tl.sin(ang).to(tl.bfloat16).to(tl.float32)
-    o1 = (y1 * c - y2 * s).to(tl.bfloat16)
-    o2 = (y2 * c + y1 * s).to(tl.bfloat16)
-    return o1, o2
+    return norm_rope_head(x1, x2, nw, pos_ptr, b, inv_freq_ptr, eps, D)
 
 
 @triton.jit
@@ -109,7 +88,7 @@ def qk_norm_rope_append_kernel(
     h = tl.program_id(1)
     src = qkv_ptr + b * (HQ + 2 * HKV) * D
     if h < HQ:
-        o1, o2 = _norm_rope_head(src + h * D, norm_w_ptr, pos_ptr, b, inv_freq_ptr, eps, D)
+        o1, o2 = _norm_rope_at(src + h * D, norm_w_ptr, pos_ptr, b, inv_freq_ptr, eps, D)
         half = tl.arange(0, D // 2)
         dst = q_out_ptr + (b * HQ + h) * D
         tl.store(dst + half, o1)
@@ -121,7 +100,7 @@ def qk_norm_rope_append_kernel(
             k1 = tl.zeros([HKV, D // 2], tl.float32)
             k2 = tl.zeros([HKV, D // 2], tl.float32)
             for j in tl.static_range(HKV):
-                o1, o2 = _norm_rope_head(src + (HQ + j) * D, norm_w_ptr + D, pos_ptr, b,
+                o1, o2 = _norm_rope_at(src + (HQ + j) * D, norm_w_ptr + D, pos_ptr, b,
                                          inv_freq_ptr, eps, D)  # fmt: skip
                 k1 = tl.where(hh == j, o1.to(tl.float32)[None, :], k1)
                 k2 = tl.where(hh == j, o2.to(tl.float32)[None, :], k2)

@@ -21,12 +21,12 @@ Importing this module needs neither CuPy nor a GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 
 import torch
 
+from trace_common.kernels import cupy_available, env_choice
 from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_fp4.cu"
@@ -81,10 +81,9 @@ def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
 def fused_enabled(mode: str | None = None) -> bool:
     """Whether the small-batch step runs the fused (one-launch) attention: `mode`, else
     TRACE_ATTN_FUSED, else DEFAULT_FUSED; "on" also needs CuPy."""
-    mode = mode or os.environ.get("TRACE_ATTN_FUSED", DEFAULT_FUSED)
-    if mode not in FUSED_MODES:
-        raise ValueError(f"TRACE_ATTN_FUSED={mode!r}; expected one of {FUSED_MODES}")
-    return mode == "on" and importlib.util.find_spec("cupy") is not None
+    return env_choice("TRACE_ATTN_FUSED", mode, FUSED_MODES, DEFAULT_FUSED) == "on" and (
+        cupy_available()
+    )
 
 
 def kernel_name(config: tuple, fused: bool = False) -> tuple[str, int]:

@@ -8,12 +8,13 @@ launch, and its absence raises ImportError naming the install command.
 from __future__ import annotations
 
 import ctypes
-import os
 import pathlib
 import time
 from types import ModuleType
 
 import torch
+
+from trace_common.kernels import env_choice
 
 CUPY_INSTALL_HINT = "pip install 'trace-rl[gpu]' (cupy-cuda13x; cupy-cuda12x for CUDA 12)"
 
@@ -114,9 +115,7 @@ def _driver():
 def pdl_enabled(mode: str | None = None) -> bool:
     """Whether the small-batch kernels are launched as programmatic dependent launches: `mode`,
     else TRACE_PDL, else DEFAULT_PDL; "on" also needs compute capability >= 9.0."""
-    mode = mode or os.environ.get("TRACE_PDL", DEFAULT_PDL)
-    if mode not in PDL_MODES:
-        raise ValueError(f"TRACE_PDL={mode!r}; expected one of {PDL_MODES}")
+    mode = env_choice("TRACE_PDL", mode, PDL_MODES, DEFAULT_PDL)
     return mode == "on" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 

@@ -24,14 +24,13 @@ neighbour (PDL or not, ours or cuBLAS/Triton) is safe.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from trace_common.kernels import cupy_available, env_choice, env_parts
 from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
 
 if TYPE_CHECKING:
@@ -79,25 +78,16 @@ DEFAULT_FP4_FUSE = "pdl,xq"
 def fp4_fuse_parts(spec: str | None = None) -> frozenset[str]:
     """The FP4 fusions the small-batch step uses: `spec`, else TRACE_SMALL_FP4_FUSE, else
     DEFAULT_FP4_FUSE."""
-    spec = spec or os.environ.get("TRACE_SMALL_FP4_FUSE", DEFAULT_FP4_FUSE)
-    if spec == "all":
-        return frozenset(FP4_FUSE_PARTS)
-    parts = frozenset() if spec == "none" else frozenset(p.strip() for p in spec.split(","))
-    if not parts <= set(FP4_FUSE_PARTS):
-        raise ValueError(f"TRACE_SMALL_FP4_FUSE={spec!r}; expected all, none or a comma list "
-                         f"of {FP4_FUSE_PARTS}")  # fmt: skip
-    return parts
+    return env_parts("TRACE_SMALL_FP4_FUSE", spec, FP4_FUSE_PARTS, DEFAULT_FP4_FUSE)
 
 
 def small_batch_enabled(batch: int, mode: str | None = None) -> bool:
     """Whether the engine uses these kernels for `batch` tokens: `mode`, else
     TRACE_SMALL_BATCH, else DEFAULT_SMALL_BATCH ("auto": batch <= AUTO_MAX_BATCH where CuPy is
     importable; "on": batch <= MAX_TOKENS)."""
-    mode = mode or os.environ.get("TRACE_SMALL_BATCH", DEFAULT_SMALL_BATCH)
-    if mode not in SMALL_BATCH_MODES:
-        raise ValueError(f"TRACE_SMALL_BATCH={mode!r}; expected one of {SMALL_BATCH_MODES}")
+    mode = env_choice("TRACE_SMALL_BATCH", mode, SMALL_BATCH_MODES, DEFAULT_SMALL_BATCH)
     if mode == "auto":
-        return batch <= AUTO_MAX_BATCH and importlib.util.find_spec("cupy") is not None
+        return batch <= AUTO_MAX_BATCH and cupy_available()
     return mode == "on" and batch <= MAX_TOKENS
 
 

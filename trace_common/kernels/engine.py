@@ -17,6 +17,7 @@ weights (random weights of the right shapes), so it measures speed, not model ou
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -179,6 +180,14 @@ class DecodeEngine:
         self.small = small_batch
         # programmatic dependent launches of the small-batch kernels (cuda_launch.pdl_enabled)
         self.pdl = small_batch and (pdl_enabled() if pdl is None else pdl)
+        # fused launches writing the same results: on the small path with the CUDA expert GEMM
+        # (cuda_small.fp4_fuse_parts, TRACE_SMALL_FP4_FUSE), on the standard path
+        # (fused.fused_parts, TRACE_FUSED_STEP)
+        self.small_fuse = cuda_small.fp4_fuse_parts() if small_batch and self.cuda_gemm else (
+            frozenset())  # fmt: skip
+        parts = frozenset() if small_batch else fused.fused_parts()
+        self.qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
+        self.norm_quant = self.fp4 and "norm_quant" in parts and not s.hidden & (s.hidden - 1)
         self.batch, self.capacity, self.guided = batch, capacity, frozenset(guided_layers)
         b, h, d = batch, s.hidden, s.head_dim
         bf = dict(dtype=torch.bfloat16, device=device)
@@ -218,6 +227,10 @@ class DecodeEngine:
             moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
         ]
+        if self.small_fuse & {"kv", "act"}:  # last-CTA counters, zero between launches:
+            # qkv_rope's k and v groups, then gate_up's one per expert block
+            self.fp4_counters = torch.zeros(2 + self.plans[0].block_expert.numel(),
+                                            dtype=torch.int32, device=device)  # fmt: skip
         self.caches = [
             attn.KVCacheGPU.allocate(
                 fp4=self.fp4,
@@ -270,10 +283,6 @@ class DecodeEngine:
             self._step_small()
             return
         s, w = self.shape, self.w
-        # fused launches (trace_common.kernels.fused, TRACE_FUSED_STEP): same results
-        parts = fused.fused_parts()
-        qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
-        norm_quant = self.fp4 and "norm_quant" in parts and not s.hidden & (s.hidden - 1)
         torch.index_select(w.embed, 0, self.tokens, out=self.resid)
         for li, lw in enumerate(w.layers):
             prev = None if li == 0 else self.y
@@ -281,7 +290,7 @@ class DecodeEngine:
                              eps=s.eps)  # fmt: skip
             torch.mm(self.xn, lw.w_qkv.t(), out=self.qkv)
             rec = self.records.get(li) if self.fp4 else None
-            if qk_kv:
+            if self.qk_kv:
                 fused.qk_norm_rope_append(self.qkv, lw.norm_qk, self.pos, self.inv_freq, self.q,
                                           self.caches[li], None if rec is None else rec[1],
                                           q_heads=s.q_heads, kv_heads=s.kv_heads,
@@ -295,7 +304,7 @@ class DecodeEngine:
             attn.decode_attention(self.q, self.caches[li], self.lens, self.attn_plan,
                                   out=self.attn_out)  # fmt: skip
             torch.mm(self.attn_out, lw.w_o.t(), out=self.o)
-            if norm_quant:  # ln2 and the experts' input quantization in one launch
+            if self.norm_quant:  # ln2 and the experts' input quantization in one launch
                 fused.add_rmsnorm_quant(self.o, self.resid, lw.ln2, self.xn, self.xq, nsum=1,
                                         eps=s.eps, capture=None if rec is None else rec[0])  # fmt: skip
             else:
@@ -303,10 +312,8 @@ class DecodeEngine:
             torch.mm(self.xn, lw.router.t(), out=self.rlogits)
             plan = self.plans[li]
             moe.route_align_into(self.rlogits, plan)
-            if norm_quant:
-                self._experts_fp4_quantized(lw, plan)
-            elif self.fp4:
-                self._experts_fp4(lw, plan, rec)
+            if self.fp4:
+                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant)
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
                              mul_route_w=False, out=self.act)  # fmt: skip
@@ -330,68 +337,38 @@ class DecodeEngine:
                      x_quantized: bool = False, fuse_act: bool = False,
                      pdl: bool = False) -> None:  # fmt: skip
         """FP4 routed experts of self.xn into self.y (per pair): quantize, gate_up, quantize,
-        down (the guidance record of `moe_in` written by the first quantize). CUDA GEMM only
-        (`_step_small`): `x_quantized` (self.xq already holds xn's rows and the record, from
-        cuda_small.router_topk), `fuse_act` (gate_up's last CTA quantizes act), `pdl` (both
-        GEMMs as programmatic dependent launches)."""
+        down (the guidance record of `moe_in` written by the first quantize). `x_quantized`:
+        self.xq already holds xn's NVFP4 rows and record (written by cuda_small.router_topk
+        or fused.add_rmsnorm_quant). CUDA expert GEMM only: `fuse_act` (gate_up's last CTA of
+        each expert block quantizes act), `pdl` (both GEMMs as programmatic dependent
+        launches)."""
         s = self.shape
-        impl = "cuda" if self.cuda_gemm else "triton"
-        if (x_quantized or fuse_act or pdl) and not self.cuda_gemm:
-            raise ValueError("x_quantized / fuse_act / pdl need the CUDA expert GEMM")
+        if (fuse_act or pdl) and not self.cuda_gemm:
+            raise ValueError("fuse_act / pdl need the CUDA expert GEMM")
         if not x_quantized:
             quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
                           out=(self.xq.codes, self.xq.scales, self.xq.scale_2),
                           dq16=self.xq.dq16)  # fmt: skip
-        if fuse_act or pdl:
+        if self.cuda_gemm:
             from trace_common.kernels.cuda_moe import moe_gemm_cuda
 
-            counter = getattr(self, "fp4_counters", None)  # see _step_small
-            if fuse_act and counter is None:
-                counter = self.fp4_counters = torch.zeros(2 + plan.block_expert.numel(),
-                                                          dtype=torch.int32,
-                                                          device=self.tokens.device)  # fmt: skip
-            moe_gemm_cuda(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
-                          mul_route_w=False, out=self.act, pdl=pdl,
-                          quant_out=self.actq if fuse_act else None,
-                          counter=None if counter is None else counter[2:])  # fmt: skip
-            if not fuse_act:
-                quantize_rows(self.act, scale_2=None,
-                              out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
-                              dq16=self.actq.dq16)  # fmt: skip
-            moe_gemm_cuda(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
-                          out=self.y, pdl=pdl)  # fmt: skip
-            return
-        moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
-                     mul_route_w=False, out=self.act, impl=impl)  # fmt: skip
-        quantize_rows(self.act, scale_2=None,
-                      out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
-                      dq16=self.actq.dq16)  # fmt: skip
-        moe.moe_gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
-                     out=self.y, impl=impl)  # fmt: skip
-
-    def _experts_fp4_quantized(self, lw: LayerWeights, plan: moe.RoutePlan) -> None:
-        """`_experts_fp4` after its first quantize (self.xq already holds the NVFP4 rows of
-        self.xn, written by `fused.add_rmsnorm_quant`): gate_up, quantize, down."""
-        s = self.shape
-        impl = "cuda" if self.cuda_gemm else "triton"
-        moe.moe_gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k,
-                     mul_route_w=False, out=self.act, impl=impl)  # fmt: skip
-        quantize_rows(self.act, scale_2=None,
-                      out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
-                      dq16=self.actq.dq16)  # fmt: skip
-        moe.moe_gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
-                     out=self.y, impl=impl)  # fmt: skip
+            gemm = functools.partial(moe_gemm_cuda, pdl=pdl)
+        else:
+            gemm = functools.partial(moe.moe_gemm, impl="triton")
+        act_quant = dict(quant_out=self.actq, counter=self.fp4_counters[2:]) if fuse_act else {}
+        gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k, mul_route_w=False,
+             out=self.act, **act_quant)  # fmt: skip
+        if not fuse_act:
+            quantize_rows(self.act, scale_2=None,
+                          out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
+                          dq16=self.actq.dq16)  # fmt: skip
+        gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True, out=self.y)
 
     def _step_small(self) -> None:
         """`step` on the small-batch kernels. The residual alternates between self.resid and
         self.resid_b: a fused add + RMSNorm prologue reads one and writes the other."""
         s, w, b = self.shape, self.w, self.batch
-        # FP4 fusions on the CUDA expert GEMM (cuda_small.fp4_fuse_parts, TRACE_SMALL_FP4_FUSE)
-        fuse = cuda_small.fp4_fuse_parts() if self.fp4 and self.cuda_gemm else frozenset()
-        if fuse and getattr(self, "fp4_counters", None) is None:  # last-CTA counters, zero
-            # between launches: qkv_rope's k and v groups, then gate_up's per expert block
-            self.fp4_counters = torch.zeros(2 + self.plans[0].block_expert.numel(),
-                                            dtype=torch.int32, device=self.tokens.device)  # fmt: skip
+        fuse = self.small_fuse
         cur, other = self.resid, self.resid_b
         torch.index_select(w.embed, 0, self.tokens, out=cur)
         delta: torch.Tensor | None = None

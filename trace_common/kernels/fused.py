@@ -21,11 +21,9 @@ or a comma-separated subset of FUSED_PARTS.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from trace_common.kernels import load_kernels
+from trace_common.kernels import env_parts, load_kernels
 from trace_common.kernels.attention import KVCacheGPU
 from trace_common.kernels.moe import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
@@ -37,17 +35,7 @@ _HEAD_WARPS = 1  # qk_norm_rope's
 
 def fused_parts(value: str | None = None) -> frozenset[str]:
     """The fused launches to use: `value`, else TRACE_FUSED_STEP, else all of them."""
-    value = value if value is not None else os.environ.get("TRACE_FUSED_STEP", "all")
-    if value == "all":
-        return frozenset(FUSED_PARTS)
-    if value == "none":
-        return frozenset()
-    parts = frozenset(p for p in value.split(",") if p)
-    if not parts <= set(FUSED_PARTS):
-        raise ValueError(
-            f"TRACE_FUSED_STEP={value!r}: expected 'all', 'none' or a comma list of {FUSED_PARTS}"
-        )
-    return parts
+    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, "all")
 
 
 def add_rmsnorm_quant(

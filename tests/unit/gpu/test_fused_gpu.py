@@ -142,12 +142,18 @@ def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
     w = EngineWeights.random(shape, DEV, seed=2)
     if fp4:
         w.quantize_experts_(gemm)
-    eng = DecodeEngine(shape, w, batch=6, capacity=300, context=250,
-                       guided_layers=(1, 2) if fp4 else (), device=DEV, small_batch=False)  # fmt: skip
-    eng.fill_context_()
-    eng.tokens.random_(0, shape.vocab)
+    tokens = torch.randint(0, shape.vocab, (6,), device=DEV)
 
-    def state() -> list[torch.Tensor]:
+    def make(parts: str) -> DecodeEngine:  # the engine reads TRACE_FUSED_STEP when built
+        monkeypatch.setenv("TRACE_FUSED_STEP", parts)
+        eng = DecodeEngine(shape, w, batch=6, capacity=300, context=250,
+                           guided_layers=(1, 2) if fp4 else (), device=DEV,
+                           small_batch=False)  # fmt: skip
+        eng.fill_context_()
+        eng.tokens.copy_(tokens)
+        return eng
+
+    def state(eng: DecodeEngine) -> list[torch.Tensor]:
         ts = [eng.tokens, eng.pos, eng.lens, eng.logits]
         for c in eng.caches:
             ts += _cache_tensors(c)
@@ -155,29 +161,32 @@ def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
             ts += [r for buf in rec for r in (buf.mbits, buf.block_scales, buf.row_scales)]
         return ts
 
-    start = [t.clone() for t in state()]
-
-    def run(parts: str, graph: bool = False) -> list[torch.Tensor]:
-        for t, saved in zip(state(), start, strict=True):
+    def run(
+        eng: DecodeEngine, start: list[torch.Tensor], graph: bool = False
+    ) -> list[torch.Tensor]:
+        for t, saved in zip(state(eng), start, strict=True):
             t.copy_(saved)
-        monkeypatch.setenv("TRACE_FUSED_STEP", parts)
         if graph:
             eng.capture(warmup=1)
-            for t, saved in zip(state(), start, strict=True):
+            for t, saved in zip(state(eng), start, strict=True):
                 t.copy_(saved)
             eng.replay()
         else:
             eng.step()
         if DEV == "cuda":
             torch.cuda.synchronize()
-        return [t.clone() for t in state()]
+        return [t.clone() for t in state(eng)]
 
-    unfused = run("none")
-    fused_eager = run("all")
+    plain, fused_eng = make("none"), make("all")
+    assert not (plain.qk_kv or plain.norm_quant), "TRACE_FUSED_STEP=none left a fusion on"
+    assert fused_eng.qk_kv and fused_eng.norm_quant == fp4, "TRACE_FUSED_STEP=all: fusions off"
+    start = [t.clone() for t in state(plain)]
+    unfused = run(plain, start)
+    fused_eager = run(fused_eng, start)
     assert torch.isfinite(unfused[3].float()).all()
     for i, (a, b) in enumerate(zip(fused_eager, unfused, strict=True)):
         assert _equal(a, b), f"state tensor {i} differs between fused and unfused steps"
     if DEV == "cuda":
-        fused_graph = run("all", graph=True)
+        fused_graph = run(fused_eng, start, graph=True)
         for i, (a, b) in enumerate(zip(fused_graph, fused_eager, strict=True)):
             assert _equal(a, b), f"state tensor {i}: graph replay differs from eager"

@@ -50,6 +50,58 @@ __device__ __forceinline__ u32 attn_f32x2_to_bf16x2(float lo, float hi) {
   return r;
 }
 
+// One 16-token tile's online-softmax step (log2 domain) on the lane's swap-AB S^T fragment:
+// scores (s[0] + s[1]) of tokens g (c0, c1) and g + 8 (c2, c3) for heads 2t, 2t+1, scaled by
+// scale0 / scale1 and masked to -inf where in0 / in1 is false. Updates the running max m and
+// sum l of the two heads; returns the tile's probabilities p (token g: p0, p1; g + 8: p2, p3)
+// and the factors al0, al1 the old accumulators are to be rescaled by (`rescale_acc`).
+struct SoftmaxTile {
+  float p0, p1, p2, p3, al0, al1;
+};
+
+__device__ __forceinline__ SoftmaxTile online_softmax_tile(const float (&s)[2][4], float scale0,
+                                                           float scale1, bool in0, bool in1,
+                                                           float& m0, float& m1, float& l0,
+                                                           float& l1) {
+  const float x0 = in0 ? (s[0][0] + s[1][0]) * scale0 : NEG_INF;  // token g, head 2t
+  const float x1 = in0 ? (s[0][1] + s[1][1]) * scale0 : NEG_INF;  // token g, head 2t + 1
+  const float x2 = in1 ? (s[0][2] + s[1][2]) * scale1 : NEG_INF;  // token g + 8, head 2t
+  const float x3 = in1 ? (s[0][3] + s[1][3]) * scale1 : NEG_INF;
+  float mt0 = fmaxf(x0, x2), mt1 = fmaxf(x1, x3);
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    mt0 = fmaxf(mt0, __shfl_xor_sync(0xffffffffu, mt0, o));
+    mt1 = fmaxf(mt1, __shfl_xor_sync(0xffffffffu, mt1, o));
+  }
+  const float mn0 = fmaxf(m0, mt0), mn1 = fmaxf(m1, mt1);
+  SoftmaxTile r;
+  r.al0 = ex2(m0 - mn0);
+  r.al1 = ex2(m1 - mn1);
+  m0 = mn0;
+  m1 = mn1;
+  r.p0 = ex2(x0 - mn0);
+  r.p1 = ex2(x1 - mn1);
+  r.p2 = ex2(x2 - mn0);
+  r.p3 = ex2(x3 - mn1);
+  l0 = l0 * r.al0 + (r.p0 + r.p2);
+  l1 = l1 * r.al1 + (r.p1 + r.p3);
+  return r;
+}
+
+// O^T accumulators (8 m-tiles; c0/c2 head 2t, c1/c3 head 2t + 1) times the tile's rescale
+// factors, skipped while no lane's running max moved.
+__device__ __forceinline__ void rescale_acc(float (&acc)[8][4], float al0, float al1) {
+  if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      acc[r][0] *= al0;
+      acc[r][1] *= al1;
+      acc[r][2] *= al0;
+      acc[r][3] *= al1;
+    }
+  }
+}
+
 // The CTA combines its warps' (max, sum, output) of the 8 heads and writes split `row0`'s
 // partials (row0 = (b * HQ + first head) * nsplit + split). o_s: warp w's [GROUP][HEAD_D + 4]
 // outputs start at o_s + w * o_stride.

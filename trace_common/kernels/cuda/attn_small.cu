@@ -172,36 +172,12 @@ __global__ void __launch_bounds__(WARPS * 32) attn_bf16_fused(
       mma_bf16_16816(s[0], k0.x, k1.x, k0.y, k1.y, qb[c].x, qb[c].y);
       mma_bf16_16816(s[1], k0.z, k1.z, k0.w, k1.w, qb[c].z, qb[c].w);
     }
-    const bool in0 = t0 + g < end, in1 = t0 + g + 8 < end;
-    const float x0 = in0 ? (s[0][0] + s[1][0]) * qk_scale : NEG_INF;  // token g, head 2t
-    const float x1 = in0 ? (s[0][1] + s[1][1]) * qk_scale : NEG_INF;  // token g, head 2t + 1
-    const float x2 = in1 ? (s[0][2] + s[1][2]) * qk_scale : NEG_INF;  // token g + 8, head 2t
-    const float x3 = in1 ? (s[0][3] + s[1][3]) * qk_scale : NEG_INF;
-    float mt0 = fmaxf(x0, x2), mt1 = fmaxf(x1, x3);
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      mt0 = fmaxf(mt0, __shfl_xor_sync(0xffffffffu, mt0, o));
-      mt1 = fmaxf(mt1, __shfl_xor_sync(0xffffffffu, mt1, o));
-    }
-    const float mn0 = fmaxf(m0, mt0), mn1 = fmaxf(m1, mt1);
-    const float al0 = ex2(m0 - mn0), al1 = ex2(m1 - mn1);
-    m0 = mn0;
-    m1 = mn1;
-    const float p0 = ex2(x0 - mn0), p1 = ex2(x1 - mn1), p2 = ex2(x2 - mn0), p3 = ex2(x3 - mn1);
-    l0 = l0 * al0 + (p0 + p2);
-    l1 = l1 * al1 + (p1 + p3);
+    const SoftmaxTile p = online_softmax_tile(s, qk_scale, qk_scale, t0 + g < end,
+                                              t0 + g + 8 < end, m0, m1, l0, l1);
     // P^T fragments: b0 = heads g x tokens 2t, 2t+1; b1 = tokens 2t+8, 2t+9
-    const u32 pb0 = movm_trans(attn_f32x2_to_bf16x2(p0, p1));
-    const u32 pb1 = movm_trans(attn_f32x2_to_bf16x2(p2, p3));
-    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        acc[r][0] *= al0;
-        acc[r][1] *= al1;
-        acc[r][2] *= al0;
-        acc[r][3] *= al1;
-      }
-    }
+    const u32 pb0 = movm_trans(attn_f32x2_to_bf16x2(p.p0, p.p1));
+    const u32 pb1 = movm_trans(attn_f32x2_to_bf16x2(p.p2, p.p3));
+    rescale_acc(acc, p.al0, p.al1);
 
     // ---- O^T += V^T P^T: a0/a1 = d, d + 1 of tokens 2t, 2t+1; a2/a3 of tokens 2t+8, 2t+9
 #pragma unroll
