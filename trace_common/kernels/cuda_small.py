@@ -24,6 +24,8 @@ neighbour (PDL or not, ours or cuBLAS/Triton) is safe.
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -119,6 +121,33 @@ def split_k(k: int, warps: int, rt: int = 1) -> Split:
 # warps per CTA of each call site (tuned by hand for the Qwen3-30B-A3B shape on an H200: each
 # CTA's rings fit 2-4 CTAs per SM; docs in the module docstring of the .cu)
 WARPS = {"qkv": 8, "o": 8, "router": 8, "lm_head": 4, "gate_up": 4}
+RING_KNOBS = ("RING_STAGES", "RING_STAGE_CHUNKS")
+
+
+def configure(spec: str | dict[str, int] | None = None) -> dict[str, int]:
+    """Override launch shapes: `spec` (a dict or its JSON text), else TRACE_SMALL_CONFIG if
+    set, e.g. '{"qkv": 16, "RING_STAGES": 4}': keys of WARPS (warps per CTA of a call site)
+    or RING_KNOBS, positive integers (bench/small_batch_sweep.py searches them). Returns the
+    whole configuration now in force; a bad key or value raises ValueError naming it."""
+    global RING_STAGES, RING_STAGE_CHUNKS
+    if spec is None:
+        spec = os.environ.get("TRACE_SMALL_CONFIG") or {}
+    cfg = json.loads(spec) if isinstance(spec, str) else dict(spec)
+    for key, val in cfg.items():
+        if key not in WARPS and key not in RING_KNOBS:
+            raise ValueError(f"TRACE_SMALL_CONFIG key {key!r}: expected one of "
+                             f"{(*WARPS, *RING_KNOBS)}")  # fmt: skip
+        if type(val) is not int or val < 1:
+            raise ValueError(f"TRACE_SMALL_CONFIG {key}={val!r}: expected a positive integer")
+    for key, val in cfg.items():
+        if key in WARPS:
+            WARPS[key] = val
+    RING_STAGES = cfg.get("RING_STAGES", RING_STAGES)
+    RING_STAGE_CHUNKS = cfg.get("RING_STAGE_CHUNKS", RING_STAGE_CHUNKS)
+    return {**WARPS, "RING_STAGES": RING_STAGES, "RING_STAGE_CHUNKS": RING_STAGE_CHUNKS}
+
+
+configure()
 
 
 _SMEM_SET: dict[str, int] = {}
@@ -412,6 +441,7 @@ __all__ = [
     "MAX_TOKENS",
     "PROLOGUE_MAX_ROWS",
     "Split",
+    "configure",
     "fp4_fuse_parts",
     "gemv",
     "moe_down",

@@ -1,0 +1,46 @@
+"""cuda_small's launch-shape settings (no GPU needed): configure / TRACE_SMALL_CONFIG."""
+
+from __future__ import annotations
+
+import pytest
+
+from trace_common.kernels import cuda_small
+
+
+@pytest.fixture
+def restore():
+    saved = cuda_small.configure({})
+    yield
+    cuda_small.configure(saved)
+
+
+def test_configure_overrides_warps_and_ring(restore):
+    cfg = cuda_small.configure({"qkv": 16, "RING_STAGES": 4})
+    assert cuda_small.WARPS["qkv"] == 16 and cfg["qkv"] == 16
+    assert cuda_small.RING_STAGES == 4 and cfg["RING_STAGES"] == 4
+    # split_k reads the ring depth at call time: 2048 / (32 x 8 warps) = 8 chunks, 4 per stage
+    assert cuda_small.split_k(2048, 8).ns == 2
+    cuda_small.configure({"RING_STAGE_CHUNKS": 2})
+    assert cuda_small.split_k(2048, 8).ns == 4
+
+
+def test_configure_reads_the_environment(restore, monkeypatch):
+    monkeypatch.setenv("TRACE_SMALL_CONFIG", '{"router": 4, "RING_STAGE_CHUNKS": 2}')
+    cfg = cuda_small.configure()
+    assert cfg["router"] == 4 and cuda_small.RING_STAGE_CHUNKS == 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"qkvv": 8}, "key 'qkvv'"),
+        ({"o": 0}, "o=0"),
+        ({"RING_STAGES": 2.5}, "RING_STAGES=2.5"),
+        ('{"o": "8"}', "o='8'"),
+    ],
+)
+def test_configure_rejects_bad_settings(restore, spec, message):
+    before = cuda_small.configure({})
+    with pytest.raises(ValueError, match=message):
+        cuda_small.configure(spec)
+    assert cuda_small.configure({}) == before, "a refused setting changed nothing"
