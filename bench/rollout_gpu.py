@@ -8,7 +8,7 @@ bandwidth measured in the same run; then the largest batch fitting a fixed memor
 the long context; the guidance-capture slowdown; and transformers `generate` (BF16) as the
 outside baseline. Writes JSON + a PNG under --out.
 
-    python bench/rollout_gpu.py --out /tmp/rollout_gpu            # full run (~6 min on H200)
+    python bench/rollout_gpu.py --out /tmp/rollout_gpu            # full run (~1.5 min on H200)
     python bench/rollout_gpu.py --layers 4 --quick                  # smoke
     python bench/rollout_gpu.py --contexts 1024 --batches 1 8 --budget-gib 0 --hf-batches \
         --small both --no-capture --profile --gemv-table              # small-batch kernels A/B
