@@ -122,13 +122,11 @@ class DecodeAttnPlan:
         if fused and cuda_attn.fused_enabled():
             chunk = cuda_attn.fused_chunk(batch * kv_heads, context_hint, fp4=cuda_fp4,
                                           sms=_sm_count(device))  # fmt: skip
-        fused = chunk > 0
+        fused = chunk > 0  # else the split kernels' rules below
         ring_slots = cuda_attn.ring_ctas_per_sm() * _sm_count(device) if cuda_fp4 else 0
-        if fused:
-            pass  # chunk: fused_chunk's
-        elif ring_slots:
+        if not fused and ring_slots:
             chunk = ring_chunk(batch * kv_heads, context_hint, ring_slots)
-        else:
+        elif not fused:
             target = TARGET_PROGRAMS
             if cuda_fp4 and context_hint >= CUDA_FP4_LONG_CONTEXT:
                 target *= 2
