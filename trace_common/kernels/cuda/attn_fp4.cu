@@ -317,14 +317,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_split(
 #define ST_KS 2048       // K block scales, 16 x 8 B (V's follow at 2176)
 #define ST_KR 2304       // K row scales, 16 x fp32 (V's follow at 2368)
 
-__device__ __forceinline__ void mma_full(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                         u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // byte offset of (row, 16-byte chunk) of a stage's code block (see the swizzle above)
 __device__ __forceinline__ int ring_code_off(int row, int chunk) {
   return (row >> 1) * 128 + ((((row & 1) << 2) | chunk) ^ (((row >> 1) & 3) << 1)) * 16;
@@ -492,11 +484,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
         u32 lo0, hi0, lo1, hi1;
         fp4_bytes(k0[w], lo0, hi0);
         fp4_bytes(k1[w], lo1, hi1);
-        mma_full(s[0], hmul2(h2_b01(lo0), sc0), hmul2(h2_b01(lo1), sc1),
-                 hmul2(h2_b23(lo0), sc0), hmul2(h2_b23(lo1), sc1), qb[2 * w][0], qb[2 * w][1]);
-        mma_full(s[1], hmul2(h2_b01(hi0), sc0), hmul2(h2_b01(hi1), sc1),
-                 hmul2(h2_b23(hi0), sc0), hmul2(h2_b23(hi1), sc1), qb[2 * w + 1][0],
-                 qb[2 * w + 1][1]);
+        mma_f16(s[0], hmul2(h2_b01(lo0), sc0), hmul2(h2_b01(lo1), sc1),
+                hmul2(h2_b23(lo0), sc0), hmul2(h2_b23(lo1), sc1), qb[2 * w][0], qb[2 * w][1]);
+        mma_f16(s[1], hmul2(h2_b01(hi0), sc0), hmul2(h2_b01(hi1), sc1),
+                hmul2(h2_b23(hi0), sc0), hmul2(h2_b23(hi1), sc1), qb[2 * w + 1][0],
+                qb[2 * w + 1][1]);
       }
     }
     const float* rk = (const float*)(st + ST_KR);
@@ -530,10 +522,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
           fp4_bytes(__byte_perm(w0[k], w1[k], sel), lo0, hi0);
           fp4_bytes(__byte_perm(w2[k], w3[k], sel), lo1, hi1);
           const int mt = 2 * (2 * k + h);
-          mma_full(acc[mt], hmul2(h2_b01(lo0), sv0), hmul2(h2_b01(hi0), sv0),
-                   hmul2(h2_b01(lo1), sv1), hmul2(h2_b01(hi1), sv1), pb0, pb1);
-          mma_full(acc[mt + 1], hmul2(h2_b23(lo0), sv0), hmul2(h2_b23(hi0), sv0),
-                   hmul2(h2_b23(lo1), sv1), hmul2(h2_b23(hi1), sv1), pb0, pb1);
+          mma_f16(acc[mt], hmul2(h2_b01(lo0), sv0), hmul2(h2_b01(hi0), sv0),
+                  hmul2(h2_b01(lo1), sv1), hmul2(h2_b01(hi1), sv1), pb0, pb1);
+          mma_f16(acc[mt + 1], hmul2(h2_b23(lo0), sv0), hmul2(h2_b23(hi0), sv0),
+                  hmul2(h2_b23(lo1), sv1), hmul2(h2_b23(hi1), sv1), pb0, pb1);
         }
       }
     }

@@ -48,14 +48,6 @@ __device__ __forceinline__ uint4 ldg_cg_v4(const u16* p) {
   return r;
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                               u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ u32 word_of(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
@@ -169,8 +161,8 @@ __global__ void __launch_bounds__(WARPS * 32) attn_bf16_fused(
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint4 k0 = cur.k[0][c], k1 = cur.k[1][c];
-      mma_bf16_16816(s[0], k0.x, k1.x, k0.y, k1.y, qb[c].x, qb[c].y);
-      mma_bf16_16816(s[1], k0.z, k1.z, k0.w, k1.w, qb[c].z, qb[c].w);
+      mma_bf16(s[0], k0.x, k1.x, k0.y, k1.y, qb[c].x, qb[c].y);
+      mma_bf16(s[1], k0.z, k1.z, k0.w, k1.w, qb[c].z, qb[c].w);
     }
     const SoftmaxTile p = online_softmax_tile(s, qk_scale, qk_scale, t0 + g < end,
                                               t0 + g + 8 < end, m0, m1, l0, l1);
@@ -185,8 +177,8 @@ __global__ void __launch_bounds__(WARPS * 32) attn_bf16_fused(
       const int h = mt >> 2, w = mt & 3;
       const u32 v0 = word_of(cur.v[0][h], w), v1 = word_of(cur.v[1][h], w);
       const u32 v2 = word_of(cur.v[2][h], w), v3 = word_of(cur.v[3][h], w);
-      mma_bf16_16816(acc[mt], __byte_perm(v0, v1, 0x5410u), __byte_perm(v0, v1, 0x7632u),
-                     __byte_perm(v2, v3, 0x5410u), __byte_perm(v2, v3, 0x7632u), pb0, pb1);
+      mma_bf16(acc[mt], __byte_perm(v0, v1, 0x5410u), __byte_perm(v0, v1, 0x7632u),
+               __byte_perm(v2, v3, 0x5410u), __byte_perm(v2, v3, 0x7632u), pb0, pb1);
     }
     cur = nxt;
   }

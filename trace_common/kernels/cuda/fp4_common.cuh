@@ -1,4 +1,4 @@
-// Helpers shared by the CUDA kernels (moe_fp4.cu, attn_fp4.cu, small_batch.cu). No system headers:
+// Helpers shared by the CUDA kernels (moe_fp4.cu, attn_fp4.cu, attn_small.cu, small_batch.cu). No system headers:
 // compiled by NVRTC (CuPy RawModule, with -I on this folder) or nvcc alike.
 #pragma once
 
@@ -18,6 +18,24 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   u32 r;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
+}
+
+// ---- tensor-core MMA m16n8k16, fp32 accumulate in place (A row-major, B column-major) -----
+
+__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                        u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // ---- cp.async (global -> shared, bypassing registers) ----------------------------------------

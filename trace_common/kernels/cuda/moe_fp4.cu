@@ -38,14 +38,6 @@ __device__ __forceinline__ void ldg_v2(const u32* p, u32& a, u32& b) {
   asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
 }
 
-__device__ __forceinline__ void mma_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                          u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ u16 f32_to_bf16(float v) {
   u16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
@@ -138,7 +130,7 @@ __device__ __forceinline__ void mma_word(float (&acc)[NT][4], u32 word, u32 sw,
     scale_fragment(tile_scale<Q & 1>(sw), r0, r1, r2, r3);
   }
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) mma_16816(acc[nt], r0, r1, r2, r3, bq[nt][0], bq[nt][1]);
+  for (int nt = 0; nt < NT; ++nt) mma_f16(acc[nt], r0, r1, r2, r3, bq[nt][0], bq[nt][1]);
 }
 
 // Output (feature f, token slot c) of RW tiles from the WK warps' partial sums
