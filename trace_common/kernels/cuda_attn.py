@@ -27,7 +27,7 @@ import pathlib
 import torch
 
 from trace_common.kernels import cupy_available, env_choice
-from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
+from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream, pointers
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_fp4.cu"
 SMALL_SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_small.cu"
@@ -70,6 +70,9 @@ def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
 
     forced = os.environ.get("TRACE_ATTN_FUSED_CHUNK")
     if forced:
+        if not forced.isdigit() or int(forced) == 0 or int(forced) % TILE:
+            raise ValueError(f"TRACE_ATTN_FUSED_CHUNK={forced!r}: expected a positive multiple "
+                             f"of {TILE} tokens")  # fmt: skip
         return int(forced)
     per_sm = ring_ctas_per_sm() if fp4 else FUSED_BF16_CTAS_PER_SM
     if not per_sm:  # the FP4 "regs" kernel: no fused variant
@@ -159,7 +162,7 @@ def decode_attn_split_cuda(
         np.int32(nsplit), np.float32(qk_scale),
     )  # fmt: skip
     if config[0] == "ring":  # its FUSED arguments (unused, null, when not fused)
-        args += (ptr(counters.data_ptr() if fused else 0), ptr(out.data_ptr() if fused else 0))  # type: ignore[union-attr]
+        args += pointers(counters, out if fused else None)
     launch_on_torch_stream(fn, (nsplit, hkv, b), (warps * 32,), args, q.device, pdl=pdl)
 
 
@@ -213,12 +216,9 @@ def decode_attn_fused_bf16(
     _check_fused(counters, out, b, hq, hkv)
     warps = fused_bf16_warps(chunk)
     fn = compiled_function(SMALL_SOURCE, f"attn_bf16_fused<{warps}>")
-    ptr = np.uint64
     args = (
-        ptr(q.data_ptr()), ptr(values.data_ptr()), ptr(lens.data_ptr()),
-        ptr(part_o.data_ptr()), ptr(part_ml.data_ptr()), ptr(counters.data_ptr()),
-        ptr(out.data_ptr()), np.int32(b), np.int32(hkv), np.int32(s), np.int32(chunk),
-        np.int32(nsplit), np.float32(qk_scale),
+        *pointers(q, values, lens, part_o, part_ml, counters, out), np.int32(b), np.int32(hkv),
+        np.int32(s), np.int32(chunk), np.int32(nsplit), np.float32(qk_scale),
     )  # fmt: skip
     launch_on_torch_stream(fn, (nsplit, hkv, b), (warps * 32,), args, q.device, pdl=pdl)
 

@@ -46,6 +46,13 @@ def compiled_function(source: pathlib.Path, name: str):
     return fn
 
 
+def pointers(*ts: torch.Tensor | None) -> tuple:
+    """Kernel arguments for tensors: each one's device address as uint64, 0 for None."""
+    import numpy as np
+
+    return tuple(np.uint64(0 if t is None else t.data_ptr()) for t in ts)
+
+
 _STREAMS: dict[int, object] = {}
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
+from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream, pointers
 
 if TYPE_CHECKING:
     from trace_common.kernels.moe import ExpertWeights, FP4Rows, RoutePlan
@@ -345,15 +345,7 @@ def moe_gemm_cuda(
 
 def _check_quant_out(q: FP4Rows, counter: torch.Tensor | None, rows: int, k: int,
                      blocks: int) -> None:  # fmt: skip
-    want = {"codes": (torch.uint8, (rows, k // 2)), "scales": (torch.uint8, (rows, k // 16)),
-            "scale_2": (torch.float32, (rows,)), "dq16": (torch.float16, (rows, k))}  # fmt: skip
-    for name, (dtype, shape) in want.items():
-        t = getattr(q, name)
-        if t is None and name == "dq16":
-            continue
-        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"quant_out.{name}: expected contiguous {dtype} {shape}, got "
-                             f"{t.dtype} {tuple(t.shape)}")  # fmt: skip
+    q.check(rows, k, "quant_out")
     if k % 16:
         raise ValueError(f"quant_out: N_out={k} is not a multiple of 16")
     if counter is None or counter.dtype != torch.int32 or counter.numel() < blocks:
@@ -406,7 +398,6 @@ def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
                 mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
                 pdl: bool = False, quant_out: FP4Rows | None = None,
                 counter: torch.Tensor | None = None) -> None:  # fmt: skip
-    import numpy as np
 
     n_out = w.n // 2 if gated else w.n
     cfg = config or default_config(w.k, plan.block_m, gated)
@@ -423,8 +414,8 @@ def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
     fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None)
     grid = (plan.block_expert.numel(), n_out // (MMA_M * rw))
     q = quant_out
-    qptrs = (counter, *((None,) * 4 if q is None else (q.codes, q.scales, q.scale_2, q.dq16)))
-    qargs = tuple(np.uint64(0 if t is None else t.data_ptr()) for t in qptrs)
+    qargs = pointers(counter, *((None,) * 4 if q is None else (q.codes, q.scales, q.scale_2,
+                                                                q.dq16)))  # fmt: skip
     launch_on_torch_stream(fn, grid, (wk * LANES,),
                            (*_args(a, w, plan, out, n_out, a_div, mul_route_w), *qargs),
                            out.device, pdl=pdl)  # fmt: skip

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from trace_common.kernels import cupy_available, env_choice, env_parts
-from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream
+from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream, pointers
+from trace_common.kernels.quant import check_buffer as _check
 
 if TYPE_CHECKING:
     from trace_common.kernels.attention import KVCacheGPU
@@ -163,18 +164,6 @@ def _fn(name: str, smem: int):
     return fn
 
 
-def _ptrs(*ts: torch.Tensor | None) -> tuple:
-    import numpy as np
-
-    return tuple(np.uint64(0 if t is None else t.data_ptr()) for t in ts)
-
-
-def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-        raise ValueError(f"{name}: expected contiguous {dtype} {shape}, got {t.dtype} "
-                         f"{tuple(t.shape)} (contiguous={t.is_contiguous()})")  # fmt: skip
-
-
 def _tokens(t: int) -> None:
     if not 0 < t <= MAX_TOKENS:
         raise ValueError(f"{t} tokens: the small-batch kernels take 1..{MAX_TOKENS}")
@@ -196,7 +185,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, warps: int = 8,
     sp = split_k(k, warps)
     fn = _fn(f"gemv_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
     launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,),
-                           (*_ptrs(w, x, out), np.int32(n)), out.device, sp.smem, pdl)  # fmt: skip
+                           (*pointers(w, x, out), np.int32(n)), out.device, sp.smem, pdl)  # fmt: skip
 
 
 def _prologue_args(resid_in: torch.Tensor, delta: torch.Tensor | None, nsum: int,
@@ -211,7 +200,7 @@ def _prologue_args(resid_in: torch.Tensor, delta: torch.Tensor | None, nsum: int
         raise ValueError(f"nsum={nsum} with delta {'given' if delta is not None else 'None'}")
     if delta is not None:
         _check("delta", delta, torch.bfloat16, (t * nsum, h))
-    return (*_ptrs(resid_in, delta), np.int32(nsum), *_ptrs(ln_w))
+    return (*pointers(resid_in, delta), np.int32(nsum), *pointers(ln_w))
 
 
 def qkv_rope(
@@ -272,7 +261,7 @@ def qkv_rope(
     else:
         assert xn is not None
         _check("xn", xn, torch.bfloat16, (t, h))
-        pargs = (*_ptrs(None, None), np.int32(0), *_ptrs(None))
+        pargs = (*pointers(None, None), np.int32(0), *pointers(None))
         rout = None
     kvq = fp4_cache is not None
     if kvq:
@@ -289,20 +278,19 @@ def qkv_rope(
             raise ValueError("fp4_cache needs kv_counters: a zeroed int32 tensor of >= 2")
         rec: tuple = (None, None, None)
         if kv_capture is not None:
-            _check("kv_capture.mbits", kv_capture.mbits, torch.uint8, (2 * t, width // 8))
-            _check("kv_capture.block_scales", kv_capture.block_scales, torch.uint8,
-                   (2 * t, width // 16))  # fmt: skip
-            _check("kv_capture.row_scales", kv_capture.row_scales, torch.float32, (2 * t,))
+            kv_capture.check(2 * t, width, "kv_capture")
             rec = (kv_capture.mbits, kv_capture.block_scales, kv_capture.row_scales)
-        kvargs = _ptrs(kv_counters, fp4_cache.codes, fp4_cache.scales, fp4_cache.row_scales, *rec)
+        kvargs = pointers(
+            kv_counters, fp4_cache.codes, fp4_cache.scales, fp4_cache.row_scales, *rec
+        )
     elif kv_capture is not None:
         raise ValueError("kv_capture needs fp4_cache")
     else:
-        kvargs = _ptrs(*(None,) * 7)
+        kvargs = pointers(*(None,) * 7)
     sp = split_k(h, WARPS["qkv"])
     fn = _fn(f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}, "
              f"{str(kvq).lower()}>", sp.smem)  # fmt: skip
-    args = (*pargs, np.float32(eps), *_ptrs(rout, xn, w_qkv, qkv, counters, norm_w, pos,
+    args = (*pargs, np.float32(eps), *pointers(rout, xn, w_qkv, qkv, counters, norm_w, pos,
             inv_freq, q_out, kv_new, cache), np.int32(cap), np.int32(q_heads),
             np.int32(kv_heads), *kvargs)  # fmt: skip
     launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,), args, q_out.device, sp.smem,
@@ -360,7 +348,7 @@ def router_topk(
     sp = split_k(h, WARPS["router"])
     qx = str(xq is not None).lower()
     fn = _fn(f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {qx}>", sp.smem)
-    args = (*pargs, np.float32(eps), *_ptrs(resid_out, xn_out, w_router, logits, counter,
+    args = (*pargs, np.float32(eps), *pointers(resid_out, xn_out, w_router, logits, counter,
             topk_ids, topk_w, sorted_pair, block_expert), np.int32(e), np.int32(k),
             np.int32(block_m), np.int32(maxb), *qargs)  # fmt: skip
     grid = e // TILE_ROWS + (xq is not None)  # + the quantizing CTA
@@ -373,19 +361,13 @@ def _quant_args(xq: FP4Rows | None, capture: CompactRecordBuffers | None, t: int
     if xq is None:
         if capture is not None:
             raise ValueError("capture needs xq (the record is written by the quantizing CTA)")
-        return _ptrs(*(None,) * 7)
-    _check("xq.codes", xq.codes, torch.uint8, (t, h // 2))
-    _check("xq.scales", xq.scales, torch.uint8, (t, h // 16))
-    _check("xq.scale_2", xq.scale_2, torch.float32, (t,))
-    if xq.dq16 is not None:
-        _check("xq.dq16", xq.dq16, torch.float16, (t, h))
+        return pointers(*(None,) * 7)
+    xq.check(t, h, "xq")
     rec: tuple = (None, None, None)
     if capture is not None:
-        _check("capture.mbits", capture.mbits, torch.uint8, (t, h // 8))
-        _check("capture.block_scales", capture.block_scales, torch.uint8, (t, h // 16))
-        _check("capture.row_scales", capture.row_scales, torch.float32, (t,))
+        capture.check(t, h, "capture")
         rec = (capture.mbits, capture.block_scales, capture.row_scales)
-    return _ptrs(xq.codes, xq.scales, xq.scale_2, xq.dq16, *rec)
+    return pointers(xq.codes, xq.scales, xq.scale_2, xq.dq16, *rec)
 
 
 def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
@@ -408,7 +390,7 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
     _check("act", act, torch.bfloat16, (n_pairs, inter))
     sp = split_k(h, WARPS["gate_up"], rt=2)
     fn = _fn(f"moe_gate_up_bf16<{sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
-    args = (*_ptrs(w, x, sorted_pair, block_expert, act), np.int32(inter), np.int32(n_pairs),
+    args = (*pointers(w, x, sorted_pair, block_expert, act), np.int32(inter), np.int32(n_pairs),
             np.int32(top_k))  # fmt: skip
     launch_on_torch_stream(fn, (maxb, inter // TILE_ROWS), (sp.wk * 32,), args, act.device,
                            sp.smem, pdl)  # fmt: skip
@@ -431,7 +413,7 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
     _check("y", y, torch.bfloat16, (t, h))
     sp = split_k(inter, 1)  # one warp per expert, all of K
     fn = _fn(f"moe_down_bf16<{k}, {sp.kcw}, {sp.u}, {sp.ns}>", k * sp.smem)
-    args = (*_ptrs(w, act, topk_ids, topk_w, y), np.int32(h))
+    args = (*pointers(w, act, topk_ids, topk_w, y), np.int32(h))
     launch_on_torch_stream(fn, (t, h // TILE_ROWS), (k * 32,), args, y.device, k * sp.smem, pdl)
 
 

@@ -187,7 +187,9 @@ class DecodeEngine:
             frozenset())  # fmt: skip
         parts = frozenset() if small_batch else fused.fused_parts()
         self.qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
-        self.norm_quant = self.fp4 and "norm_quant" in parts and not s.hidden & (s.hidden - 1)
+        self.norm_quant = (
+            self.fp4 and "norm_quant" in parts and fused.norm_quant_supported(s.hidden)
+        )
         self.batch, self.capacity, self.guided = batch, capacity, frozenset(guided_layers)
         b, h, d = batch, s.hidden, s.head_dim
         bf = dict(dtype=torch.bfloat16, device=device)

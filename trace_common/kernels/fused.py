@@ -48,7 +48,7 @@ def add_rmsnorm_quant(
     with `capture`, its compact record."""
     k_mod = load_kernels("_tl_fused")
     t, h = resid.shape
-    if h & (h - 1) or h % 16:
+    if not norm_quant_supported(h):
         raise ValueError(f"hidden={h}: the fused kernel needs a power of two >= 16")
     if q.dq16 is not None and (q.dq16.shape != (t, h) or q.dq16.dtype != torch.float16):
         raise ValueError(f"dq16 must be float16 {(t, h)}, got {q.dq16.dtype} {tuple(q.dq16.shape)}")
@@ -61,6 +61,11 @@ def add_rmsnorm_quant(
         num_warps=_NORM_WARPS,
     )  # fmt: skip
     return out
+
+
+def norm_quant_supported(hidden: int) -> bool:
+    """Whether `add_rmsnorm_quant` takes rows of `hidden` values (a power of two >= 16)."""
+    return hidden >= 16 and not hidden & (hidden - 1)
 
 
 def qk_kv_supported(kv_heads: int, head_dim: int) -> bool:
@@ -105,6 +110,7 @@ __all__ = [
     "FUSED_PARTS",
     "add_rmsnorm_quant",
     "fused_parts",
+    "norm_quant_supported",
     "qk_kv_supported",
     "qk_norm_rope_append",
 ]

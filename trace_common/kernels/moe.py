@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trace_common.kernels import fp4_decode_words, fp4_gemm_impl, load_kernels
+from trace_common.kernels.quant import check_buffer
 
 if TYPE_CHECKING:
     from trace_common.kernels.cuda_moe import PackedFP4
@@ -115,6 +116,14 @@ class FP4Rows:
     scales: torch.Tensor
     scale_2: torch.Tensor
     dq16: torch.Tensor | None = None
+
+    def check(self, rows: int, k: int, name: str) -> None:
+        """Raise ValueError (naming `name`.field) unless these hold `rows` rows of `k` values."""
+        check_buffer(f"{name}.codes", self.codes, torch.uint8, (rows, k // 2))
+        check_buffer(f"{name}.scales", self.scales, torch.uint8, (rows, k // 16))
+        check_buffer(f"{name}.scale_2", self.scale_2, torch.float32, (rows,))
+        if self.dq16 is not None:
+            check_buffer(f"{name}.dq16", self.dq16, torch.float16, (rows, k))
 
 
 def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[

@@ -30,6 +30,14 @@ _BITS_PER_BYTE = 8
 _SMALL_ROW = 512  # rows up to this many elements use fewer warps
 
 
+def check_buffer(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Raise ValueError naming `name` unless `t` is a contiguous `dtype` tensor of `shape` (a
+    buffer a kernel reads or writes through its pointer)."""
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous {dtype} {shape}, got {t.dtype} "
+                         f"{tuple(t.shape)} (contiguous={t.is_contiguous()})")  # fmt: skip
+
+
 @dataclass(slots=True)
 class CompactRecordBuffers:
     """Preallocated outputs of in-kernel guidance capture for R rows of K elements.
@@ -48,6 +56,13 @@ class CompactRecordBuffers:
             torch.empty(rows, k // NVFP4_BLOCK_SIZE, dtype=torch.uint8, device=device),
             torch.empty(rows, dtype=torch.float32, device=device),
         )
+
+    def check(self, rows: int, k: int, name: str = "capture") -> None:
+        """Raise ValueError unless these are the buffers of `rows` rows of `k` elements."""
+        check_buffer(f"{name}.mbits", self.mbits, torch.uint8, (rows, k // _BITS_PER_BYTE))
+        check_buffer(f"{name}.block_scales", self.block_scales, torch.uint8,
+                     (rows, k // NVFP4_BLOCK_SIZE))  # fmt: skip
+        check_buffer(f"{name}.row_scales", self.row_scales, torch.float32, (rows,))
 
     def record(self, shape: tuple[int, ...]) -> GuidanceRecord:
         """The buffers as a compact nvfp4 GuidanceRecord of a tensor of `shape`."""

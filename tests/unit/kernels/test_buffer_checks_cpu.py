@@ -1,0 +1,78 @@
+"""Argument checks of the fused-quantize outputs (no GPU needed): FP4Rows.check,
+CompactRecordBuffers.check and the wrappers that use them refuse a wrong buffer by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_common.kernels import cuda_moe, cuda_small
+from trace_common.kernels.moe import FP4Rows
+from trace_common.kernels.quant import CompactRecordBuffers
+
+
+def _rows(t: int, k: int, dq16: bool = True) -> FP4Rows:
+    return FP4Rows(torch.zeros(t, k // 2, dtype=torch.uint8),
+                   torch.zeros(t, k // 16, dtype=torch.uint8), torch.zeros(t),
+                   torch.zeros(t, k, dtype=torch.float16) if dq16 else None)  # fmt: skip
+
+
+def test_good_buffers_pass():
+    _rows(3, 64).check(3, 64, "xq")
+    _rows(3, 64, dq16=False).check(3, 64, "xq")
+    CompactRecordBuffers.allocate(3, 64, "cpu").check(3, 64)
+    assert len(cuda_small._quant_args(_rows(3, 64), CompactRecordBuffers.allocate(3, 64, "cpu"),
+                                      3, 64)) == 7  # fmt: skip
+    cuda_moe._check_quant_out(_rows(8, 32), torch.zeros(4, dtype=torch.int32), 8, 32, 4)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (lambda q: setattr(q, "codes", torch.zeros(3, 31, dtype=torch.uint8)), r"xq\.codes"),
+        (lambda q: setattr(q, "scales", torch.zeros(3, 4, dtype=torch.int8)), r"xq\.scales"),
+        (lambda q: setattr(q, "scale_2", torch.zeros(3, dtype=torch.float64)), r"xq\.scale_2"),
+        (lambda q: setattr(q, "dq16", torch.zeros(64, 3, dtype=torch.float16).t()), r"xq\.dq16"),
+    ],
+)
+def test_fp4_rows_check_names_the_bad_field(bad, message):
+    q = _rows(3, 64)
+    bad(q)
+    with pytest.raises(ValueError, match=message):
+        q.check(3, 64, "xq")
+    with pytest.raises(ValueError, match=message):
+        cuda_small._quant_args(q, None, 3, 64)
+
+
+def test_record_check_names_the_bad_field():
+    rec = CompactRecordBuffers.allocate(3, 64, "cpu")
+    rec.row_scales = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"capture\.row_scales"):
+        rec.check(3, 64)
+    with pytest.raises(ValueError, match=r"capture\.row_scales"):
+        cuda_small._quant_args(_rows(3, 64), rec, 3, 64)
+
+
+def test_quant_out_checks():
+    with pytest.raises(ValueError, match=r"quant_out\.codes"):
+        cuda_moe._check_quant_out(_rows(8, 64), torch.zeros(4, dtype=torch.int32), 8, 32, 4)
+    with pytest.raises(ValueError, match="counter"):
+        cuda_moe._check_quant_out(_rows(8, 32), torch.zeros(3, dtype=torch.int32), 8, 32, 4)
+
+
+def test_norm_quant_supported():
+    from trace_common.kernels import fused
+
+    assert fused.norm_quant_supported(2048) and fused.norm_quant_supported(16)
+    assert not fused.norm_quant_supported(8) and not fused.norm_quant_supported(1536)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-16", "24"])
+def test_forced_fused_chunk_must_be_a_multiple_of_the_tile(value, monkeypatch):
+    from trace_common.kernels import cuda_attn
+
+    monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", value)
+    with pytest.raises(ValueError, match="TRACE_ATTN_FUSED_CHUNK"):
+        cuda_attn.fused_chunk(4, 1024, fp4=False, sms=132)
+    monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", "64")
+    assert cuda_attn.fused_chunk(4, 1024, fp4=False, sms=132) == 64
