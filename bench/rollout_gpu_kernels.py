@@ -106,6 +106,7 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             ("fp4-ptx", "ptx", "triton", None, None, None),
             ("fp4-cuda", None, "cuda", "mma", None, None),
             ("fp4-stream", None, "cuda", "stream", None, None),
+            ("fp4-tma", None, "cuda", "tma", None, None),
             ("fp4-cuda-default", None, "cuda", None, None, None),  # kernel per shape (engine's)
         ]
         if sweep:
@@ -115,6 +116,18 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             for cfg in SWEEP_STREAM_DOWN:
                 if cuda_moe.stream_smem_bytes(bm, *cfg[:4], False) <= cuda_moe.STREAM_SMEM_MAX:
                     variants.append((f"stream dn{cfg}", None, "cuda", "stream", None, cfg))
+            for cfg in SWEEP_TMA_GATE_UP:
+                if (
+                    cuda_moe.tma_smem_bytes(H, bm, *cfg[:2], cfg[3], True)
+                    <= cuda_moe.STREAM_SMEM_MAX
+                ):
+                    variants.append((f"tma gu{cfg}", None, "cuda", "tma", cfg, None))
+            for cfg in SWEEP_TMA_DOWN:
+                if (
+                    cuda_moe.tma_smem_bytes(INTER, bm, *cfg[:2], cfg[3], False)
+                    <= cuda_moe.STREAM_SMEM_MAX
+                ):
+                    variants.append((f"tma dn{cfg}", None, "cuda", "tma", None, cfg))
             for waves in SWEEP_STREAM_WAVES:  # default configs, grid sized for more waves
                 variants.append((f"stream waves {waves}", None, "cuda", "stream", None, None))
             # timing probe: the default configs without the decode + block scale (wrong values)
@@ -168,7 +181,8 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
             cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = 1, False
-            if kern is not None and waves == 1 and (db is None or db > 60):  # by config
+            swept = variant.startswith(("stream ", "tma "))
+            if kern in ("mma", "stream") and waves == 1 and (db is None or db > 60):  # by config
                 timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]
                 if variant.startswith("stream "):  # only the swept GEMM ran a new config
                     timed = timed[:1] if cfg_gu is not None else timed[1:]
@@ -182,11 +196,12 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
                         )
                     best[key] = best.get(key, {})
                     best[key][cfg] = best[key].get(cfg, 0.0) + us
-            (sweep_rows if variant.startswith("stream ") else [None]).append(line)
-            if not variant.startswith("stream "):
+            (sweep_rows if swept else [None]).append(line)
+            if not swept:
                 print(line, flush=True)
     if sweep_rows:
-        print("\nStreaming kernel configs (RW, WK, KGW, S, MINB); only the named GEMM uses it:")
+        print("\nStreaming kernel configs (RW, WK, KGW, S, MINB) and bulk-copy kernel configs "
+              "(RW, WK, KGW, S); only the named GEMM uses it:")  # fmt: skip
         print("\n".join(sweep_rows))
         chosen = {key: list(min(cfgs, key=cfgs.get)) for key, cfgs in best.items()}
         print("fastest configs summed over the token counts of each block size (4 numbers: "
@@ -207,6 +222,10 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
 # groups per warp, ring stages, CTAs per SM asked of the register allocator (0: no ask)
 SWEEP_STREAM_GATE_UP = [(2, 8, 4, 4, 2), (1, 16, 2, 4, 1), (4, 8, 4, 3, 1), (1, 4, 8, 3, 3)]
 SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 4, 3, 4, 3), (4, 3, 4, 4, 0), (2, 2, 6, 4, 0)]
+# Bulk-copy kernel (RW, WK, KGW, S): output tiles per item, warps along K, 64-wide k groups per
+# warp, item buffers (the grid: as many CTAs as the SMs hold)
+SWEEP_TMA_GATE_UP = [(1, 16, 2, 5), (1, 8, 4, 3), (1, 8, 4, 2), (1, 4, 8, 4), (2, 8, 4, 2)]
+SWEEP_TMA_DOWN = [(2, 4, 3, 8), (4, 12, 1, 6), (2, 6, 2, 4), (1, 4, 3, 8), (4, 4, 3, 3)]
 SWEEP_STREAM_WAVES = [3]  # the default configs with the grid sized for 3 waves of resident CTAs
 
 

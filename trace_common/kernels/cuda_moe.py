@@ -147,7 +147,16 @@ STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
     (768, 8, False): (2, 4, 3, 4, 3),
     (768, 16, False): (2, 4, 3, 4, 3),
 }
-CUDA_KERNELS = ("stream", "mma")  # moe_fp4_stream, moe_fp4_mma (the first CUDA kernel)
+# `moe_fp4_tma` (bulk copies into S item buffers, persistent grid; see cuda/moe_fp4.cu) per
+# (K, token slots, gated): (RW output tiles per item, WK warps along K, KGW 64-wide k groups per
+# warp, S item buffers); WK * KGW * 64 == K.
+TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
+    (2048, 8, True): (1, 8, 4, 5),
+    (2048, 16, True): (1, 8, 4, 5),
+    (768, 8, False): (4, 4, 3, 6),
+    (768, 16, False): (4, 4, 3, 6),
+}
+CUDA_KERNELS = ("stream", "mma", "tma")  # moe_fp4_stream, moe_fp4_mma, moe_fp4_tma
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # The kernel per (K, token slots, gated): the faster one (same sums) measured on an H200 with
 # `bench/rollout_gpu_kernels.py --cuda-sweep` (2026-12-02, graph-timed, us): 8 slots gate_up
@@ -222,6 +231,34 @@ def default_stream_config(k: int, block_m: int, gated: bool, n_out: int
     return (rw, wk, kg // wk, 4, 0)
 
 
+def default_tma_config(k: int, block_m: int, gated: bool, n_out: int
+                       ) -> tuple[int, int, int, int]:  # fmt: skip
+    """(RW, WK, KGW, S) of TMA_CONFIGS, or for another shape: K over <= 16 warps of <= 4 k
+    groups each (8 warps where that suffices), one (gated) or the widest <= 4 tiles per item
+    that divide N_out and fit >= 2 buffers, and as many buffers as fit (at most 6)."""
+    if (k, block_m, gated) in TMA_CONFIGS:
+        return TMA_CONFIGS[(k, block_m, gated)]
+    kg = k // K_GROUP
+    wk = next((w for w in (8, 16, 4, 12, 6, 2, 3, 1) if kg % w == 0 and kg // w <= 4), 0)
+    if not wk:
+        raise ValueError(f"K={k}: no split into <= 16 warps of <= 4 groups of {K_GROUP}")
+    tiles = n_out // MMA_M
+    for rw in (1,) if gated else (4, 2, 1):
+        for stages in range(6, 1, -1):
+            if tiles % rw == 0 and tma_smem_bytes(k, block_m, rw, wk, stages,
+                                                  gated) <= STREAM_SMEM_MAX:  # fmt: skip
+                return (rw, wk, kg // wk, stages)
+    raise ValueError(f"K={k}: two items of one tile do not fit in shared memory")
+
+
+def tma_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, gated: bool) -> int:
+    """Dynamic shared memory of `moe_fp4_tma`: S item buffers (an item's codes + scales) and
+    two items' partial sums."""
+    tiles = 2 * rw if gated else rw
+    item = tiles * (k // K_GROUP) * (LANES * 16 + 64)
+    return stages * item + 2 * wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
+
+
 def stream_smem_bytes(block_m: int, rw: int, wk: int, kgw: int, stages: int, gated: bool) -> int:
     """Dynamic shared memory of `moe_fp4_stream`: the per-warp rings (one stage = one tile's
     words + scales over the warp's K slice) and two items' partial sums."""
@@ -261,32 +298,28 @@ def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int,
     return -(-n_items // ipc), ipc
 
 
-_STREAM_FNS: dict[tuple, tuple[object, int]] = {}
+_RESIDENT_FNS: dict[tuple, tuple[object, int]] = {}
 
 
-def _stream_kernel(block_m: int, cfg: tuple[int, ...], gated: bool, smem: int,
-                   device: torch.device) -> tuple[object, int]:  # fmt: skip
-    """The compiled `moe_fp4_stream` instance, its dynamic shared-memory limit raised to `smem`
-    (once, outside any graph capture), and the CTAs of it one SM holds."""
-    key = (block_m, cfg, gated, device.index, STREAM_PROBE)
-    hit = _STREAM_FNS.get(key)
+def _resident_kernel(name: str, warps: int, smem: int, device: torch.device
+                     ) -> tuple[object, int]:  # fmt: skip
+    """The compiled instance `name` of a kernel sized to the GPU (`moe_fp4_stream`,
+    `moe_fp4_tma`), its dynamic shared-memory limit raised to `smem` (once, outside any graph
+    capture), and the CTAs of it one SM holds."""
+    key = (name, smem, device.index)
+    hit = _RESIDENT_FNS.get(key)
     if hit is not None:
         return hit
-    rw, wk, kgw, stages, minb = cfg
-    probe = ", true" if STREAM_PROBE else ""
-    name = (f"moe_fp4_stream<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-            f"{stages}, {minb}{probe}>")  # fmt: skip
     fn = compiled_function(SOURCE, name)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
     _, smem_sm, regs_sm, threads_sm = _sm_resources(device)
-    threads = wk * LANES
     regs = int(getattr(fn, "num_regs", 0)) or 128
-    per_cta = [threads_sm // threads,
+    per_cta = [threads_sm // (warps * LANES),
                smem_sm // (smem + 1024 + int(getattr(fn, "shared_size_bytes", 0))),
-               regs_sm // (wk * (-(-regs * LANES // 256) * 256)), 32]  # fmt: skip
-    _STREAM_FNS[key] = (fn, max(1, min(per_cta)))
-    return _STREAM_FNS[key]
+               regs_sm // (warps * (-(-regs * LANES // 256) * 256)), 32]  # fmt: skip
+    _RESIDENT_FNS[key] = (fn, max(1, min(per_cta)))
+    return _RESIDENT_FNS[key]
 
 
 def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int,
@@ -331,8 +364,12 @@ def moe_gemm_cuda(
         out = torch.empty(plan.n_pairs, n_out, dtype=torch.bfloat16, device=plan.topk_w.device)
     if quant_out is not None:
         _check_quant_out(quant_out, counter, plan.n_pairs, n_out, plan.block_expert.numel())
-    if cuda_kernel(kernel, (w.k, plan.block_m, gated)) == "stream":
-        _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
+    kern = cuda_kernel(kernel, (w.k, plan.block_m, gated))
+    if kern != "mma":
+        if kern == "stream":
+            _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
+        else:
+            _launch_tma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
         if quant_out is not None:
             from trace_common.kernels.quant import quantize_rows
 
@@ -383,7 +420,10 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
             or smem > STREAM_SMEM_MAX):  # fmt: skip
         raise ValueError(f"stream config RW={rw}, WK={wk}, KGW={kgw}, S={stages} does not fit "
                          f"N_out={n_out}, K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    fn, ctas_per_sm = _stream_kernel(plan.block_m, tuple(cfg), gated, smem, out.device)
+    probe = ", true" if STREAM_PROBE else ""
+    name = (f"moe_fp4_stream<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
+            f"{stages}, {cfg[4]}{probe}>")  # fmt: skip
+    fn, ctas_per_sm = _resident_kernel(name, wk, smem, out.device)
     assert w.packed is not None
     est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],
                           w.packed.words.shape[0], plan.block_m, plan.block_expert.numel())  # fmt: skip
@@ -392,6 +432,31 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
     launch_on_torch_stream(fn, (plan.block_expert.numel(), gy), (wk * LANES,), args, out.device,
                            shared_mem=smem)  # fmt: skip
+
+
+def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
+                mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
+                pdl: bool) -> None:  # fmt: skip
+    import numpy as np
+
+    n_out = w.n // 2 if gated else w.n
+    cfg = config or default_tma_config(w.k, plan.block_m, gated, n_out)
+    if len(cfg) != 4:
+        raise ValueError(f"tma config {cfg}: expected (RW, WK, KGW, S)")
+    rw, wk, kgw, stages = cfg
+    smem = tma_smem_bytes(w.k, plan.block_m, rw, wk, stages, gated)
+    if (wk * kgw * K_GROUP != w.k or n_out % (MMA_M * rw) or stages < 2
+            or smem > STREAM_SMEM_MAX):  # fmt: skip
+        raise ValueError(f"tma config RW={rw}, WK={wk}, KGW={kgw}, S={stages} does not fit "
+                         f"N_out={n_out}, K={w.k}, block_m={plan.block_m}")  # fmt: skip
+    name = (f"moe_fp4_tma<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
+            f"{stages}>")  # fmt: skip
+    fn, ctas_per_sm = _resident_kernel(name, wk, smem, out.device)
+    maxb = plan.block_expert.numel()
+    grid = min(_sm_resources(out.device)[0] * ctas_per_sm, maxb * (n_out // (MMA_M * rw)))
+    args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(maxb))
+    launch_on_torch_stream(fn, (grid,), (wk * LANES,), args, out.device, shared_mem=smem,
+                           pdl=pdl)  # fmt: skip
 
 
 def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
@@ -439,11 +504,13 @@ __all__ = [
     "CUDA_KERNELS",
     "KERNEL_FOR",
     "STREAM_CONFIGS",
+    "TMA_CONFIGS",
     "PackedFP4",
     "block_m_for",
     "cuda_kernel",
     "decode_packed_reference",
     "default_stream_config",
+    "default_tma_config",
     "dq16_permutation",
     "expected_blocks",
     "moe_gemm_cuda",
@@ -451,4 +518,5 @@ __all__ = [
     "smem_bytes",
     "stream_grid",
     "stream_smem_bytes",
+    "tma_smem_bytes",
 ]

@@ -171,6 +171,23 @@ def test_stream_configs_fit():
         assert smem <= cuda_moe.STREAM_SMEM_MAX, (k, bm, gated, rw, wk, kgw, stages)
 
 
+def test_tma_configs_fit():
+    """Every bulk-copy config the engine may pick (the table and the fallback for other
+    shapes) splits K exactly, tiles N_out and fits the opt-in shared memory with >= 2 buffers."""
+    shapes = [(k, bm, gated, n) for k, n in ((2048, 768), (768, 2048), (512, 256), (256, 512),
+                                             (4096, 1536), (1536, 4096))
+              for bm in cuda_moe.BLOCK_MS for gated in (True, False)]  # fmt: skip
+    for k, bm, gated, n_out in shapes:
+        rw, wk, kgw, stages = cuda_moe.default_tma_config(k, bm, gated, n_out)
+        assert wk * kgw * cuda_moe.K_GROUP == k and n_out % (16 * rw) == 0 and stages >= 2
+        smem = cuda_moe.tma_smem_bytes(k, bm, rw, wk, stages, gated)
+        assert smem <= cuda_moe.STREAM_SMEM_MAX, (k, bm, gated, rw, wk, kgw, stages, smem)
+    with pytest.raises(ValueError, match="K=8192"):
+        cuda_moe.default_tma_config(8192, 8, True, 768)
+    # one gate_up item of the model: 2 halves x 32 k groups x (512 B codes + 64 B scales)
+    assert cuda_moe.tma_smem_bytes(2048, 8, 1, 8, 1, True) == 36864 + 2 * 8 * 2 * 512
+
+
 def test_stream_grid_covers_every_item_in_one_wave():
     for n_items in (1, 7, 24, 48, 128):
         for est in (1.0, 8.0, 50.0, 112.0, 128.5, 200.0):

@@ -435,3 +435,143 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
                                      (item0 + it) * RW * 16);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Bulk-copy variant (`moe_fp4_tma`): the same math and operand layouts, with the weights
+// brought into shared memory by the copy engine (cp.async.bulk, one instruction per contiguous
+// run) and a persistent grid.
+//
+// Work item = (expert block, RW output tiles of 16 features; GATED: the RW gate tiles and their
+// RW up tiles). The packed words of consecutive tiles are contiguous in global memory (layout
+// [E][N_W/16][K/64][32][4]), as are their scales, so one item is 2 bulk copies (GATED: 4):
+// RW * K / 2 bytes of codes + RW * K / 8 of scales per half. Items are numbered block-major over
+// the blocks the routing filled (block_expert is -1 past the last one; every CTA counts them),
+// and CTA c takes the contiguous run [c * total / G, (c + 1) * total / G): balanced to one item
+// whatever the routing, and a CTA's items mostly share one expert block, so its warps reload
+// their activation fragments (registers) only when the block changes.
+//
+// S buffers of one item each: thread 0 issues the first S items' copies at the start and the
+// copy of item j + S as soon as every warp is past item j (the per-item barrier of the
+// split-K reduction), so S - 1 items stay in flight while one is multiplied and reduced.
+// Warps split K as in the other kernels (warp w: k groups [w * KGW, (w + 1) * KGW)), read their
+// fragments' words with 16-byte shared loads (a warp reads 512 contiguous bytes: no bank
+// conflict) and reduce through shared memory, double-buffered (one __syncthreads per item).
+// Dynamic shared memory: S * item bytes + 2 * WK * TILES * NT * 512 bytes.
+// ---------------------------------------------------------------------------------------------
+
+template <int NT, int RW, int WK, int KGW, bool GATED, int S>
+__global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
+    const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
+    const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
+    const float* __restrict__ w_g,     // [E] per-expert second-level scale
+    const u32* __restrict__ x_dq,      // fp16 activations, B-fragment order [rows][K/16][4][4]
+    const float* __restrict__ x_g,     // [rows] per-row second-level scale
+    const int* __restrict__ sorted_pair,   // [MAXB * NT * 8]
+    const int* __restrict__ block_expert,  // [MAXB]
+    const float* __restrict__ route_w,     // [n_pairs]
+    u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
+    int n_pairs, int n_out, int a_div, int mul_route_w, int maxb) {
+  static_assert(S >= 2, "at least two buffers");
+  constexpr int K = WK * KGW * 64;
+  constexpr int KT = K / 16;
+  constexpr int KG = K / 64;
+  constexpr int BT = NT * 8;
+  constexpr int TILES = GATED ? 2 * RW : RW;
+  constexpr int W_BYTES = RW * KG * 512;  // codes of RW tiles (one half of a GATED item)
+  constexpr int HALF = W_BYTES + RW * KG * 64;  // + their scales
+  constexpr int ITEM = (GATED ? 2 : 1) * HALF;
+  constexpr int RED = WK * TILES * NT * 4 * 32;  // floats of one item's partial sums
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* red = reinterpret_cast<float*>(smem + S * ITEM);  // [2][WK][TILES][NT][4][32]
+  __shared__ __align__(8) unsigned long long bars[S];
+  __shared__ int pair_s[2][BT];
+  __shared__ float xg_s[2][BT], rw_s[2][BT];
+  __shared__ int n_blocks_s;
+
+  pdl_wait();
+  pdl_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  if (warp == 0) {  // the filled blocks (a prefix of block_expert)
+    int n = 0;
+    for (int i = lane; i - lane < maxb; i += 32)
+      n += __popc(__ballot_sync(0xffffffffu, i < maxb && block_expert[i] >= 0));
+    if (lane == 0) n_blocks_s = n;
+  }
+  const u32 bar0 = smem_addr(&bars[0]);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) mbar_init(bar0 + 8 * s, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  const int n_y = n_out / (16 * RW);
+  const long total = (long)n_blocks_s * n_y;
+  const int i0 = (int)(blockIdx.x * total / gridDim.x);
+  const int n_my = (int)((blockIdx.x + 1) * total / gridDim.x) - i0;
+  if (n_my <= 0) return;
+
+  const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
+  const u32 buf0 = smem_addr(smem);
+  auto issue = [&](int j) {  // thread 0: item i0 + j into buffer j % S
+    const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
+    const long e = block_expert[blk];
+    const u32 dst = buf0 + (j % S) * ITEM, bar = bar0 + 8 * (j % S);
+    mbar_arrive_expect_tx(bar, ITEM);
+#pragma unroll
+    for (int h = 0; h < (GATED ? 2 : 1); ++h) {
+      const long tile = e * n_w_tiles + (h ? n_out / 16 : 0) + y * RW;
+      bulk_copy_g2s(dst + h * HALF, wq + tile * KG * 128, W_BYTES, bar);
+      bulk_copy_g2s(dst + h * HALF + W_BYTES, ws + tile * KG * 16, HALF - W_BYTES, bar);
+    }
+  };
+  if (threadIdx.x == 0)
+    for (int j = 0; j < S && j < n_my; ++j) issue(j);
+
+  const int kg0 = warp * KGW;
+  u32 b[KGW * 4][NT][2];
+  int cur_blk = -1;
+  for (int j = 0; j < n_my; ++j) {
+    const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
+    const int h = j & 1;  // double buffers: partial sums and epilogue scalars
+    if (blk != cur_blk) {
+      load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
+      cur_blk = blk;
+    }
+    load_block_scalars<BT>(pair_s[h], xg_s[h], rw_s[h], sorted_pair, x_g, route_w, blk, n_pairs,
+                           a_div, mul_route_w);
+    const float wgain = w_g[block_expert[blk]] * FP16_GAIN_SQ;
+    mbar_wait(bar0 + 8 * (j % S), (j / S) & 1);
+    const u32 st = buf0 + (j % S) * ITEM;
+    float* r = red + h * RED;
+#pragma unroll
+    for (int ti = 0; ti < TILES; ++ti) {
+      const u32 tw = st + (ti >= RW ? HALF : 0) + (ti % RW) * KG * 512;
+      const u32 tsc = st + (ti >= RW ? HALF : 0) + W_BYTES + (ti % RW) * KG * 64;
+      float acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KGW; ++kk) {
+        u32 aw[4], sw[2];
+        lds_v4(tw + (kg0 + kk) * 512 + lane * 16, aw[0], aw[1], aw[2], aw[3]);
+        lds_v2(tsc + (kg0 + kk) * 64 + g * 8, sw[0], sw[1]);
+        mma_word<NT, 0>(acc, aw[0], sw[0], b[kk * 4 + 0]);
+        mma_word<NT, 1>(acc, aw[1], sw[0], b[kk * 4 + 1]);
+        mma_word<NT, 2>(acc, aw[2], sw[1], b[kk * 4 + 2]);
+        mma_word<NT, 3>(acc, aw[3], sw[1], b[kk * 4 + 3]);
+      }
+      float* rt = r + ((warp * TILES + ti) * NT) * 128;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) rt[(nt * 4 + i) * 32 + lane] = acc[nt][i];
+    }
+    __syncthreads();  // every warp is done with buffer j % S and its partials are in red[h]
+    if (threadIdx.x == 0 && j + S < n_my) issue(j + S);
+    store_outputs<NT, RW, WK, GATED>(r, pair_s[h], xg_s[h], rw_s[h], wgain, out, n_pairs, n_out,
+                                     y * RW * 16);
+  }
+}
