@@ -113,13 +113,13 @@ class DecodeAttnPlan:
         """Pick keys-per-split so that batch * kv_heads * splits of the expected context fill
         the GPU; splits past a sequence's length return at once. `cuda_fp4`: for the CUDA FP4
         kernel: the ring kernel's wave rule (`ring_chunk`), or 2x the splits from
-        CUDA_FP4_LONG_CONTEXT tokens for the first ("regs") kernel. `fused` (the small-batch
-        step): the one-launch kernels where `cuda_attn.fused_enabled()` and `fused_chunk` takes
-        the context (short ones); then `counters` is set."""
+        CUDA_FP4_LONG_CONTEXT tokens for the first ("regs") kernel. `fused`: the one-launch
+        kernels where `fused_chunk` takes the context (short ones); then `counters` is set
+        (the engine asks for them per `cuda_attn.fused_enabled`)."""
         from trace_common.kernels import cuda_attn
 
         chunk = 0
-        if fused and cuda_attn.fused_enabled():
+        if fused:
             chunk = cuda_attn.fused_chunk(batch * kv_heads, context_hint, fp4=cuda_fp4,
                                           sms=_sm_count(device))  # fmt: skip
         fused = chunk > 0  # else the split kernels' rules below

@@ -9,12 +9,13 @@ combines them with the Triton reduce kernel either way. It handles head_dim 128 
 heads per kv head (the Qwen3-MoE shape); `supports` says whether a shape fits. Compiled by
 NVRTC through CuPy on first use and launched on PyTorch's current stream (CUDA-graph safe).
 
-Fused attention (`decode_attention` with a plan made `fused`, the small-batch step): one launch
+Fused attention (`decode_attention` with a plan made `fused`): one launch
 per layer, no reduce kernel: the CTA that finishes a (sequence, kv head) last combines its
 splits (`cuda/attn_common.cuh`). For the FP4 cache that is the ring kernel compiled with FUSED;
 for the BF16 cache `attn_bf16_fused` (`cuda/attn_small.cu`, registers, swapped MMAs, loads its
 first tile's older tokens before `griddepcontrol.wait`). Both may be launched as programmatic
-dependent launches (`pdl=True`). `TRACE_ATTN_FUSED=on|off` (`fused_enabled`) selects them.
+dependent launches (`pdl=True`). `TRACE_ATTN_FUSED=on|all|off` (`fused_enabled`) selects them:
+"on" in the small-batch step, "all" in the standard step too.
 
 Importing this module needs neither CuPy nor a GPU.
 """
@@ -44,7 +45,9 @@ TILE = 16  # tokens per warp step
 DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
 
 
-FUSED_MODES = ("on", "off")
+# TRACE_ATTN_FUSED: "on" the small-batch step's attention is one launch, "all" the standard
+# step's too (where `fused_chunk` takes the context), "off" split + reduce everywhere
+FUSED_MODES = ("on", "off", "all")
 DEFAULT_FUSED = "on"
 # attn_bf16_fused: warps per CTA at most (fewer when a split has fewer 16-token tiles), and
 # CTAs per SM its 202 registers x 128 threads allow (nvcc -Xptxas -v, sm_90a, no spills); the
@@ -81,12 +84,16 @@ def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
     return chunk if -(-max(context, 1) // chunk) <= FUSED_MAX_SPLITS else 0
 
 
-def fused_enabled(mode: str | None = None) -> bool:
-    """Whether the small-batch step runs the fused (one-launch) attention: `mode`, else
-    TRACE_ATTN_FUSED, else DEFAULT_FUSED; "on" also needs CuPy."""
-    return env_choice("TRACE_ATTN_FUSED", mode, FUSED_MODES, DEFAULT_FUSED) == "on" and (
-        cupy_available()
-    )
+def fused_mode(mode: str | None = None) -> str:
+    """`mode`, else TRACE_ATTN_FUSED, else DEFAULT_FUSED (one of FUSED_MODES)."""
+    return env_choice("TRACE_ATTN_FUSED", mode, FUSED_MODES, DEFAULT_FUSED)
+
+
+def fused_enabled(mode: str | None = None, *, small_batch: bool = True) -> bool:
+    """Whether a step runs the fused (one-launch) attention: the small-batch step unless the
+    mode is "off", the standard step (`small_batch=False`) only with "all"; both need CuPy."""
+    m = fused_mode(mode)
+    return (m == "all" or (m == "on" and small_batch)) and cupy_available()
 
 
 def kernel_name(config: tuple, fused: bool = False) -> tuple[str, int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import cuda_small, fp4_attn_impl, fp4_gemm_impl, fused, moe
+from trace_common.kernels import cuda_attn, cuda_small, fp4_attn_impl, fp4_gemm_impl, fused, moe
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
@@ -190,6 +190,7 @@ class DecodeEngine:
         self.norm_quant = (
             self.fp4 and "norm_quant" in parts and fused.norm_quant_supported(s.hidden)
         )
+        self.fuse_act = self.fp4 and self.cuda_gemm and "act" in parts  # gate_up quantizes act
         self.batch, self.capacity, self.guided = batch, capacity, frozenset(guided_layers)
         b, h, d = batch, s.hidden, s.head_dim
         bf = dict(dtype=torch.bfloat16, device=device)
@@ -229,7 +230,7 @@ class DecodeEngine:
             moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
         ]
-        if self.small_fuse & {"kv", "act"}:  # last-CTA counters, zero between launches:
+        if self.small_fuse & {"kv", "act"} or self.fuse_act:  # last-CTA counters, zero:
             # qkv_rope's k and v groups, then gate_up's one per expert block
             self.fp4_counters = torch.zeros(2 + self.plans[0].block_expert.numel(),
                                             dtype=torch.int32, device=device)  # fmt: skip
@@ -247,7 +248,8 @@ class DecodeEngine:
         self.attn_plan = attn.DecodeAttnPlan.make(
             batch=b, q_heads=s.q_heads, kv_heads=s.kv_heads, capacity=capacity, head_dim=d,
             context_hint=context, device=device,
-            cuda_fp4=self.fp4 and fp4_attn_impl() == "cuda", fused=self.small,
+            cuda_fp4=self.fp4 and fp4_attn_impl() == "cuda",
+            fused=cuda_attn.fused_enabled(small_batch=self.small),
         )  # fmt: skip
         if self.fp4:
             u8 = dict(dtype=torch.uint8, device=device)
@@ -315,7 +317,8 @@ class DecodeEngine:
             plan = self.plans[li]
             moe.route_align_into(self.rlogits, plan)
             if self.fp4:
-                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant)
+                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant,
+                                  fuse_act=self.fuse_act)  # fmt: skip
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
                              mul_route_w=False, out=self.act)  # fmt: skip

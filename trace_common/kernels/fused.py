@@ -15,8 +15,8 @@ routing top-k + block layout in one launch (the last program to finish its top-k
 layout): -1.5% at batch 32, worse at 128, because the layout then runs on the one warp that
 the top-k's bit-exact reduction order needs.
 
-`fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all" (default), "none",
-or a comma-separated subset of FUSED_PARTS.
+`fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all", "none", or a
+comma-separated subset of FUSED_PARTS (default DEFAULT_PARTS).
 """
 
 from __future__ import annotations
@@ -28,14 +28,17 @@ from trace_common.kernels.attention import KVCacheGPU
 from trace_common.kernels.moe import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
 
-FUSED_PARTS = ("norm_quant", "qk_kv")
+# "act" (FP4, CUDA expert GEMM): the last CTA of each expert block of gate_up quantizes its
+# rows of act (`cuda_moe.moe_gemm_cuda(quant_out=...)`) instead of a quantize launch
+FUSED_PARTS = ("norm_quant", "qk_kv", "act")
+DEFAULT_PARTS = "norm_quant,qk_kv"
 _NORM_WARPS = 4  # add_rmsnorm's launch width: the sum of squares must reduce in the same order
 _HEAD_WARPS = 1  # qk_norm_rope's
 
 
 def fused_parts(value: str | None = None) -> frozenset[str]:
-    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else all of them."""
-    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, "all")
+    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else DEFAULT_PARTS."""
+    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, DEFAULT_PARTS)
 
 
 def add_rmsnorm_quant(

@@ -155,7 +155,7 @@ def test_fused_bf16_pdl_after_qkv_append():
     assert torch.equal(outs[True][0], outs[False][0]), "PDL launches differ from plain ones"
 
 
-def _engine(fp4: bool, fused: str, monkeypatch):
+def _engine(fp4: bool, fused: str, monkeypatch, batch: int = 1, small: bool = True):
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
     monkeypatch.setenv("TRACE_ATTN_FUSED", fused)
@@ -163,22 +163,24 @@ def _engine(fp4: bool, fused: str, monkeypatch):
     w = EngineWeights.random(shape, DEV, seed=1)
     if fp4:
         w.quantize_experts_("cuda")
-    eng = DecodeEngine(shape, w, batch=1, capacity=1200, context=1000, device=DEV,
-                       small_batch=True)  # fmt: skip
-    assert (eng.attn_plan.counters is not None) == (fused == "on")
+    eng = DecodeEngine(shape, w, batch=batch, capacity=1200, context=1000, device=DEV,
+                       small_batch=small)  # fmt: skip
+    assert (eng.attn_plan.counters is not None) == (fused == "all" or (fused == "on" and small))
     eng.fill_context_()
     eng.tokens.random_(0, shape.vocab, generator=torch.Generator(device=DEV).manual_seed(3))
     return eng
 
 
+@pytest.mark.parametrize("batch,small,mode", [(1, True, "on"), (6, False, "all")])
 @pytest.mark.parametrize("fp4", [False, True])
-def test_engine_fused_attention(fp4, monkeypatch):
-    """Batch-1 small-batch step: with the fused attention (PDL on) three graph replays equal
-    three eager steps with plain launches bit for bit, and the first step's logits are close to
-    the step's with split + reduce attention from the same state (> 20 dB: the attention output
+def test_engine_fused_attention(fp4, batch, small, mode, monkeypatch):
+    """Batch-1 small-batch step (TRACE_ATTN_FUSED=on) and the standard step at batch 6 ("all"):
+    with the fused attention (PDL on where the step uses it) three graph replays equal three
+    eager steps with plain launches bit for bit, and the first step's logits are close to the
+    step's with split + reduce attention from the same state (> 20 dB: the attention output
     differs in rounding only, but a near-tie in the routing may flip an expert)."""
-    eng = _engine(fp4, "on", monkeypatch)
-    ref = _engine(fp4, "off", monkeypatch)
+    eng = _engine(fp4, mode, monkeypatch, batch, small)
+    ref = _engine(fp4, "off", monkeypatch, batch, small)
     state = [eng.tokens, eng.pos, eng.lens, *(c.codes if fp4 else c.values for c in eng.caches)]
     saved = [t.clone() for t in state]
     eng.pdl = True

@@ -110,11 +110,9 @@ def test_fused_kernel_names():
 def test_fused_plan_chunks(monkeypatch):
     """The fused plan splits by the wave rule for the fused kernels' resident CTAs: at 1K
     context and batch 1, 64-token splits (16 x 4 kv heads = 64 CTAs); at 32K (more splits than
-    FUSED_MAX_SPLITS) or off: split + reduce (no counters)."""
+    FUSED_MAX_SPLITS) or not asked for: split + reduce (no counters)."""
     from trace_common.kernels import attention as attn
-    from trace_common.kernels import cuda_attn
 
-    monkeypatch.setattr(cuda_attn, "fused_enabled", lambda mode=None: True)
     kw = dict(batch=1, q_heads=32, kv_heads=4, capacity=1100, head_dim=128, context_hint=1024,
               device="cpu")  # fmt: skip
     for fp4 in (False, True):
@@ -126,5 +124,21 @@ def test_fused_plan_chunks(monkeypatch):
     monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", "512")
     assert attn.DecodeAttnPlan.make(**long, fused=True).chunk == 512
     monkeypatch.delenv("TRACE_ATTN_FUSED_CHUNK")
-    monkeypatch.setattr(cuda_attn, "fused_enabled", lambda mode=None: False)
-    assert attn.DecodeAttnPlan.make(**kw, fused=True).counters is None
+    assert attn.DecodeAttnPlan.make(**kw).counters is None
+
+
+def test_fused_enabled_modes(monkeypatch):
+    """TRACE_ATTN_FUSED: "on" fuses the small-batch step's attention only, "all" the standard
+    step's too, "off" neither (CuPy present); a bad value is refused, naming it."""
+    from trace_common.kernels import cuda_attn
+
+    monkeypatch.setattr(cuda_attn, "cupy_available", lambda: True)
+    assert cuda_attn.fused_enabled("on") and not cuda_attn.fused_enabled("on", small_batch=False)
+    assert cuda_attn.fused_enabled("all") and cuda_attn.fused_enabled("all", small_batch=False)
+    assert not cuda_attn.fused_enabled("off") and not cuda_attn.fused_enabled("off",
+                                                                              small_batch=False)  # fmt: skip
+    monkeypatch.setenv("TRACE_ATTN_FUSED", "sometimes")
+    with pytest.raises(ValueError, match="sometimes"):
+        cuda_attn.fused_enabled()
+    monkeypatch.setattr(cuda_attn, "cupy_available", lambda: False)
+    assert not cuda_attn.fused_enabled("all")

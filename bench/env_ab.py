@@ -1,0 +1,85 @@
+"""A/B of engine settings read from the environment when an engine is built (TRACE_FUSED_STEP,
+TRACE_ATTN_FUSED, TRACE_FP4_CUDA_KERNEL, ...): the bench's engine and weights
+(bench/rollout_gpu.py), every setting timed at every (engine, context, batch), the settings
+interleaved over `--rounds` rounds so that clock and thermal drift hit them alike; prints the
+median tokens/s per setting and its change against the first setting.
+
+    python bench/env_ab.py --engines fp4 --batches 8 32 \
+        --setting "" --setting "TRACE_FUSED_STEP=norm_quant,qk_kv,act" \
+        --setting "TRACE_ATTN_FUSED=all"
+
+A setting is space-separated VAR=value assignments ("" = the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from rollout_gpu import copy_bandwidth, fits, time_engine
+
+from trace_common.kernels.engine import EngineShape, EngineWeights
+
+
+def parse_setting(text: str) -> dict[str, str]:
+    """'A=1 B=x,y' -> {'A': '1', 'B': 'x,y'}; a word without '=' is refused, naming it."""
+    out = {}
+    for word in text.split():
+        name, eq, value = word.partition("=")
+        if not eq or not name:
+            raise ValueError(f"setting {text!r}: {word!r} is not VAR=value")
+        out[name] = value
+    return out
+
+
+def apply(setting: dict[str, str], names: set[str]) -> None:
+    """The environment for one setting: its variables set, the others' unset."""
+    for name in names:
+        os.environ.pop(name, None)
+    os.environ.update(setting)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setting", action="append", default=None, help="VAR=value ... (repeat)")
+    ap.add_argument("--engines", nargs="+", choices=("bf16", "fp4"), default=["bf16", "fp4"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="timed graph replays per measurement")
+    args = ap.parse_args()
+    settings = [parse_setting(s) for s in (args.setting or [""])]
+    names = {n for s in settings for n in s}
+    shape = EngineShape()
+    print(f"copy bandwidth {copy_bandwidth():.2f} TB/s", flush=True)
+    weights = EngineWeights.random(shape, "cuda")
+    for engine in args.engines:
+        if engine == "fp4":
+            weights.quantize_experts_("cuda")
+        for ctx in args.contexts:
+            for b in args.batches:
+                if not fits(weights.nbytes(), shape, fp4=engine == "fp4", batch=b, context=ctx):
+                    print(f"{engine} ctx {ctx} batch {b}: does not fit", flush=True)
+                    continue
+                secs: list[list[float]] = [[] for _ in settings]
+                for _ in range(args.rounds):
+                    for i, s in enumerate(settings):
+                        apply(s, names)
+                        secs[i].append(time_engine(shape, weights, batch=b, context=ctx,
+                                                   steps=args.steps)[0])  # fmt: skip
+                base = statistics.median(secs[0])
+                for s, sec in zip(args.setting or [""], secs, strict=True):
+                    med = statistics.median(sec)
+                    print(f"{engine:5s} ctx {ctx:6d} batch {b:4d} [{s or 'defaults'}]: "
+                          f"{b / med:9.1f} tok/s {med * 1e3:7.3f} ms/step "
+                          f"({100 * (base / med - 1):+5.1f}%)", flush=True)  # fmt: skip
+    apply({}, names)
+
+
+if __name__ == "__main__":
+    main()
