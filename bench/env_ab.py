@@ -58,7 +58,7 @@ def main() -> None:
     shape = EngineShape()
     print(f"copy bandwidth {copy_bandwidth():.2f} TB/s", flush=True)
     weights = EngineWeights.random(shape, "cuda")
-    for engine in args.engines:
+    for engine in sorted(args.engines):  # bf16 first: quantize_experts_ works in place
         if engine == "fp4":
             weights.quantize_experts_("cuda")
         for ctx in args.contexts:

@@ -224,8 +224,8 @@ SWEEP_STREAM_GATE_UP = [(2, 8, 4, 4, 2), (1, 16, 2, 4, 1), (4, 8, 4, 3, 1), (1, 
 SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 4, 3, 4, 3), (4, 3, 4, 4, 0), (2, 2, 6, 4, 0)]
 # Bulk-copy kernel (RW, WK, KGW, S): output tiles per item, warps along K, 64-wide k groups per
 # warp, item buffers (the grid: as many CTAs as the SMs hold)
-SWEEP_TMA_GATE_UP = [(1, 16, 2, 5), (1, 8, 4, 3), (1, 8, 4, 2), (1, 4, 8, 4), (2, 8, 4, 2)]
-SWEEP_TMA_DOWN = [(2, 4, 3, 8), (4, 12, 1, 6), (2, 6, 2, 4), (1, 4, 3, 8), (4, 4, 3, 3)]
+SWEEP_TMA_GATE_UP = [(1, 16, 2, 5), (1, 16, 2, 2), (1, 8, 4, 2), (2, 8, 4, 2), (2, 16, 2, 2)]
+SWEEP_TMA_DOWN = [(2, 6, 2, 4), (4, 4, 3, 3), (4, 12, 1, 3), (2, 12, 1, 4), (2, 4, 3, 3)]
 SWEEP_STREAM_WAVES = [3]  # the default configs with the grid sized for 3 waves of resident CTAs
 
 

@@ -190,7 +190,6 @@ class DecodeEngine:
         self.norm_quant = (
             self.fp4 and "norm_quant" in parts and fused.norm_quant_supported(s.hidden)
         )
-        self.fuse_act = self.fp4 and self.cuda_gemm and "act" in parts  # gate_up quantizes act
         self.batch, self.capacity, self.guided = batch, capacity, frozenset(guided_layers)
         b, h, d = batch, s.hidden, s.head_dim
         bf = dict(dtype=torch.bfloat16, device=device)
@@ -230,7 +229,7 @@ class DecodeEngine:
             moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
         ]
-        if self.small_fuse & {"kv", "act"} or self.fuse_act:  # last-CTA counters, zero:
+        if self.small_fuse & {"kv", "act"}:  # last-CTA counters, zero between launches:
             # qkv_rope's k and v groups, then gate_up's one per expert block
             self.fp4_counters = torch.zeros(2 + self.plans[0].block_expert.numel(),
                                             dtype=torch.int32, device=device)  # fmt: skip
@@ -317,8 +316,7 @@ class DecodeEngine:
             plan = self.plans[li]
             moe.route_align_into(self.rlogits, plan)
             if self.fp4:
-                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant,
-                                  fuse_act=self.fuse_act)  # fmt: skip
+                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant)
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
                              mul_route_w=False, out=self.act)  # fmt: skip

@@ -13,10 +13,12 @@ Measured on the H200 (2026-12-03, bench/fused_step_ab.py, 1K context, batch 32, 
 norm_quant +0.9%, qk_kv +0.6% tokens/s; both +2.7% at batch 32, +2.2% at 128. Not kept:
 routing top-k + block layout in one launch (the last program to finish its top-k builds the
 layout): -1.5% at batch 32, worse at 128, because the layout then runs on the one warp that
-the top-k's bit-exact reduction order needs.
+the top-k's bit-exact reduction order needs; the experts' act quantize in gate_up's last CTA
+per expert block (`cuda_moe.moe_gemm_cuda(quant_out=...)`; an option, off, of the small path):
+-8.8% at batch 8, -12.8% at batch 32 (2026-12-03, bench/env_ab.py, 2 rounds).
 
-`fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all", "none", or a
-comma-separated subset of FUSED_PARTS (default DEFAULT_PARTS).
+`fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all" (default), "none",
+or a comma-separated subset of FUSED_PARTS.
 """
 
 from __future__ import annotations
@@ -28,17 +30,14 @@ from trace_common.kernels.attention import KVCacheGPU
 from trace_common.kernels.moe import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
 
-# "act" (FP4, CUDA expert GEMM): the last CTA of each expert block of gate_up quantizes its
-# rows of act (`cuda_moe.moe_gemm_cuda(quant_out=...)`) instead of a quantize launch
-FUSED_PARTS = ("norm_quant", "qk_kv", "act")
-DEFAULT_PARTS = "norm_quant,qk_kv"
+FUSED_PARTS = ("norm_quant", "qk_kv")
 _NORM_WARPS = 4  # add_rmsnorm's launch width: the sum of squares must reduce in the same order
 _HEAD_WARPS = 1  # qk_norm_rope's
 
 
 def fused_parts(value: str | None = None) -> frozenset[str]:
-    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else DEFAULT_PARTS."""
-    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, DEFAULT_PARTS)
+    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else all of them."""
+    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, "all")
 
 
 def add_rmsnorm_quant(

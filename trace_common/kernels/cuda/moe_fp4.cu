@@ -492,10 +492,11 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  if (warp == 0) {  // the filled blocks (a prefix of block_expert)
+  if (warp == 0) {  // the filled blocks (a prefix of block_expert); independent loads
     int n = 0;
-    for (int i = lane; i - lane < maxb; i += 32)
-      n += __popc(__ballot_sync(0xffffffffu, i < maxb && block_expert[i] >= 0));
+#pragma unroll 8
+    for (int i = lane; i < maxb; i += 32) n += block_expert[i] >= 0;
+    n = __reduce_add_sync(0xffffffffu, n);
     if (lane == 0) n_blocks_s = n;
   }
   const u32 bar0 = smem_addr(&bars[0]);
@@ -513,9 +514,15 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
 
   const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
   const u32 buf0 = smem_addr(smem);
+  int iss_blk = -1;  // thread 0: the block of the last item issued and its expert
+  long iss_e = 0;
   auto issue = [&](int j) {  // thread 0: item i0 + j into buffer j % S
     const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
-    const long e = block_expert[blk];
+    if (blk != iss_blk) {  // a global load only when the block changes (rarely)
+      iss_blk = blk;
+      iss_e = block_expert[blk];
+    }
+    const long e = iss_e;
     const u32 dst = buf0 + (j % S) * ITEM, bar = bar0 + 8 * (j % S);
     mbar_arrive_expect_tx(bar, ITEM);
 #pragma unroll
@@ -530,17 +537,30 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
 
   const int kg0 = warp * KGW;
   u32 b[KGW * 4][NT][2];
-  int cur_blk = -1;
+  // Per expert block, kept in registers while the block lasts (no global load per item, which
+  // would stall warp 0 before every item): B fragments, the epilogue gain, and for threads <
+  // BT their slot's pair, row scale and routing weight (copied into the item's buffers).
+  int cur_blk = -1, my_pair = 0;
+  float wgain = 0.f, my_xg = 0.f, my_rw = 1.f;
   for (int j = 0; j < n_my; ++j) {
     const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
     const int h = j & 1;  // double buffers: partial sums and epilogue scalars
     if (blk != cur_blk) {
       load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
+      wgain = w_g[block_expert[blk]] * FP16_GAIN_SQ;
+      if (threadIdx.x < BT) {
+        my_pair = sorted_pair[blk * BT + threadIdx.x];
+        const bool ok = my_pair < n_pairs;
+        my_xg = ok ? x_g[my_pair / a_div] : 0.f;
+        my_rw = ok && mul_route_w ? route_w[my_pair] : 1.f;
+      }
       cur_blk = blk;
     }
-    load_block_scalars<BT>(pair_s[h], xg_s[h], rw_s[h], sorted_pair, x_g, route_w, blk, n_pairs,
-                           a_div, mul_route_w);
-    const float wgain = w_g[block_expert[blk]] * FP16_GAIN_SQ;
+    if (threadIdx.x < BT) {
+      pair_s[h][threadIdx.x] = my_pair;
+      xg_s[h][threadIdx.x] = my_xg;
+      rw_s[h][threadIdx.x] = my_rw;
+    }
     mbar_wait(bar0 + 8 * (j % S), (j / S) & 1);
     const u32 st = buf0 + (j % S) * ITEM;
     float* r = red + h * RED;
