@@ -147,18 +147,18 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             def run_gu(p, wg=wg, a_in=a_in, dec=dec, impl=impl, kern=kern, cfg=cfg_gu, waves=waves,
                        probe=probe):  # fmt: skip
                 if impl == "cuda":
-                    cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = waves, probe
                     return cuda_moe.moe_gemm_cuda(a_in, wg, p, gated=True, a_div=TOPK,
-                                                  mul_route_w=False, config=cfg, kernel=kern)  # fmt: skip
+                                                  mul_route_w=False, config=cfg, kernel=kern,
+                                                  stream_waves=waves, stream_probe=probe)  # fmt: skip
                 return moe.moe_gemm(a_in, wg, p, gated=True, a_div=TOPK, mul_route_w=False,
                                     decode=dec, impl=impl)  # fmt: skip
 
             def run_dn(p, wdn=wdn, a_mid=a_mid, dec=dec, impl=impl, kern=kern, cfg=cfg_dn,
                        waves=waves, probe=probe):  # fmt: skip
                 if impl == "cuda":
-                    cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = waves, probe
                     return cuda_moe.moe_gemm_cuda(a_mid, wdn, p, gated=False, a_div=1,
-                                                  mul_route_w=True, config=cfg, kernel=kern)  # fmt: skip
+                                                  mul_route_w=True, config=cfg, kernel=kern,
+                                                  stream_waves=waves, stream_probe=probe)  # fmt: skip
                 return moe.moe_gemm(a_mid, wdn, p, gated=False, a_div=1, mul_route_w=True,
                                     decode=dec, impl=impl)  # fmt: skip
 
@@ -180,7 +180,6 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
-            cuda_moe.STREAM_WAVES, cuda_moe.STREAM_PROBE = 1, False
             swept = variant.startswith(("stream ", "tma "))
             if kern in ("mma", "stream") and waves == 1 and (db is None or db > 60):  # by config
                 timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]

@@ -144,9 +144,9 @@ class DecodeAttnPlan:
 
 
 def _sm_count(device: str) -> int:
-    if str(device).startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    return 132  # an H200's
+    from trace_common.kernels.cuda_launch import sm_resources
+
+    return sm_resources(device)[0]
 
 
 def ring_chunk(heads: int, context: int, slots: int) -> int:

@@ -29,11 +29,18 @@ _MODULES: dict[tuple, object] = {}
 COMPILE_SECONDS: dict[tuple, float] = {}
 
 
-def compiled_function(source: pathlib.Path, name: str):
+_SMEM_ALLOWED: dict[tuple, int] = {}
+
+
+def compiled_function(source: pathlib.Path, name: str, smem: int = 0):
     """Kernel `name` (a template instance) of CUDA file `source`, compiled by NVRTC through
-    CuPy and loaded now (never inside a graph capture); cached per (source, name)."""
+    CuPy and loaded now (never inside a graph capture); cached per (source, name). `smem`: its
+    launches take that many bytes of dynamic shared memory (the opt-in above 48 KB is raised
+    once, here, outside any capture)."""
     key = (source.name, name)
     fn = _MODULES.get(key)
+    if fn is not None and _SMEM_ALLOWED.get(key, 0) >= smem:
+        return fn
     if fn is None:
         cp = require_cupy()
         t0 = time.perf_counter()
@@ -43,7 +50,22 @@ def compiled_function(source: pathlib.Path, name: str):
         fn.compile()
         COMPILE_SECONDS[key] = time.perf_counter() - t0
         _MODULES[key] = fn
+    if smem > _SMEM_ALLOWED.get(key, 48 * 1024):
+        fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
+        _SMEM_ALLOWED[key] = smem
     return fn
+
+
+def sm_resources(device: torch.device | str) -> tuple[int, int, int, int]:
+    """(SMs, shared memory bytes, registers, threads) per SM of CUDA `device`; for a CPU device
+    an H200's (132, 228 KB, 65536, 2048), so launch plans can be built and tested on CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (132, 228 * 1024, 65536, 2048)
+    p = torch.cuda.get_device_properties(device)
+    return (p.multi_processor_count, getattr(p, "shared_memory_per_multiprocessor", 228 * 1024),
+            getattr(p, "regs_per_multiprocessor", 65536),
+            getattr(p, "max_threads_per_multi_processor", 2048))  # fmt: skip
 
 
 def pointers(*ts: torch.Tensor | None) -> tuple:

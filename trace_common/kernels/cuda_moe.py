@@ -12,6 +12,7 @@ called and raises ImportError naming the install command when it is missing.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -20,7 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream, pointers
+from trace_common.kernels.cuda_launch import (
+    compiled_function,
+    launch_on_torch_stream,
+    pointers,
+    sm_resources,
+)
 
 if TYPE_CHECKING:
     from trace_common.kernels.moe import ExpertWeights, FP4Rows, RoutePlan
@@ -149,12 +155,15 @@ STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
 }
 # `moe_fp4_tma` (bulk copies into S item buffers, persistent grid; see cuda/moe_fp4.cu) per
 # (K, token slots, gated): (RW output tiles per item, WK warps along K, KGW 64-wide k groups per
-# warp, S item buffers); WK * KGW * 64 == K.
+# warp, S item buffers); WK * KGW * 64 == K. The fastest of `bench/rollout_gpu_kernels.py
+# --cuda-sweep` (H200, 2026-12-03; 2 and 4 CTAs per SM beat deeper buffers in one). Not the
+# default kernel: at 8 / 32 / 128 tokens gate_up 31.2 / 57.9 / 81.3 us and down 20.8 / 36.5 /
+# 54.3 us, against the default kernels' 30.1 / 59.0 / 75.3 and 18.8 / 34.0 / 48.7 us.
 TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
-    (2048, 8, True): (1, 8, 4, 5),
-    (2048, 16, True): (1, 8, 4, 5),
-    (768, 8, False): (4, 4, 3, 6),
-    (768, 16, False): (4, 4, 3, 6),
+    (2048, 8, True): (1, 8, 4, 2),
+    (2048, 16, True): (1, 8, 4, 2),
+    (768, 8, False): (2, 4, 3, 3),
+    (768, 16, False): (2, 4, 3, 3),
 }
 CUDA_KERNELS = ("stream", "mma", "tma")  # moe_fp4_stream, moe_fp4_mma, moe_fp4_tma
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
@@ -175,6 +184,15 @@ def _override() -> dict[tuple[int, int, bool], tuple[int, ...]]:
     path = os.environ.get("TRACE_FP4_CUDA_CONFIGS")
     if not path:
         return {}
+    st = os.stat(path)
+    return _override_file(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _override_file(
+    path: str, mtime_ns: int, size: int
+) -> dict[tuple[int, int, bool], tuple[int, ...]]:
+    """The parsed override file, read again only when it changed (not per launch)."""
     out = {}
     for key, val in json.loads(pathlib.Path(path).read_text()).items():
         k, bm, gated = key.split(",")
@@ -270,23 +288,11 @@ def stream_smem_bytes(block_m: int, rw: int, wk: int, kgw: int, stages: int, gat
 STREAM_SMEM_MAX = 227 * 1024  # opt-in dynamic shared memory per CTA on sm_90
 
 
-def _sm_resources(device: torch.device) -> tuple[int, int, int, int]:
-    """(SMs, shared memory, registers, threads) per SM of `device`."""
-    p = torch.cuda.get_device_properties(device)
-    return (p.multi_processor_count, getattr(p, "shared_memory_per_multiprocessor", 228 * 1024),
-            getattr(p, "regs_per_multiprocessor", 65536),
-            getattr(p, "max_threads_per_multi_processor", 2048))  # fmt: skip
-
-
 def expected_blocks(n_tokens: int, top_k: int, num_experts: int, block_m: int, maxb: int) -> float:
     """Expert blocks a uniform router fills for `n_tokens` tokens: distinct experts chosen,
     at least the pairs over block_m, at most the plan's bound."""
     distinct = num_experts * (1 - (1 - top_k / num_experts) ** n_tokens)
     return min(float(maxb), max(distinct, n_tokens * top_k / block_m, 1.0))
-
-
-STREAM_WAVES = 1  # waves of resident CTAs the streaming kernel's grid is sized for
-STREAM_PROBE = False  # the bench's timing probe (no decode, no block scale: wrong outputs)
 
 
 def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int,
@@ -304,16 +310,14 @@ _RESIDENT_FNS: dict[tuple, tuple[object, int]] = {}
 def _resident_kernel(name: str, warps: int, smem: int, device: torch.device
                      ) -> tuple[object, int]:  # fmt: skip
     """The compiled instance `name` of a kernel sized to the GPU (`moe_fp4_stream`,
-    `moe_fp4_tma`), its dynamic shared-memory limit raised to `smem` (once, outside any graph
-    capture), and the CTAs of it one SM holds."""
+    `moe_fp4_tma`) allowed `smem` bytes of dynamic shared memory, and the CTAs of it one SM
+    holds."""
     key = (name, smem, device.index)
     hit = _RESIDENT_FNS.get(key)
     if hit is not None:
         return hit
-    fn = compiled_function(SOURCE, name)
-    if smem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
-    _, smem_sm, regs_sm, threads_sm = _sm_resources(device)
+    fn = compiled_function(SOURCE, name, smem)
+    _, smem_sm, regs_sm, threads_sm = sm_resources(device)
     regs = int(getattr(fn, "num_regs", 0)) or 128
     per_cta = [threads_sm // (warps * LANES),
                smem_sm // (smem + 1024 + int(getattr(fn, "shared_size_bytes", 0))),
@@ -341,18 +345,21 @@ def moe_gemm_cuda(
     mul_route_w: bool,
     out: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,  # mma: (RW, WK, KGW, MINB); stream: + S before MINB
-    kernel: str | None = None,  # "stream" | "mma" (default: see `cuda_kernel`)
+    kernel: str | None = None,  # "stream" | "mma" | "tma" (default: see `cuda_kernel`)
     pdl: bool = False,
     quant_out: FP4Rows | None = None,
     counter: torch.Tensor | None = None,  # int32 [>= MAXB], zero: quant_out's per-block counters
+    stream_waves: int = 1,  # stream kernel: waves of resident CTAs its grid is sized for
+    stream_probe: bool = False,  # stream kernel: the bench's timing probe (wrong outputs)
 ) -> torch.Tensor:
     """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring).
 
-    `pdl`: the `mma` kernel as a programmatic dependent launch (it waits before reading
-    anything; the `stream` kernel is launched normally). `quant_out`: also NVFP4-quantize
+    `pdl`: the `mma` or `tma` kernel as a programmatic dependent launch (it waits before
+    reading anything; the `stream` kernel is launched normally). `quant_out`: also NVFP4-quantize
     `out` into it (per-row scale_2, and its dq16 if given), equal to quant.quantize_rows(out,
     scale_2=None, dq16=quant_out.dq16): by the last CTA of each expert block in the `mma`
-    kernel (`counter`: one per block), by a quantize launch after the `stream` kernel."""
+    kernel (`counter`: one per block), by a quantize launch after the other kernels.
+    `stream_probe` (no decode, no block scale) times what those cost; its outputs are wrong."""
     if w.packed is None:
         raise ValueError("weights are not packed for the CUDA kernel: pack_fp4_weights first")
     if a.dq16 is None:
@@ -367,7 +374,8 @@ def moe_gemm_cuda(
     kern = cuda_kernel(kernel, (w.k, plan.block_m, gated))
     if kern != "mma":
         if kern == "stream":
-            _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config)
+            _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config, stream_waves,
+                           stream_probe)  # fmt: skip
         else:
             _launch_tma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
         if quant_out is not None:
@@ -407,7 +415,8 @@ def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor, n_ou
 
 
 def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
-                   mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None) -> None:  # fmt: skip
+                   mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
+                   waves: int = 1, probe: bool = False) -> None:  # fmt: skip
     import numpy as np
 
     n_out = w.n // 2 if gated else w.n
@@ -420,15 +429,14 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
             or smem > STREAM_SMEM_MAX):  # fmt: skip
         raise ValueError(f"stream config RW={rw}, WK={wk}, KGW={kgw}, S={stages} does not fit "
                          f"N_out={n_out}, K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    probe = ", true" if STREAM_PROBE else ""
     name = (f"moe_fp4_stream<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-            f"{stages}, {cfg[4]}{probe}>")  # fmt: skip
+            f"{stages}, {cfg[4]}{', true' if probe else ''}>")  # fmt: skip
     fn, ctas_per_sm = _resident_kernel(name, wk, smem, out.device)
     assert w.packed is not None
     est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],
                           w.packed.words.shape[0], plan.block_m, plan.block_expert.numel())  # fmt: skip
-    gy, ipc = stream_grid(n_out // (MMA_M * rw), est, ctas_per_sm, _sm_resources(out.device)[0],
-                          STREAM_WAVES)  # fmt: skip
+    gy, ipc = stream_grid(n_out // (MMA_M * rw), est, ctas_per_sm, sm_resources(out.device)[0],
+                          waves)  # fmt: skip
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
     launch_on_torch_stream(fn, (plan.block_expert.numel(), gy), (wk * LANES,), args, out.device,
                            shared_mem=smem)  # fmt: skip
@@ -453,7 +461,7 @@ def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
             f"{stages}>")  # fmt: skip
     fn, ctas_per_sm = _resident_kernel(name, wk, smem, out.device)
     maxb = plan.block_expert.numel()
-    grid = min(_sm_resources(out.device)[0] * ctas_per_sm, maxb * (n_out // (MMA_M * rw)))
+    grid = min(sm_resources(out.device)[0] * ctas_per_sm, maxb * (n_out // (MMA_M * rw)))
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(maxb))
     launch_on_torch_stream(fn, (grid,), (wk * LANES,), args, out.device, shared_mem=smem,
                            pdl=pdl)  # fmt: skip

@@ -106,6 +106,22 @@ class Split:
     smem: int
 
 
+def supports(batch: int, *, hidden: int, head_dim: int, moe_inter: int, num_experts: int,
+             top_k: int, vocab: int) -> bool:  # fmt: skip
+    """Whether these kernels handle a decode step of `batch` tokens of this model shape."""
+    return (
+        0 < batch <= MAX_TOKENS
+        and head_dim == HEAD_DIM
+        and hidden % 256 == 0
+        and hidden <= 2048  # the prologue keeps <= 8 normalized rows in static shared memory
+        and moe_inter % 32 == 0
+        and num_experts % 16 == 0
+        and num_experts <= MAX_EXPERTS
+        and top_k <= MAX_TOP_K
+        and vocab % 16 == 0
+    )
+
+
 def split_k(k: int, warps: int, rt: int = 1) -> Split:
     """Split K over `warps` warps (fewer if K is too short) for tiles of `rt` x 16 rows."""
     if k % CHUNK:
@@ -151,17 +167,9 @@ def configure(spec: str | dict[str, int] | None = None) -> dict[str, int]:
 configure()
 
 
-_SMEM_SET: dict[str, int] = {}
-
-
 def _fn(name: str, smem: int):
-    """The compiled kernel `name`, allowed `smem` bytes of dynamic shared memory (opt-in: with
-    its static shared memory it may pass the 48 KB default)."""
-    fn = compiled_function(SOURCE, name)
-    if _SMEM_SET.get(name, -1) < smem:
-        fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
-        _SMEM_SET[name] = smem
-    return fn
+    """The compiled kernel `name`, allowed `smem` bytes of dynamic shared memory."""
+    return compiled_function(SOURCE, name, smem)
 
 
 def _tokens(t: int) -> None:
@@ -432,4 +440,5 @@ __all__ = [
     "router_topk",
     "small_batch_enabled",
     "split_k",
+    "supports",
 ]

@@ -127,19 +127,11 @@ class EngineWeights:
 
 
 def small_batch_supported(shape: EngineShape, batch: int) -> bool:
-    """Whether the small-batch kernels (`cuda_small`) handle this shape and batch."""
+    """Whether the small-batch kernels (`cuda_small.supports`) handle this shape and batch."""
     s = shape
-    return (
-        0 < batch <= cuda_small.MAX_TOKENS
-        and s.head_dim == cuda_small.HEAD_DIM
-        and s.hidden % 256 == 0
-        and s.hidden <= 2048  # the prologue keeps <= 8 normalized rows in static shared memory
-        and s.moe_inter % 32 == 0
-        and s.num_experts % 16 == 0
-        and s.num_experts <= cuda_small.MAX_EXPERTS
-        and s.top_k <= cuda_small.MAX_TOP_K
-        and s.vocab % 16 == 0
-    )
+    return cuda_small.supports(batch, hidden=s.hidden, head_dim=s.head_dim,
+                               moe_inter=s.moe_inter, num_experts=s.num_experts, top_k=s.top_k,
+                               vocab=s.vocab)  # fmt: skip
 
 
 class DecodeEngine:

@@ -246,3 +246,10 @@ def test_cuda_kernel_per_shape(tmp_path, monkeypatch):
     monkeypatch.delenv("TRACE_FP4_CUDA_KERNEL")
     with pytest.raises(ValueError, match="neither 4 nor 5"):
         cuda_moe.cuda_kernel(key=(2048, 8, True))
+
+
+def test_sm_resources_cpu_device():
+    """Launch plans built for a CPU device (CPU tests) use an H200's SM resources."""
+    from trace_common.kernels.cuda_launch import sm_resources
+
+    assert sm_resources("cpu") == (132, 228 * 1024, 65536, 2048)
