@@ -324,13 +324,11 @@ def test_moe_gemm_fp4_cuda(t, block_m, kernel, monkeypatch):
     assert sqnr_db(y_ref, y) > 40, f"CUDA down SQNR {sqnr_db(y_ref, y):.1f} dB <= 40"
 
 
-@pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
-def test_moe_gemm_fp4_stream_model_shape(t, block_m):
-    """The streaming kernel at the model's expert shape (128 experts, 2048 -> 2 x 768 -> 2048,
-    top-8), where a CTA walks many items and the ring wraps many times: it equals the first
-    CUDA kernel up to summation order (products are exact in both), every output written, with
-    the default config and two others per GEMM."""
-    from trace_common.kernels import cuda_moe, moe, quant
+def _model_shape_gemms(t: int, block_m: int) -> tuple:
+    """(plan, [(weights, activation rows, gated, a_div, mul_route_w, N_out)] for gate_up and
+    down) at the model's expert shape: 128 experts, 2048 -> 2 x 768 -> 2048, top-8, `t`
+    tokens routed at random, packed NVFP4 weights, NVFP4 rows with their dq16 operand."""
+    from trace_common.kernels import moe, quant
 
     torch.manual_seed(t)
     e, h, inter, k = 128, 2048, 768, 8
@@ -348,13 +346,25 @@ def test_moe_gemm_fp4_stream_model_shape(t, block_m):
         xin = torch.randn(r, kk, device=DEV).bfloat16()
         rows[name] = moe.FP4Rows(*quant.quantize_rows(xin, scale_2=None, dq16=dq), dq)
     cases = [(gu, rows["x"], True, k, False, inter), (dn, rows["act"], False, 1, True, h)]
+    return plan, cases
+
+
+@pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
+def test_moe_gemm_fp4_stream_model_shape(t, block_m):
+    """The streaming kernel at the model's expert shape (128 experts, 2048 -> 2 x 768 -> 2048,
+    top-8), where a CTA walks many items and the ring wraps many times: it equals the first
+    CUDA kernel up to summation order (products are exact in both), every output written, with
+    the default config and two others per GEMM."""
+    from trace_common.kernels import cuda_moe
+
+    plan, cases = _model_shape_gemms(t, block_m)
     for wt, a, gated, a_div, mrw, n_out in cases:
         ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
                                      kernel="mma").float()  # fmt: skip
         cfgs = [None, *{(2048, True): [(1, 16, 2, 4, 1), (4, 8, 4, 3, 1)],
                         (768, False): [(4, 12, 1, 8, 2), (8, 6, 2, 4, 2)]}[(wt.k, gated)]]  # fmt: skip
         for cfg in cfgs:
-            got = torch.full((t * k, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
+            got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
             cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
                                    out=got, config=cfg, kernel="stream")  # fmt: skip
             assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
@@ -370,24 +380,9 @@ def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
     (same warps, same k groups per warp: the same summation order) it equals that kernel bit
     for bit; with its defaults and a 2-buffer config it agrees to > 60 dB; every output is
     written; with and without the PDL launch attribute."""
-    from trace_common.kernels import cuda_moe, moe, quant
+    from trace_common.kernels import cuda_moe
 
-    torch.manual_seed(t)
-    e, h, inter, k = 128, 2048, 768, 8
-    ids, w = moe.route_reference(torch.randn(t, e, device=DEV), k)
-    plan = moe.RoutePlan(ids, w, *moe.align_reference(ids, e, block_m), block_m)
-    gu = moe.quantize_weights((torch.randn(e, 2 * inter, h, device=DEV) * 0.02).bfloat16(),
-                              shared_halves=True)  # fmt: skip
-    dn = moe.quantize_weights((torch.randn(e, h, inter, device=DEV) * 0.02).bfloat16(),
-                              shared_halves=False)  # fmt: skip
-    gu.pack_for_cuda_()
-    dn.pack_for_cuda_()
-    rows = {}
-    for name, r, kk in (("x", t, h), ("act", t * k, inter)):
-        dq = torch.empty(r, kk, dtype=torch.float16, device=DEV)
-        xin = torch.randn(r, kk, device=DEV).bfloat16()
-        rows[name] = moe.FP4Rows(*quant.quantize_rows(xin, scale_2=None, dq16=dq), dq)
-    cases = [(gu, rows["x"], True, k, False, inter), (dn, rows["act"], False, 1, True, h)]
+    plan, cases = _model_shape_gemms(t, block_m)
     for wt, a, gated, a_div, mrw, n_out in cases:
         mma_cfg = cuda_moe.default_config(wt.k, block_m, gated)
         ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
@@ -395,7 +390,7 @@ def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
         same_order = (mma_cfg[0], mma_cfg[1], mma_cfg[2], 2)
         for cfg in (same_order, None, (1 if gated else 2, *cuda_moe.default_tma_config(
                 wt.k, block_m, gated, n_out)[1:3], 2)):  # fmt: skip
-            got = torch.full((t * k, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
+            got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
             cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
                                    out=got, config=cfg, kernel="tma", pdl=pdl)  # fmt: skip
             assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"

@@ -322,6 +322,21 @@ __device__ __forceinline__ void lds_v2(u32 addr, u32& a, u32& b) {
   asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr) : "memory");
 }
 
+// acc += one 64-wide k group of a tile held in shared memory: this lane's 4 packed words at
+// `words` (16 bytes) and its row group's 2 scale words at `scales` (8 bytes), times the B
+// fragments bq[0..3] of the group's 4 k-tiles. RAW: see mma_word.
+template <int NT, bool RAW = false>
+__device__ __forceinline__ void mma_group_smem(float (&acc)[NT][4], u32 words, u32 scales,
+                                               const u32 (*bq)[NT][2]) {
+  u32 aw[4], sw[2];
+  lds_v4(words, aw[0], aw[1], aw[2], aw[3]);
+  lds_v2(scales, sw[0], sw[1]);
+  mma_word<NT, 0, RAW>(acc, aw[0], sw[0], bq[0]);
+  mma_word<NT, 1, RAW>(acc, aw[1], sw[0], bq[1]);
+  mma_word<NT, 2, RAW>(acc, aw[2], sw[1], bq[2]);
+  mma_word<NT, 3, RAW>(acc, aw[3], sw[1], bq[3]);
+}
+
 // PROBE (a timing probe for the bench only; its outputs are meaningless): the packed words
 // go to the MMA as they are, without the decode and the block scale, to time what those cost.
 template <int NT, int RW, int WK, int KGW, bool GATED, int S, int MINB, bool PROBE = false>
@@ -413,15 +428,9 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < KGW; ++kk) {
-        u32 aw[4], sw[2];
-        lds_v4(st + kk * 512 + lane * 16, aw[0], aw[1], aw[2], aw[3]);
-        lds_v2(st + A_BYTES + kk * 64 + g * 8, sw[0], sw[1]);
-        mma_word<NT, 0, PROBE>(acc, aw[0], sw[0], b[kk * 4 + 0]);
-        mma_word<NT, 1, PROBE>(acc, aw[1], sw[0], b[kk * 4 + 1]);
-        mma_word<NT, 2, PROBE>(acc, aw[2], sw[1], b[kk * 4 + 2]);
-        mma_word<NT, 3, PROBE>(acc, aw[3], sw[1], b[kk * 4 + 3]);
-      }
+      for (int kk = 0; kk < KGW; ++kk)
+        mma_group_smem<NT, PROBE>(acc, st + kk * 512 + lane * 16, st + A_BYTES + kk * 64 + g * 8,
+                                  b + kk * 4);
       float* r = red_it + ((warp * TILES + ti) * NT) * 128;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -481,7 +490,7 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
   constexpr int HALF = W_BYTES + RW * KG * 64;  // + their scales
   constexpr int ITEM = (GATED ? 2 : 1) * HALF;
   constexpr int RED = WK * TILES * NT * 4 * 32;  // floats of one item's partial sums
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem[];  // as the stream kernel declares it
   float* red = reinterpret_cast<float*>(smem + S * ITEM);  // [2][WK][TILES][NT][4][32]
   __shared__ __align__(8) unsigned long long bars[S];
   __shared__ int pair_s[2][BT];
@@ -574,15 +583,9 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < KGW; ++kk) {
-        u32 aw[4], sw[2];
-        lds_v4(tw + (kg0 + kk) * 512 + lane * 16, aw[0], aw[1], aw[2], aw[3]);
-        lds_v2(tsc + (kg0 + kk) * 64 + g * 8, sw[0], sw[1]);
-        mma_word<NT, 0>(acc, aw[0], sw[0], b[kk * 4 + 0]);
-        mma_word<NT, 1>(acc, aw[1], sw[0], b[kk * 4 + 1]);
-        mma_word<NT, 2>(acc, aw[2], sw[1], b[kk * 4 + 2]);
-        mma_word<NT, 3>(acc, aw[3], sw[1], b[kk * 4 + 3]);
-      }
+      for (int kk = 0; kk < KGW; ++kk)
+        mma_group_smem<NT>(acc, tw + (kg0 + kk) * 512 + lane * 16, tsc + (kg0 + kk) * 64 + g * 8,
+                           b + kk * 4);
       float* rt = r + ((warp * TILES + ti) * NT) * 128;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
