@@ -253,3 +253,41 @@ def test_sm_resources_cpu_device():
     from trace_common.kernels.cuda_launch import sm_resources
 
     assert sm_resources("cpu") == (132, 228 * 1024, 65536, 2048)
+
+
+def test_compiled_function_smem_opt_in(monkeypatch, tmp_path):
+    """compiled_function compiles a kernel once and raises its dynamic shared-memory opt-in
+    only above 48 KB and only upwards (CuPy faked: no GPU here)."""
+    from types import SimpleNamespace
+
+    from trace_common.kernels import cuda_launch
+
+    compiled = []
+
+    class Fn:
+        def compile(self):
+            compiled.append(1)
+
+    class RawModule:
+        def __init__(self, **kw):
+            self.fn = Fn()
+
+        def get_function(self, name):
+            return self.fn
+
+    monkeypatch.setattr(cuda_launch, "require_cupy", lambda: SimpleNamespace(RawModule=RawModule))
+    monkeypatch.setattr(cuda_launch, "_MODULES", {})
+    monkeypatch.setattr(cuda_launch, "_SMEM_ALLOWED", {})
+    src = tmp_path / "k.cu"
+    src.write_text("// a kernel")
+    fn = cuda_launch.compiled_function(src, "k<1>")
+    assert not hasattr(fn, "max_dynamic_shared_size_bytes")
+    assert cuda_launch.compiled_function(src, "k<1>", 40 * 1024) is fn
+    assert not hasattr(fn, "max_dynamic_shared_size_bytes")  # <= 48 KB needs no opt-in
+    cuda_launch.compiled_function(src, "k<1>", 100_000)
+    assert fn.max_dynamic_shared_size_bytes == 100_000
+    cuda_launch.compiled_function(src, "k<1>", 60_000)
+    assert fn.max_dynamic_shared_size_bytes == 100_000  # never lowered
+    cuda_launch.compiled_function(src, "k<1>", 120_000)
+    assert fn.max_dynamic_shared_size_bytes == 120_000
+    assert len(compiled) == 1
