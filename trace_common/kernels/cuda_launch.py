@@ -35,8 +35,8 @@ _SMEM_ALLOWED: dict[tuple, int] = {}
 def compiled_function(source: pathlib.Path, name: str, smem: int = 0):
     """Kernel `name` (a template instance) of CUDA file `source`, compiled by NVRTC through
     CuPy and loaded now (never inside a graph capture); cached per (source, name). `smem`: its
-    launches take that many bytes of dynamic shared memory (the opt-in above 48 KB is raised
-    once, here, outside any capture)."""
+    launches take that many bytes of dynamic shared memory: the kernel's limit is raised to it
+    here (outside any capture), as a launch needs once static + dynamic pass 48 KB."""
     key = (source.name, name)
     fn = _MODULES.get(key)
     if fn is not None and _SMEM_ALLOWED.get(key, 0) >= smem:
@@ -50,7 +50,7 @@ def compiled_function(source: pathlib.Path, name: str, smem: int = 0):
         fn.compile()
         COMPILE_SECONDS[key] = time.perf_counter() - t0
         _MODULES[key] = fn
-    if smem > _SMEM_ALLOWED.get(key, 48 * 1024):
+    if smem > _SMEM_ALLOWED.get(key, 0):
         fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
         _SMEM_ALLOWED[key] = smem
     return fn
