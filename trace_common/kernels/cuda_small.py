@@ -62,6 +62,8 @@ DEFAULT_SMALL_BATCH = "auto"
 # "auto" takes them up to this batch: faster than the standard kernels at batch 1 on the H200
 # (BF16 261 -> 284 tok/s), slower at batch 8 (889 -> 822): the expert GEMVs re-read an expert
 # per token that chose it, and the fused prologues give way to add_rmsnorm launches there.
+# Rechecked with PDL and the FP4 fusions (2026-12-03, 1K): batch 4 BF16 631 -> 597, FP4 925 ->
+# 879; batch 8 BF16 891 -> 841, FP4 1496 -> 1278 (docs/benchmarks.md, session 5).
 AUTO_MAX_BATCH = 1
 
 
