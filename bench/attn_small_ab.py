@@ -33,7 +33,7 @@ def main() -> None:
     shape = EngineShape()
     weights = EngineWeights.random(shape, "cuda")
     variants = [("off", 0)] + [("on", c) for c in args.chunks]
-    for engine in args.engines:
+    for engine in sorted(args.engines):  # bf16 first: quantize_experts_ works in place
         if engine == "fp4":
             weights.quantize_experts_()
         for ctx in args.contexts:

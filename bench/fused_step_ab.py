@@ -37,7 +37,7 @@ def main() -> None:
     weights = EngineWeights.random(shape, "cuda")
     configs = [(args.context, b) for b in args.batches]
     configs += [(args.long_context, b) for b in args.long_batches]
-    for engine in args.engines:
+    for engine in sorted(args.engines):  # bf16 first: quantize_experts_ works in place
         if engine == "fp4":
             weights.quantize_experts_("cuda")
         wbytes = weights.nbytes()

@@ -74,7 +74,7 @@ def main() -> None:
     shape = EngineShape(num_layers=args.layers)
     weights = EngineWeights.random(shape, "cuda")
     results = []
-    for engine in args.engines:
+    for engine in sorted(args.engines):  # bf16 first: quantize_experts_ works in place
         if engine == "fp4":
             weights.quantize_experts_()
         for b in args.batches:
