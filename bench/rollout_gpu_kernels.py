@@ -67,7 +67,8 @@ def _graph_us_per_call(fns) -> float:
 
 
 def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
-              tokens: tuple[int, ...] = (1, 8, 32, 128), once: bool = False) -> None:  # fmt: skip
+              tokens: tuple[int, ...] = (1, 8, 32, 128), once: bool = False,
+              ws: bool = False) -> None:  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(0)
     wgu = torch.empty(E, 2 * INTER, H, dtype=torch.bfloat16, device="cuda").normal_(
         0, 0.02, generator=g
@@ -128,6 +129,22 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
                     <= cuda_moe.STREAM_SMEM_MAX
                 ):
                     variants.append((f"tma dn{cfg}", None, "cuda", "tma", None, cfg))
+        if ws:  # the warp-specialized draft kernel (moe_fp4_ws): default and swept configs
+            variants.append(("fp4-ws", None, "cuda", "ws", None, None))
+        if ws and sweep:
+            for cfg in SWEEP_WS_GATE_UP:
+                if (
+                    cuda_moe.ws_smem_bytes(H, bm, *cfg[:2], *cfg[3:], True)
+                    <= cuda_moe.STREAM_SMEM_MAX
+                ):
+                    variants.append((f"ws gu{cfg}", None, "cuda", "ws", cfg, None))
+            for cfg in SWEEP_WS_DOWN:
+                if (
+                    cuda_moe.ws_smem_bytes(INTER, bm, *cfg[:2], *cfg[3:], False)
+                    <= cuda_moe.STREAM_SMEM_MAX
+                ):
+                    variants.append((f"ws dn{cfg}", None, "cuda", "ws", None, cfg))
+        if sweep:
             for waves in SWEEP_STREAM_WAVES:  # default configs, grid sized for more waves
                 variants.append((f"stream waves {waves}", None, "cuda", "stream", None, None))
             # timing probe: the default configs without the decode + block scale (wrong values)
@@ -180,7 +197,7 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
-            swept = variant.startswith(("stream ", "tma "))
+            swept = variant.startswith(("stream ", "tma ", "ws "))
             if kern in ("mma", "stream") and waves == 1 and (db is None or db > 60):  # by config
                 timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]
                 if variant.startswith("stream "):  # only the swept GEMM ran a new config
@@ -225,6 +242,9 @@ SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 4, 3, 4, 3), (4, 3, 4, 4, 0), (2, 2, 6
 # warp, item buffers (the grid: as many CTAs as the SMs hold)
 SWEEP_TMA_GATE_UP = [(1, 16, 2, 5), (1, 16, 2, 2), (1, 8, 4, 2), (2, 8, 4, 2), (2, 16, 2, 2)]
 SWEEP_TMA_DOWN = [(2, 6, 2, 4), (4, 4, 3, 3), (4, 12, 1, 3), (2, 12, 1, 4), (2, 4, 3, 3)]
+# Warp-specialized kernel (RW, WK, KGW, S, R): + R reduction slots
+SWEEP_WS_GATE_UP = [(1, 8, 4, 5, 2), (1, 16, 2, 4, 3), (1, 8, 4, 3, 4), (2, 8, 4, 2, 2)]
+SWEEP_WS_DOWN = [(4, 4, 3, 6, 3), (2, 6, 2, 8, 3), (2, 12, 1, 8, 4), (1, 4, 3, 8, 4)]
 SWEEP_STREAM_WAVES = [3]  # the default configs with the grid sized for 3 waves of resident CTAs
 
 
@@ -319,6 +339,8 @@ def main() -> None:
     ap.add_argument("--launch-once", action="store_true",
                     help="launch each CUDA expert GEMM once per token count, untimed (for ncu)")  # fmt: skip
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--ws", action="store_true",
+                    help="also the warp-specialized draft expert GEMM (moe_fp4_ws)")  # fmt: skip
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="time CUDA attention configs too")
     ap.add_argument("--write-configs", type=pathlib.Path, help="json of the fastest configs")
@@ -329,7 +351,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.2f} TB/s (read + write)\n")
     if not args.attention_only:
-        bench_moe(bw, args.cuda_sweep, args.write_configs, tuple(args.tokens))
+        bench_moe(bw, args.cuda_sweep, args.write_configs, tuple(args.tokens), ws=args.ws)
     if not args.no_attention:
         bench_attention(bw, args.attn_sweep)
 

@@ -165,7 +165,15 @@ TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (768, 8, False): (2, 4, 3, 3),
     (768, 16, False): (2, 4, 3, 3),
 }
-CUDA_KERNELS = ("stream", "mma", "tma")  # moe_fp4_stream, moe_fp4_mma, moe_fp4_tma
+# `moe_fp4_ws` (DRAFT, not yet run on a GPU: `moe_fp4_tma` with a producer warp and no CTA
+# barrier per item, see cuda/moe_fp4.cu): (RW, WK, KGW, S item buffers, R reduction slots).
+WS_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
+    (2048, 8, True): (1, 8, 4, 4, 3),
+    (2048, 16, True): (1, 8, 4, 4, 3),
+    (768, 8, False): (2, 4, 3, 6, 3),
+    (768, 16, False): (2, 4, 3, 6, 3),
+}
+CUDA_KERNELS = ("stream", "mma", "tma", "ws")  # moe_fp4_stream, _mma, _tma, _ws
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # The kernel per (K, token slots, gated): the faster one (same sums) measured on an H200 with
 # `bench/rollout_gpu_kernels.py --cuda-sweep` (2026-12-02, graph-timed, us): 8 slots gate_up
@@ -267,6 +275,14 @@ def default_tma_config(k: int, block_m: int, gated: bool, n_out: int
                                                   gated) <= STREAM_SMEM_MAX:  # fmt: skip
                 return (rw, wk, kg // wk, stages)
     raise ValueError(f"K={k}: two items of one tile do not fit in shared memory")
+
+
+def ws_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, slots: int,
+                  gated: bool) -> int:  # fmt: skip
+    """Dynamic shared memory of `moe_fp4_ws`: S item buffers and R reduction slots."""
+    tiles = 2 * rw if gated else rw
+    item = tiles * (k // K_GROUP) * (LANES * 16 + 64)
+    return stages * item + slots * wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
 
 
 def tma_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, gated: bool) -> int:
@@ -376,6 +392,8 @@ def moe_gemm_cuda(
         if kern == "stream":
             _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config, stream_waves,
                            stream_probe)  # fmt: skip
+        elif kern == "ws":
+            _launch_ws(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
         else:
             _launch_tma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
         if quant_out is not None:
@@ -467,6 +485,32 @@ def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
                            pdl=pdl)  # fmt: skip
 
 
+def _launch_ws(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
+               mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
+               pdl: bool) -> None:  # fmt: skip
+    import numpy as np
+
+    n_out = w.n // 2 if gated else w.n
+    cfg = config or WS_CONFIGS.get((w.k, plan.block_m, gated))
+    if cfg is None or len(cfg) != 5:
+        raise ValueError(f"ws config {cfg}: expected (RW, WK, KGW, S, R) for K={w.k}, "
+                         f"block_m={plan.block_m}, gated={gated}")  # fmt: skip
+    rw, wk, kgw, stages, slots = cfg
+    smem = ws_smem_bytes(w.k, plan.block_m, rw, wk, stages, slots, gated)
+    if (wk * kgw * K_GROUP != w.k or n_out % (MMA_M * rw) or stages < 2 or slots < 2
+            or smem > STREAM_SMEM_MAX):  # fmt: skip
+        raise ValueError(f"ws config RW={rw}, WK={wk}, KGW={kgw}, S={stages}, R={slots} does "
+                         f"not fit N_out={n_out}, K={w.k}, block_m={plan.block_m}")  # fmt: skip
+    name = (f"moe_fp4_ws<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
+            f"{stages}, {slots}>")  # fmt: skip
+    fn, ctas_per_sm = _resident_kernel(name, wk + 1, smem, out.device)
+    maxb = plan.block_expert.numel()
+    grid = min(sm_resources(out.device)[0] * ctas_per_sm, maxb * (n_out // (MMA_M * rw)))
+    args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(maxb))
+    launch_on_torch_stream(fn, (grid,), ((wk + 1) * LANES,), args, out.device, shared_mem=smem,
+                           pdl=pdl)  # fmt: skip
+
+
 def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
                 mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
                 pdl: bool = False, quant_out: FP4Rows | None = None,
@@ -513,6 +557,7 @@ __all__ = [
     "KERNEL_FOR",
     "STREAM_CONFIGS",
     "TMA_CONFIGS",
+    "WS_CONFIGS",
     "PackedFP4",
     "block_m_for",
     "cuda_kernel",
@@ -527,4 +572,5 @@ __all__ = [
     "stream_grid",
     "stream_smem_bytes",
     "tma_smem_bytes",
+    "ws_smem_bytes",
 ]

@@ -140,10 +140,11 @@ __device__ __forceinline__ void mma_word(float (&acc)[NT][4], u32 word, u32 sw,
 template <int NT, int RW, int WK, bool GATED>
 __device__ __forceinline__ void store_outputs(const float* red, const int* pair_s,
                                               const float* xg_s, const float* rw_s, float wgain,
-                                              u16* out, int n_pairs, int n_out, int col0) {
+                                              u16* out, int n_pairs, int n_out, int col0,
+                                              int tid = threadIdx.x, int nthreads = WK * 32) {
   constexpr int BT = NT * 8;
   constexpr int TILES = GATED ? 2 * RW : RW;
-  for (int o = threadIdx.x; o < RW * 16 * BT; o += WK * 32) {
+  for (int o = tid; o < RW * 16 * BT; o += nthreads) {
     const int f = o % (RW * 16), c = o / (RW * 16);
     const int pair = pair_s[c];
     if (pair >= n_pairs) continue;
@@ -596,5 +597,169 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
     if (threadIdx.x == 0 && j + S < n_my) issue(j + S);
     store_outputs<NT, RW, WK, GATED>(r, pair_s[h], xg_s[h], rw_s[h], wgain, out, n_pairs, n_out,
                                      y * RW * 16);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp-specialized variant (`moe_fp4_ws`, DRAFT: not yet run on a GPU): `moe_fp4_tma`'s items,
+// buffers and split of K, without the CTA-wide barrier per item. One producer warp (the last)
+// issues the bulk copies, waiting on a per-buffer "empty" barrier (one arrival per consumer warp
+// once it has read the buffer); the WK consumer warps write their partial sums into a ring of R
+// reduction slots and count themselves in (a shared counter per slot); the warp that arrives
+// last sums the slot and stores the item's outputs (one warp's epilogue) while the others go on
+// to the next item, and then frees the slot (its "free" barrier) for item j + R.
+// Dynamic shared memory: S * item bytes + R * WK * TILES * NT * 512 bytes.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+template <int NT, int RW, int WK, int KGW, bool GATED, int S, int R>
+__global__ void __launch_bounds__((WK + 1) * 32, 1) moe_fp4_ws(
+    const u32* __restrict__ wq, const u32* __restrict__ ws, const float* __restrict__ w_g,
+    const u32* __restrict__ x_dq, const float* __restrict__ x_g,
+    const int* __restrict__ sorted_pair, const int* __restrict__ block_expert,
+    const float* __restrict__ route_w, u16* __restrict__ out, int n_pairs, int n_out, int a_div,
+    int mul_route_w, int maxb) {
+  static_assert(S >= 2 && R >= 2, "at least two buffers and two reduction slots");
+  constexpr int K = WK * KGW * 64;
+  constexpr int KT = K / 16;
+  constexpr int KG = K / 64;
+  constexpr int BT = NT * 8;
+  constexpr int TILES = GATED ? 2 * RW : RW;
+  constexpr int W_BYTES = RW * KG * 512;
+  constexpr int HALF = W_BYTES + RW * KG * 64;
+  constexpr int ITEM = (GATED ? 2 : 1) * HALF;
+  constexpr int RED = WK * TILES * NT * 4 * 32;
+  extern __shared__ __align__(16) unsigned char smem[];  // as the stream kernel declares it
+  float* red = reinterpret_cast<float*>(smem + S * ITEM);  // [R][WK][TILES][NT][4][32]
+  __shared__ __align__(8) unsigned long long full[S], empty[S], slot_free[R];
+  __shared__ int arrived[R];
+  __shared__ int pair_s[R][BT];
+  __shared__ float xg_s[R][BT], rw_s[R][BT];
+  __shared__ int n_blocks_s;
+
+  pdl_wait();
+  pdl_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  if (warp == 0) {
+    int n = 0;
+#pragma unroll 8
+    for (int i = lane; i < maxb; i += 32) n += block_expert[i] >= 0;
+    n = __reduce_add_sync(0xffffffffu, n);
+    if (lane == 0) n_blocks_s = n;
+  }
+  const u32 full0 = smem_addr(&full[0]), empty0 = smem_addr(&empty[0]);
+  const u32 free0 = smem_addr(&slot_free[0]);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, WK);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      mbar_init(free0 + 8 * r, 1);
+      arrived[r] = 0;
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  const int n_y = n_out / (16 * RW);
+  const long total = (long)n_blocks_s * n_y;
+  const int i0 = (int)(blockIdx.x * total / gridDim.x);
+  const int n_my = (int)((blockIdx.x + 1) * total / gridDim.x) - i0;
+  if (n_my <= 0) return;
+  const u32 buf0 = smem_addr(smem);
+
+  if (warp == WK) {  // the producer
+    if (lane == 0) {
+      const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
+      int iss_blk = -1;
+      long e = 0;
+      for (int j = 0; j < n_my; ++j) {
+        const int item = i0 + j, blk = item / n_y, y = item - blk * n_y, s = j % S;
+        if (blk != iss_blk) {
+          iss_blk = blk;
+          e = block_expert[blk];
+        }
+        if (j >= S) mbar_wait(empty0 + 8 * s, ((j / S) - 1) & 1);  // item j - S read by all
+        mbar_arrive_expect_tx(full0 + 8 * s, ITEM);
+#pragma unroll
+        for (int h = 0; h < (GATED ? 2 : 1); ++h) {
+          const long tile = e * n_w_tiles + (h ? n_out / 16 : 0) + y * RW;
+          const u32 dst = buf0 + s * ITEM + h * HALF;
+          bulk_copy_g2s(dst, wq + tile * KG * 128, W_BYTES, full0 + 8 * s);
+          bulk_copy_g2s(dst + W_BYTES, ws + tile * KG * 16, HALF - W_BYTES, full0 + 8 * s);
+        }
+      }
+    }
+    return;
+  }
+
+  const int kg0 = warp * KGW;
+  u32 b[KGW * 4][NT][2];
+  int cur_blk = -1, my_pair = 0;
+  float wgain = 0.f, my_xg = 0.f, my_rw = 1.f;
+  for (int j = 0; j < n_my; ++j) {
+    const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
+    const int s = j % S, r = j % R;
+    if (blk != cur_blk) {
+      load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
+      wgain = w_g[block_expert[blk]] * FP16_GAIN_SQ;
+      if (threadIdx.x < BT) {
+        my_pair = sorted_pair[blk * BT + threadIdx.x];
+        const bool ok = my_pair < n_pairs;
+        my_xg = ok ? x_g[my_pair / a_div] : 0.f;
+        my_rw = ok && mul_route_w ? route_w[my_pair] : 1.f;
+      }
+      cur_blk = blk;
+    }
+    if (j >= R) mbar_wait(free0 + 8 * r, ((j / R) - 1) & 1);  // item j - R's epilogue is done
+    if (threadIdx.x < BT) {
+      pair_s[r][threadIdx.x] = my_pair;
+      xg_s[r][threadIdx.x] = my_xg;
+      rw_s[r][threadIdx.x] = my_rw;
+    }
+    mbar_wait(full0 + 8 * s, (j / S) & 1);
+    const u32 st = buf0 + s * ITEM;
+    float* rs = red + r * RED;
+#pragma unroll
+    for (int ti = 0; ti < TILES; ++ti) {
+      const u32 tw = st + (ti >= RW ? HALF : 0) + (ti % RW) * KG * 512;
+      const u32 tsc = st + (ti >= RW ? HALF : 0) + W_BYTES + (ti % RW) * KG * 64;
+      float acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KGW; ++kk)
+        mma_group_smem<NT>(acc, tw + (kg0 + kk) * 512 + lane * 16, tsc + (kg0 + kk) * 64 + g * 8,
+                           b + kk * 4);
+      float* rt = rs + ((warp * TILES + ti) * NT) * 128;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) rt[(nt * 4 + i) * 32 + lane] = acc[nt][i];
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);  // this warp is done with buffer s
+    __threadfence_block();                      // its partials (and scalars) before the count
+    int last = 0;
+    if (lane == 0) last = atomicAdd(&arrived[r], 1) == WK - 1;
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (last) {  // every warp's partials of item j are in slot r: this warp stores the item
+      __threadfence_block();
+      store_outputs<NT, RW, WK, GATED>(rs, pair_s[r], xg_s[r], rw_s[r], wgain, out, n_pairs,
+                                       n_out, y * RW * 16, lane, 32);
+      __syncwarp();
+      if (lane == 0) {
+        arrived[r] = 0;
+        mbar_arrive(free0 + 8 * r);  // slot r may take item j + R
+      }
+    }
   }
 }
