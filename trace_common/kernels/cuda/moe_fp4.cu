@@ -469,6 +469,110 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
 // Dynamic shared memory: S * item bytes + 2 * WK * TILES * NT * 512 bytes.
 // ---------------------------------------------------------------------------------------------
 
+// Shared by `moe_fp4_tma` and `moe_fp4_ws` -------------------------------------------------
+
+// The item geometry of a configuration: RW tiles of 16 features (GATED: + their RW up tiles)
+// over all of K; one half = RW tiles' codes (W_BYTES) then their scales.
+template <int NT, int RW, int WK, int KGW, bool GATED>
+struct ItemShape {
+  static constexpr int K = WK * KGW * 64;
+  static constexpr int KT = K / 16;
+  static constexpr int KG = K / 64;
+  static constexpr int BT = NT * 8;
+  static constexpr int TILES = GATED ? 2 * RW : RW;
+  static constexpr int W_BYTES = RW * KG * 512;
+  static constexpr int HALF = W_BYTES + RW * KG * 64;
+  static constexpr int ITEM = (GATED ? 2 : 1) * HALF;
+  static constexpr int RED = WK * TILES * NT * 4 * 32;  // floats of one item's partial sums
+};
+
+// Warp 0: the filled expert blocks (a prefix of block_expert, -1 past it); independent loads.
+__device__ __forceinline__ int count_filled_blocks(const int* block_expert, int maxb, int lane) {
+  int n = 0;
+#pragma unroll 8
+  for (int i = lane; i < maxb; i += 32) n += block_expert[i] >= 0;
+  return __reduce_add_sync(0xffffffffu, n);
+}
+
+// One thread: the bulk copies of item (expert e, output tile group y) into the buffer at `dst`,
+// completing on barrier `bar` (armed here with the item's bytes).
+template <int RW, int KG, int W_BYTES, int HALF, bool GATED>
+__device__ __forceinline__ void issue_item(const u32* wq, const u32* ws, long e, int y,
+                                           int n_out, u32 dst, u32 bar) {
+  const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
+  mbar_arrive_expect_tx(bar, (GATED ? 2 : 1) * HALF);
+#pragma unroll
+  for (int h = 0; h < (GATED ? 2 : 1); ++h) {
+    const long tile = e * n_w_tiles + (h ? n_out / 16 : 0) + y * RW;
+    bulk_copy_g2s(dst + h * HALF, wq + tile * KG * 128, W_BYTES, bar);
+    bulk_copy_g2s(dst + h * HALF + W_BYTES, ws + tile * KG * 16, HALF - W_BYTES, bar);
+  }
+}
+
+// What a warp keeps in registers while its CTA's items stay in one expert block (no global
+// load per item, which would stall warp 0 before every item): the block's B fragments over the
+// warp's K slice, the epilogue gain, and for threads < BT their slot's pair, row scale and
+// routing weight (copied into each item's epilogue buffers by `put`).
+template <int NT, int KGW, int KT>
+struct BlockRegs {
+  u32 b[KGW * 4][NT][2];
+  int blk = -1, pair = 0;
+  float wgain = 0.f, xg = 0.f, rw = 1.f;
+
+  __device__ __forceinline__ void load_if_new(int block, const u32* x_dq, const int* sorted_pair,
+                                              const float* w_g, const int* block_expert,
+                                              const float* x_g, const float* route_w, int kg0,
+                                              int g, int t, int n_pairs, int a_div,
+                                              int mul_route_w) {
+    if (block == blk) return;
+    load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, block, kg0, g, t, n_pairs, a_div);
+    wgain = w_g[block_expert[block]] * FP16_GAIN_SQ;
+    if (threadIdx.x < NT * 8) {
+      pair = sorted_pair[block * NT * 8 + threadIdx.x];
+      const bool ok = pair < n_pairs;
+      xg = ok ? x_g[pair / a_div] : 0.f;
+      rw = ok && mul_route_w ? route_w[pair] : 1.f;
+    }
+    blk = block;
+  }
+
+  __device__ __forceinline__ void put(int* pair_s, float* xg_s, float* rw_s) const {
+    if (threadIdx.x < NT * 8) {
+      pair_s[threadIdx.x] = pair;
+      xg_s[threadIdx.x] = xg;
+      rw_s[threadIdx.x] = rw;
+    }
+  }
+};
+
+// This warp's partial sums of one item (buffer at `st`) over its K slice, into the item's
+// reduction slot `rs` [WK][TILES][NT][4][32].
+template <int NT, int RW, int WK, int KGW, bool GATED>
+__device__ __forceinline__ void item_partials(u32 st, float* rs, const u32 (&b)[KGW * 4][NT][2],
+                                              int warp, int lane, int g) {
+  using I = ItemShape<NT, RW, WK, KGW, GATED>;
+  const int kg0 = warp * KGW;
+#pragma unroll
+  for (int ti = 0; ti < I::TILES; ++ti) {
+    const u32 tw = st + (ti >= RW ? I::HALF : 0) + (ti % RW) * I::KG * 512;
+    const u32 tsc = st + (ti >= RW ? I::HALF : 0) + I::W_BYTES + (ti % RW) * I::KG * 64;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KGW; ++kk)
+      mma_group_smem<NT>(acc, tw + (kg0 + kk) * 512 + lane * 16, tsc + (kg0 + kk) * 64 + g * 8,
+                         b + kk * 4);
+    float* rt = rs + ((warp * I::TILES + ti) * NT) * 128;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) rt[(nt * 4 + i) * 32 + lane] = acc[nt][i];
+  }
+}
+
 template <int NT, int RW, int WK, int KGW, bool GATED, int S>
 __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
@@ -482,17 +586,10 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
     u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
     int n_pairs, int n_out, int a_div, int mul_route_w, int maxb) {
   static_assert(S >= 2, "at least two buffers");
-  constexpr int K = WK * KGW * 64;
-  constexpr int KT = K / 16;
-  constexpr int KG = K / 64;
-  constexpr int BT = NT * 8;
-  constexpr int TILES = GATED ? 2 * RW : RW;
-  constexpr int W_BYTES = RW * KG * 512;  // codes of RW tiles (one half of a GATED item)
-  constexpr int HALF = W_BYTES + RW * KG * 64;  // + their scales
-  constexpr int ITEM = (GATED ? 2 : 1) * HALF;
-  constexpr int RED = WK * TILES * NT * 4 * 32;  // floats of one item's partial sums
+  using I = ItemShape<NT, RW, WK, KGW, GATED>;
+  constexpr int BT = I::BT;
   extern __shared__ __align__(16) unsigned char smem[];  // as the stream kernel declares it
-  float* red = reinterpret_cast<float*>(smem + S * ITEM);  // [2][WK][TILES][NT][4][32]
+  float* red = reinterpret_cast<float*>(smem + S * I::ITEM);  // [2][WK][TILES][NT][4][32]
   __shared__ __align__(8) unsigned long long bars[S];
   __shared__ int pair_s[2][BT];
   __shared__ float xg_s[2][BT], rw_s[2][BT];
@@ -502,11 +599,8 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  if (warp == 0) {  // the filled blocks (a prefix of block_expert); independent loads
-    int n = 0;
-#pragma unroll 8
-    for (int i = lane; i < maxb; i += 32) n += block_expert[i] >= 0;
-    n = __reduce_add_sync(0xffffffffu, n);
+  if (warp == 0) {
+    const int n = count_filled_blocks(block_expert, maxb, lane);
     if (lane == 0) n_blocks_s = n;
   }
   const u32 bar0 = smem_addr(&bars[0]);
@@ -522,81 +616,35 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
   const int n_my = (int)((blockIdx.x + 1) * total / gridDim.x) - i0;
   if (n_my <= 0) return;
 
-  const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
   const u32 buf0 = smem_addr(smem);
   int iss_blk = -1;  // thread 0: the block of the last item issued and its expert
   long iss_e = 0;
   auto issue = [&](int j) {  // thread 0: item i0 + j into buffer j % S
-    const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
+    const int item = i0 + j, blk = item / n_y;
     if (blk != iss_blk) {  // a global load only when the block changes (rarely)
       iss_blk = blk;
       iss_e = block_expert[blk];
     }
-    const long e = iss_e;
-    const u32 dst = buf0 + (j % S) * ITEM, bar = bar0 + 8 * (j % S);
-    mbar_arrive_expect_tx(bar, ITEM);
-#pragma unroll
-    for (int h = 0; h < (GATED ? 2 : 1); ++h) {
-      const long tile = e * n_w_tiles + (h ? n_out / 16 : 0) + y * RW;
-      bulk_copy_g2s(dst + h * HALF, wq + tile * KG * 128, W_BYTES, bar);
-      bulk_copy_g2s(dst + h * HALF + W_BYTES, ws + tile * KG * 16, HALF - W_BYTES, bar);
-    }
+    issue_item<RW, I::KG, I::W_BYTES, I::HALF, GATED>(wq, ws, iss_e, item - blk * n_y, n_out,
+                                                      buf0 + (j % S) * I::ITEM, bar0 + 8 * (j % S));
   };
   if (threadIdx.x == 0)
     for (int j = 0; j < S && j < n_my; ++j) issue(j);
 
-  const int kg0 = warp * KGW;
-  u32 b[KGW * 4][NT][2];
-  // Per expert block, kept in registers while the block lasts (no global load per item, which
-  // would stall warp 0 before every item): B fragments, the epilogue gain, and for threads <
-  // BT their slot's pair, row scale and routing weight (copied into the item's buffers).
-  int cur_blk = -1, my_pair = 0;
-  float wgain = 0.f, my_xg = 0.f, my_rw = 1.f;
+  BlockRegs<NT, KGW, I::KT> regs;
   for (int j = 0; j < n_my; ++j) {
     const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
     const int h = j & 1;  // double buffers: partial sums and epilogue scalars
-    if (blk != cur_blk) {
-      load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
-      wgain = w_g[block_expert[blk]] * FP16_GAIN_SQ;
-      if (threadIdx.x < BT) {
-        my_pair = sorted_pair[blk * BT + threadIdx.x];
-        const bool ok = my_pair < n_pairs;
-        my_xg = ok ? x_g[my_pair / a_div] : 0.f;
-        my_rw = ok && mul_route_w ? route_w[my_pair] : 1.f;
-      }
-      cur_blk = blk;
-    }
-    if (threadIdx.x < BT) {
-      pair_s[h][threadIdx.x] = my_pair;
-      xg_s[h][threadIdx.x] = my_xg;
-      rw_s[h][threadIdx.x] = my_rw;
-    }
+    regs.load_if_new(blk, x_dq, sorted_pair, w_g, block_expert, x_g, route_w, warp * KGW, g, t,
+                     n_pairs, a_div, mul_route_w);
+    regs.put(pair_s[h], xg_s[h], rw_s[h]);
     mbar_wait(bar0 + 8 * (j % S), (j / S) & 1);
-    const u32 st = buf0 + (j % S) * ITEM;
-    float* r = red + h * RED;
-#pragma unroll
-    for (int ti = 0; ti < TILES; ++ti) {
-      const u32 tw = st + (ti >= RW ? HALF : 0) + (ti % RW) * KG * 512;
-      const u32 tsc = st + (ti >= RW ? HALF : 0) + W_BYTES + (ti % RW) * KG * 64;
-      float acc[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < KGW; ++kk)
-        mma_group_smem<NT>(acc, tw + (kg0 + kk) * 512 + lane * 16, tsc + (kg0 + kk) * 64 + g * 8,
-                           b + kk * 4);
-      float* rt = r + ((warp * TILES + ti) * NT) * 128;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) rt[(nt * 4 + i) * 32 + lane] = acc[nt][i];
-    }
+    float* r = red + h * I::RED;
+    item_partials<NT, RW, WK, KGW, GATED>(buf0 + (j % S) * I::ITEM, r, regs.b, warp, lane, g);
     __syncthreads();  // every warp is done with buffer j % S and its partials are in red[h]
     if (threadIdx.x == 0 && j + S < n_my) issue(j + S);
-    store_outputs<NT, RW, WK, GATED>(r, pair_s[h], xg_s[h], rw_s[h], wgain, out, n_pairs, n_out,
-                                     y * RW * 16);
+    store_outputs<NT, RW, WK, GATED>(r, pair_s[h], xg_s[h], rw_s[h], regs.wgain, out, n_pairs,
+                                     n_out, y * RW * 16);
   }
 }
 
@@ -623,17 +671,10 @@ __global__ void __launch_bounds__((WK + 1) * 32, 1) moe_fp4_ws(
     const float* __restrict__ route_w, u16* __restrict__ out, int n_pairs, int n_out, int a_div,
     int mul_route_w, int maxb) {
   static_assert(S >= 2 && R >= 2, "at least two buffers and two reduction slots");
-  constexpr int K = WK * KGW * 64;
-  constexpr int KT = K / 16;
-  constexpr int KG = K / 64;
-  constexpr int BT = NT * 8;
-  constexpr int TILES = GATED ? 2 * RW : RW;
-  constexpr int W_BYTES = RW * KG * 512;
-  constexpr int HALF = W_BYTES + RW * KG * 64;
-  constexpr int ITEM = (GATED ? 2 : 1) * HALF;
-  constexpr int RED = WK * TILES * NT * 4 * 32;
+  using I = ItemShape<NT, RW, WK, KGW, GATED>;
+  constexpr int BT = I::BT;
   extern __shared__ __align__(16) unsigned char smem[];  // as the stream kernel declares it
-  float* red = reinterpret_cast<float*>(smem + S * ITEM);  // [R][WK][TILES][NT][4][32]
+  float* red = reinterpret_cast<float*>(smem + S * I::ITEM);  // [R][WK][TILES][NT][4][32]
   __shared__ __align__(8) unsigned long long full[S], empty[S], slot_free[R];
   __shared__ int arrived[R];
   __shared__ int pair_s[R][BT];
@@ -645,10 +686,7 @@ __global__ void __launch_bounds__((WK + 1) * 32, 1) moe_fp4_ws(
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   if (warp == 0) {
-    int n = 0;
-#pragma unroll 8
-    for (int i = lane; i < maxb; i += 32) n += block_expert[i] >= 0;
-    n = __reduce_add_sync(0xffffffffu, n);
+    const int n = count_filled_blocks(block_expert, maxb, lane);
     if (lane == 0) n_blocks_s = n;
   }
   const u32 full0 = smem_addr(&full[0]), empty0 = smem_addr(&empty[0]);
@@ -676,75 +714,33 @@ __global__ void __launch_bounds__((WK + 1) * 32, 1) moe_fp4_ws(
 
   if (warp == WK) {  // the producer
     if (lane == 0) {
-      const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
       int iss_blk = -1;
       long e = 0;
       for (int j = 0; j < n_my; ++j) {
-        const int item = i0 + j, blk = item / n_y, y = item - blk * n_y, s = j % S;
+        const int item = i0 + j, blk = item / n_y, s = j % S;
         if (blk != iss_blk) {
           iss_blk = blk;
           e = block_expert[blk];
         }
         if (j >= S) mbar_wait(empty0 + 8 * s, ((j / S) - 1) & 1);  // item j - S read by all
-        mbar_arrive_expect_tx(full0 + 8 * s, ITEM);
-#pragma unroll
-        for (int h = 0; h < (GATED ? 2 : 1); ++h) {
-          const long tile = e * n_w_tiles + (h ? n_out / 16 : 0) + y * RW;
-          const u32 dst = buf0 + s * ITEM + h * HALF;
-          bulk_copy_g2s(dst, wq + tile * KG * 128, W_BYTES, full0 + 8 * s);
-          bulk_copy_g2s(dst + W_BYTES, ws + tile * KG * 16, HALF - W_BYTES, full0 + 8 * s);
-        }
+        issue_item<RW, I::KG, I::W_BYTES, I::HALF, GATED>(wq, ws, e, item - blk * n_y, n_out,
+                                                          buf0 + s * I::ITEM, full0 + 8 * s);
       }
     }
     return;
   }
 
-  const int kg0 = warp * KGW;
-  u32 b[KGW * 4][NT][2];
-  int cur_blk = -1, my_pair = 0;
-  float wgain = 0.f, my_xg = 0.f, my_rw = 1.f;
+  BlockRegs<NT, KGW, I::KT> regs;
   for (int j = 0; j < n_my; ++j) {
     const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
     const int s = j % S, r = j % R;
-    if (blk != cur_blk) {
-      load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
-      wgain = w_g[block_expert[blk]] * FP16_GAIN_SQ;
-      if (threadIdx.x < BT) {
-        my_pair = sorted_pair[blk * BT + threadIdx.x];
-        const bool ok = my_pair < n_pairs;
-        my_xg = ok ? x_g[my_pair / a_div] : 0.f;
-        my_rw = ok && mul_route_w ? route_w[my_pair] : 1.f;
-      }
-      cur_blk = blk;
-    }
+    regs.load_if_new(blk, x_dq, sorted_pair, w_g, block_expert, x_g, route_w, warp * KGW, g, t,
+                     n_pairs, a_div, mul_route_w);
     if (j >= R) mbar_wait(free0 + 8 * r, ((j / R) - 1) & 1);  // item j - R's epilogue is done
-    if (threadIdx.x < BT) {
-      pair_s[r][threadIdx.x] = my_pair;
-      xg_s[r][threadIdx.x] = my_xg;
-      rw_s[r][threadIdx.x] = my_rw;
-    }
+    regs.put(pair_s[r], xg_s[r], rw_s[r]);
     mbar_wait(full0 + 8 * s, (j / S) & 1);
-    const u32 st = buf0 + s * ITEM;
-    float* rs = red + r * RED;
-#pragma unroll
-    for (int ti = 0; ti < TILES; ++ti) {
-      const u32 tw = st + (ti >= RW ? HALF : 0) + (ti % RW) * KG * 512;
-      const u32 tsc = st + (ti >= RW ? HALF : 0) + W_BYTES + (ti % RW) * KG * 64;
-      float acc[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < KGW; ++kk)
-        mma_group_smem<NT>(acc, tw + (kg0 + kk) * 512 + lane * 16, tsc + (kg0 + kk) * 64 + g * 8,
-                           b + kk * 4);
-      float* rt = rs + ((warp * TILES + ti) * NT) * 128;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) rt[(nt * 4 + i) * 32 + lane] = acc[nt][i];
-    }
+    float* rs = red + r * I::RED;
+    item_partials<NT, RW, WK, KGW, GATED>(buf0 + s * I::ITEM, rs, regs.b, warp, lane, g);
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);  // this warp is done with buffer s
     __threadfence_block();                      // its partials (and scalars) before the count
@@ -753,7 +749,7 @@ __global__ void __launch_bounds__((WK + 1) * 32, 1) moe_fp4_ws(
     last = __shfl_sync(0xffffffffu, last, 0);
     if (last) {  // every warp's partials of item j are in slot r: this warp stores the item
       __threadfence_block();
-      store_outputs<NT, RW, WK, GATED>(rs, pair_s[r], xg_s[r], rw_s[r], wgain, out, n_pairs,
+      store_outputs<NT, RW, WK, GATED>(rs, pair_s[r], xg_s[r], rw_s[r], regs.wgain, out, n_pairs,
                                        n_out, y * RW * 16, lane, 32);
       __syncwarp();
       if (lane == 0) {
