@@ -53,7 +53,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="timed graph replays per measurement")
     args = ap.parse_args()
-    settings = [parse_setting(s) for s in (args.setting or [""])]
+    texts = args.setting or [""]
+    settings = [parse_setting(s) for s in texts]
     names = {n for s in settings for n in s}
     shape = EngineShape()
     print(f"copy bandwidth {copy_bandwidth():.2f} TB/s", flush=True)
@@ -73,7 +74,7 @@ def main() -> None:
                         secs[i].append(time_engine(shape, weights, batch=b, context=ctx,
                                                    steps=args.steps)[0])  # fmt: skip
                 base = statistics.median(secs[0])
-                for s, sec in zip(args.setting or [""], secs, strict=True):
+                for s, sec in zip(texts, secs, strict=True):
                     med = statistics.median(sec)
                     print(f"{engine:5s} ctx {ctx:6d} batch {b:4d} [{s or 'defaults'}]: "
                           f"{b / med:9.1f} tok/s {med * 1e3:7.3f} ms/step "

@@ -117,33 +117,19 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             for cfg in SWEEP_STREAM_DOWN:
                 if cuda_moe.stream_smem_bytes(bm, *cfg[:4], False) <= cuda_moe.STREAM_SMEM_MAX:
                     variants.append((f"stream dn{cfg}", None, "cuda", "stream", None, cfg))
-            for cfg in SWEEP_TMA_GATE_UP:
-                if (
-                    cuda_moe.tma_smem_bytes(H, bm, *cfg[:2], cfg[3], True)
-                    <= cuda_moe.STREAM_SMEM_MAX
-                ):
-                    variants.append((f"tma gu{cfg}", None, "cuda", "tma", cfg, None))
-            for cfg in SWEEP_TMA_DOWN:
-                if (
-                    cuda_moe.tma_smem_bytes(INTER, bm, *cfg[:2], cfg[3], False)
-                    <= cuda_moe.STREAM_SMEM_MAX
-                ):
-                    variants.append((f"tma dn{cfg}", None, "cuda", "tma", None, cfg))
-        if ws:  # the warp-specialized draft kernel (moe_fp4_ws): default and swept configs
+        if ws:  # the warp-specialized draft kernel (moe_fp4_ws)
             variants.append(("fp4-ws", None, "cuda", "ws", None, None))
-        if ws and sweep:
-            for cfg in SWEEP_WS_GATE_UP:
-                if (
-                    cuda_moe.ws_smem_bytes(H, bm, *cfg[:2], *cfg[3:], True)
-                    <= cuda_moe.STREAM_SMEM_MAX
-                ):
-                    variants.append((f"ws gu{cfg}", None, "cuda", "ws", cfg, None))
-            for cfg in SWEEP_WS_DOWN:
-                if (
-                    cuda_moe.ws_smem_bytes(INTER, bm, *cfg[:2], *cfg[3:], False)
-                    <= cuda_moe.STREAM_SMEM_MAX
-                ):
-                    variants.append((f"ws dn{cfg}", None, "cuda", "ws", None, cfg))
+        for item_kern, gu_cfgs, dn_cfgs in (("tma", SWEEP_TMA_GATE_UP, SWEEP_TMA_DOWN),
+                                            ("ws", SWEEP_WS_GATE_UP, SWEEP_WS_DOWN)):  # fmt: skip
+            if not sweep or (item_kern == "ws" and not ws):
+                continue
+            for gated, k, cfgs in ((True, H, gu_cfgs), (False, INTER, dn_cfgs)):
+                for cfg in cfgs:  # (RW, WK, KGW, S[, R])
+                    smem = cuda_moe.tma_smem_bytes(k, bm, cfg[0], cfg[1], cfg[3], gated, *cfg[4:])
+                    if smem <= cuda_moe.STREAM_SMEM_MAX:
+                        variants.append((f"{item_kern} {'gu' if gated else 'dn'}{cfg}", None,
+                                         "cuda", item_kern, cfg if gated else None,
+                                         None if gated else cfg))  # fmt: skip
         if sweep:
             for waves in SWEEP_STREAM_WAVES:  # default configs, grid sized for more waves
                 variants.append((f"stream waves {waves}", None, "cuda", "stream", None, None))

@@ -39,8 +39,6 @@ def compiled_function(source: pathlib.Path, name: str, smem: int = 0):
     here (outside any capture), as a launch needs once static + dynamic pass 48 KB."""
     key = (source.name, name)
     fn = _MODULES.get(key)
-    if fn is not None and _SMEM_ALLOWED.get(key, 0) >= smem:
-        return fn
     if fn is None:
         cp = require_cupy()
         t0 = time.perf_counter()

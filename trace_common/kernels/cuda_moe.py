@@ -277,20 +277,13 @@ def default_tma_config(k: int, block_m: int, gated: bool, n_out: int
     raise ValueError(f"K={k}: two items of one tile do not fit in shared memory")
 
 
-def ws_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, slots: int,
-                  gated: bool) -> int:  # fmt: skip
-    """Dynamic shared memory of `moe_fp4_ws`: S item buffers and R reduction slots."""
+def tma_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, gated: bool,
+                   slots: int = 2) -> int:  # fmt: skip
+    """Dynamic shared memory of `moe_fp4_tma` / `moe_fp4_ws`: S item buffers (an item's codes +
+    scales) and `slots` items' partial sums (tma: 2, double-buffered; ws: its R)."""
     tiles = 2 * rw if gated else rw
     item = tiles * (k // K_GROUP) * (LANES * 16 + 64)
     return stages * item + slots * wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
-
-
-def tma_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, gated: bool) -> int:
-    """Dynamic shared memory of `moe_fp4_tma`: S item buffers (an item's codes + scales) and
-    two items' partial sums."""
-    tiles = 2 * rw if gated else rw
-    item = tiles * (k // K_GROUP) * (LANES * 16 + 64)
-    return stages * item + 2 * wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
 
 
 def stream_smem_bytes(block_m: int, rw: int, wk: int, kgw: int, stages: int, gated: bool) -> int:
@@ -326,7 +319,7 @@ _RESIDENT_FNS: dict[tuple, tuple[object, int]] = {}
 def _resident_kernel(name: str, warps: int, smem: int, device: torch.device
                      ) -> tuple[object, int]:  # fmt: skip
     """The compiled instance `name` of a kernel sized to the GPU (`moe_fp4_stream`,
-    `moe_fp4_tma`) allowed `smem` bytes of dynamic shared memory, and the CTAs of it one SM
+    `moe_fp4_tma`, `moe_fp4_ws`) allowed `smem` bytes of dynamic shared memory, and the CTAs of it one SM
     holds."""
     key = (name, smem, device.index)
     hit = _RESIDENT_FNS.get(key)
@@ -361,7 +354,7 @@ def moe_gemm_cuda(
     mul_route_w: bool,
     out: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,  # mma: (RW, WK, KGW, MINB); stream: + S before MINB
-    kernel: str | None = None,  # "stream" | "mma" | "tma" (default: see `cuda_kernel`)
+    kernel: str | None = None,  # "stream" | "mma" | "tma" | "ws" (default: `cuda_kernel`)
     pdl: bool = False,
     quant_out: FP4Rows | None = None,
     counter: torch.Tensor | None = None,  # int32 [>= MAXB], zero: quant_out's per-block counters
@@ -370,7 +363,7 @@ def moe_gemm_cuda(
 ) -> torch.Tensor:
     """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring).
 
-    `pdl`: the `mma` or `tma` kernel as a programmatic dependent launch (it waits before
+    `pdl`: the `mma`, `tma` or `ws` kernel as a programmatic dependent launch (it waits before
     reading anything; the `stream` kernel is launched normally). `quant_out`: also NVFP4-quantize
     `out` into it (per-row scale_2, and its dq16 if given), equal to quant.quantize_rows(out,
     scale_2=None, dq16=quant_out.dq16): by the last CTA of each expert block in the `mma`
@@ -392,10 +385,8 @@ def moe_gemm_cuda(
         if kern == "stream":
             _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config, stream_waves,
                            stream_probe)  # fmt: skip
-        elif kern == "ws":
-            _launch_ws(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
         else:
-            _launch_tma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
+            _launch_items(kern, a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
         if quant_out is not None:
             from trace_common.kernels.quant import quantize_rows
 
@@ -460,54 +451,37 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
                            shared_mem=smem)  # fmt: skip
 
 
-def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
-                mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
-                pdl: bool) -> None:  # fmt: skip
+def _launch_items(kernel: str, a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool,
+                  a_div: int, mul_route_w: bool, out: torch.Tensor,
+                  config: tuple[int, ...] | None, pdl: bool) -> None:  # fmt: skip
+    """`moe_fp4_tma` (config (RW, WK, KGW, S)) or `moe_fp4_ws` ((RW, WK, KGW, S, R); one more
+    warp, the producer): a persistent grid of the CTAs the SMs hold."""
     import numpy as np
 
+    ws = kernel == "ws"
     n_out = w.n // 2 if gated else w.n
-    cfg = config or default_tma_config(w.k, plan.block_m, gated, n_out)
-    if len(cfg) != 4:
-        raise ValueError(f"tma config {cfg}: expected (RW, WK, KGW, S)")
-    rw, wk, kgw, stages = cfg
-    smem = tma_smem_bytes(w.k, plan.block_m, rw, wk, stages, gated)
-    if (wk * kgw * K_GROUP != w.k or n_out % (MMA_M * rw) or stages < 2
-            or smem > STREAM_SMEM_MAX):  # fmt: skip
-        raise ValueError(f"tma config RW={rw}, WK={wk}, KGW={kgw}, S={stages} does not fit "
-                         f"N_out={n_out}, K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    name = (f"moe_fp4_tma<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-            f"{stages}>")  # fmt: skip
-    fn, ctas_per_sm = _resident_kernel(name, wk, smem, out.device)
-    maxb = plan.block_expert.numel()
-    grid = min(sm_resources(out.device)[0] * ctas_per_sm, maxb * (n_out // (MMA_M * rw)))
-    args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(maxb))
-    launch_on_torch_stream(fn, (grid,), (wk * LANES,), args, out.device, shared_mem=smem,
-                           pdl=pdl)  # fmt: skip
-
-
-def _launch_ws(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
-               mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
-               pdl: bool) -> None:  # fmt: skip
-    import numpy as np
-
-    n_out = w.n // 2 if gated else w.n
-    cfg = config or WS_CONFIGS.get((w.k, plan.block_m, gated))
-    if cfg is None or len(cfg) != 5:
-        raise ValueError(f"ws config {cfg}: expected (RW, WK, KGW, S, R) for K={w.k}, "
+    if config is None:
+        config = (WS_CONFIGS.get((w.k, plan.block_m, gated)) if ws
+                  else default_tma_config(w.k, plan.block_m, gated, n_out))  # fmt: skip
+    want = "(RW, WK, KGW, S, R)" if ws else "(RW, WK, KGW, S)"
+    if config is None or len(config) != (5 if ws else 4):
+        raise ValueError(f"{kernel} config {config}: expected {want} for K={w.k}, "
                          f"block_m={plan.block_m}, gated={gated}")  # fmt: skip
-    rw, wk, kgw, stages, slots = cfg
-    smem = ws_smem_bytes(w.k, plan.block_m, rw, wk, stages, slots, gated)
+    rw, wk, kgw, stages = config[:4]
+    slots = config[4] if ws else 2
+    smem = tma_smem_bytes(w.k, plan.block_m, rw, wk, stages, gated, slots)
     if (wk * kgw * K_GROUP != w.k or n_out % (MMA_M * rw) or stages < 2 or slots < 2
             or smem > STREAM_SMEM_MAX):  # fmt: skip
-        raise ValueError(f"ws config RW={rw}, WK={wk}, KGW={kgw}, S={stages}, R={slots} does "
-                         f"not fit N_out={n_out}, K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    name = (f"moe_fp4_ws<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-            f"{stages}, {slots}>")  # fmt: skip
-    fn, ctas_per_sm = _resident_kernel(name, wk + 1, smem, out.device)
+        raise ValueError(f"{kernel} config {want} = {config} does not fit N_out={n_out}, "
+                         f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
+    name = (f"moe_fp4_{kernel}<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, "
+            f"{str(gated).lower()}, {stages}{f', {slots}' if ws else ''}>")  # fmt: skip
+    warps = wk + 1 if ws else wk
+    fn, ctas_per_sm = _resident_kernel(name, warps, smem, out.device)
     maxb = plan.block_expert.numel()
     grid = min(sm_resources(out.device)[0] * ctas_per_sm, maxb * (n_out // (MMA_M * rw)))
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(maxb))
-    launch_on_torch_stream(fn, (grid,), ((wk + 1) * LANES,), args, out.device, shared_mem=smem,
+    launch_on_torch_stream(fn, (grid,), (warps * LANES,), args, out.device, shared_mem=smem,
                            pdl=pdl)  # fmt: skip
 
 
@@ -572,5 +546,4 @@ __all__ = [
     "stream_grid",
     "stream_smem_bytes",
     "tma_smem_bytes",
-    "ws_smem_bytes",
 ]

@@ -169,11 +169,6 @@ def configure(spec: str | dict[str, int] | None = None) -> dict[str, int]:
 configure()
 
 
-def _fn(name: str, smem: int):
-    """The compiled kernel `name`, allowed `smem` bytes of dynamic shared memory."""
-    return compiled_function(SOURCE, name, smem)
-
-
 def _tokens(t: int) -> None:
     if not 0 < t <= MAX_TOKENS:
         raise ValueError(f"{t} tokens: the small-batch kernels take 1..{MAX_TOKENS}")
@@ -193,7 +188,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, warps: int = 8,
     _check("x", x, torch.bfloat16, (t, k))
     _check("out", out, torch.bfloat16, (t, n))
     sp = split_k(k, warps)
-    fn = _fn(f"gemv_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
+    fn = compiled_function(SOURCE, f"gemv_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
     launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,),
                            (*pointers(w, x, out), np.int32(n)), out.device, sp.smem, pdl)  # fmt: skip
 
@@ -298,8 +293,9 @@ def qkv_rope(
     else:
         kvargs = pointers(*(None,) * 7)
     sp = split_k(h, WARPS["qkv"])
-    fn = _fn(f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}, "
-             f"{str(kvq).lower()}>", sp.smem)  # fmt: skip
+    name = (f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}, "
+            f"{str(kvq).lower()}>")  # fmt: skip
+    fn = compiled_function(SOURCE, name, sp.smem)
     args = (*pargs, np.float32(eps), *pointers(rout, xn, w_qkv, qkv, counters, norm_w, pos,
             inv_freq, q_out, kv_new, cache), np.int32(cap), np.int32(q_heads),
             np.int32(kv_heads), *kvargs)  # fmt: skip
@@ -357,7 +353,9 @@ def router_topk(
     qargs = _quant_args(xq, capture, t, h)
     sp = split_k(h, WARPS["router"])
     qx = str(xq is not None).lower()
-    fn = _fn(f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {qx}>", sp.smem)
+    fn = compiled_function(
+        SOURCE, f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {qx}>", sp.smem
+    )
     args = (*pargs, np.float32(eps), *pointers(resid_out, xn_out, w_router, logits, counter,
             topk_ids, topk_w, sorted_pair, block_expert), np.int32(e), np.int32(k),
             np.int32(block_m), np.int32(maxb), *qargs)  # fmt: skip
@@ -399,7 +397,7 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
     _check("x", x, torch.bfloat16, (t, h))
     _check("act", act, torch.bfloat16, (n_pairs, inter))
     sp = split_k(h, WARPS["gate_up"], rt=2)
-    fn = _fn(f"moe_gate_up_bf16<{sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
+    fn = compiled_function(SOURCE, f"moe_gate_up_bf16<{sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
     args = (*pointers(w, x, sorted_pair, block_expert, act), np.int32(inter), np.int32(n_pairs),
             np.int32(top_k))  # fmt: skip
     launch_on_torch_stream(fn, (maxb, inter // TILE_ROWS), (sp.wk * 32,), args, act.device,
@@ -422,7 +420,7 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
     _check("topk_w", topk_w, torch.float32, (t, k))
     _check("y", y, torch.bfloat16, (t, h))
     sp = split_k(inter, 1)  # one warp per expert, all of K
-    fn = _fn(f"moe_down_bf16<{k}, {sp.kcw}, {sp.u}, {sp.ns}>", k * sp.smem)
+    fn = compiled_function(SOURCE, f"moe_down_bf16<{k}, {sp.kcw}, {sp.u}, {sp.ns}>", k * sp.smem)
     args = (*pointers(w, act, topk_ids, topk_w, y), np.int32(h))
     launch_on_torch_stream(fn, (t, h // TILE_ROWS), (k * 32,), args, y.device, k * sp.smem, pdl)
 

@@ -372,63 +372,41 @@ def test_moe_gemm_fp4_stream_model_shape(t, block_m):
             assert db > 60, f"stream vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
 
 
+@pytest.mark.parametrize("kernel", ["tma", "ws"])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
-def test_moe_gemm_fp4_ws_model_shape(t, block_m, pdl):
-    """The warp-specialized kernel (DRAFT) at the model's expert shape: with the first CUDA
-    kernel's split of K it equals that kernel bit for bit (same per-warp sums, same epilogue
-    order), with its defaults and with 2 buffers / 2 reduction slots too; every output written.
-    Opt-in until it has run once: a synchronization bug would hang the GPU suite."""
+def test_moe_gemm_fp4_items_model_shape(t, block_m, pdl, kernel):
+    """The bulk-copy kernels (`tma`, and the warp-specialized `ws`, a DRAFT) at the model's
+    expert shape, where a CTA walks many items across expert blocks and its buffers wrap many
+    times: with the first CUDA kernel's split of K (same warps, same k groups per warp: the same
+    summation order and epilogue order) each equals that kernel bit for bit; with its defaults
+    and with 2 buffers (ws: and 2 reduction slots) it agrees to > 60 dB; every output is
+    written; with and without the PDL launch attribute. `ws` is opt-in until it has run once:
+    a synchronization bug would hang the GPU suite."""
     import os
 
-    if os.environ.get("TRACE_TEST_WS") != "1":
+    if kernel == "ws" and os.environ.get("TRACE_TEST_WS") != "1":
         pytest.skip("moe_fp4_ws is a draft not yet run on a GPU; TRACE_TEST_WS=1 runs it")
     from trace_common.kernels import cuda_moe
 
+    extra = (2,) if kernel == "ws" else ()  # ws: R reduction slots
     plan, cases = _model_shape_gemms(t, block_m)
     for wt, a, gated, a_div, mrw, n_out in cases:
         mma_cfg = cuda_moe.default_config(wt.k, block_m, gated)
         ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
                                      kernel="mma", config=mma_cfg).float()  # fmt: skip
-        default = cuda_moe.WS_CONFIGS[(wt.k, block_m, gated)]
-        for cfg in ((*mma_cfg[:3], 2, 2), None, (*default[:3], 2, 2)):
-            got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16,
-                             device=DEV)  # fmt: skip
-            cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                   out=got, config=cfg, kernel="ws", pdl=pdl)  # fmt: skip
-            assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
-            if cfg is not None and tuple(cfg[:3]) == tuple(mma_cfg[:3]):
-                assert torch.equal(got.float(), ref), f"ws != mma bits (gated={gated}, {cfg})"
-            db = sqnr_db(ref, got)
-            assert db > 60, f"ws vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
-
-
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
-def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
-    """The bulk-copy kernel at the model's expert shape, where a CTA walks many items across
-    expert blocks and its buffers wrap many times: with the first CUDA kernel's split of K
-    (same warps, same k groups per warp: the same summation order) it equals that kernel bit
-    for bit; with its defaults and a 2-buffer config it agrees to > 60 dB; every output is
-    written; with and without the PDL launch attribute."""
-    from trace_common.kernels import cuda_moe
-
-    plan, cases = _model_shape_gemms(t, block_m)
-    for wt, a, gated, a_div, mrw, n_out in cases:
-        mma_cfg = cuda_moe.default_config(wt.k, block_m, gated)
-        ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                     kernel="mma", config=mma_cfg).float()  # fmt: skip
-        same_order = (mma_cfg[0], mma_cfg[1], mma_cfg[2], 2)
-        for cfg in (same_order, None, (1 if gated else 2, *cuda_moe.default_tma_config(
-                wt.k, block_m, gated, n_out)[1:3], 2)):  # fmt: skip
+        same_order = (*mma_cfg[:3], 2, *extra)
+        default = (cuda_moe.WS_CONFIGS[(wt.k, block_m, gated)] if kernel == "ws"
+                   else cuda_moe.default_tma_config(wt.k, block_m, gated, n_out))  # fmt: skip
+        for cfg in (same_order, None, (*default[:3], 2, *extra)):
             got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
             cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                   out=got, config=cfg, kernel="tma", pdl=pdl)  # fmt: skip
+                                   out=got, config=cfg, kernel=kernel, pdl=pdl)  # fmt: skip
             assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
             if cfg == same_order:
-                assert torch.equal(got.float(), ref), f"tma != mma bits (gated={gated}, {cfg})"
+                assert torch.equal(got.float(), ref), f"{kernel} != mma bits ({gated=}, {cfg})"
             db = sqnr_db(ref, got)
-            assert db > 60, f"tma vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
+            assert db > 60, f"{kernel} vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
 
 
 @pytest.mark.parametrize("fp4,decode", [(False, None), (True, "bits"), (True, "ptx")])

@@ -309,6 +309,6 @@ def test_ws_configs_fit():
     for i, ((k, bm, gated), (rw, wk, kgw, stages, slots)) in enumerate(must_fit + swept):
         n_out = 768 if gated else 2048
         assert wk * kgw * cuda_moe.K_GROUP == k and n_out % (16 * rw) == 0
-        smem = cuda_moe.ws_smem_bytes(k, bm, rw, wk, stages, slots, gated)
+        smem = cuda_moe.tma_smem_bytes(k, bm, rw, wk, stages, gated, slots)
         if i < len(must_fit):  # the bench skips swept configs that do not fit
             assert smem <= cuda_moe.STREAM_SMEM_MAX and (wk + 1) * 32 <= 1024, (k, bm, smem)
