@@ -64,6 +64,17 @@ FUSED_BF16_CTAS_PER_SM = 2
 FUSED_MAX_SPLITS = 16
 
 
+def forced_chunk(env: str, multiple: int = TILE) -> int:
+    """Keys per split forced by the environment variable `env` (0 when unset); anything but a
+    positive multiple of `multiple` tokens raises ValueError naming `env` and the value."""
+    forced = os.environ.get(env)
+    if not forced:
+        return 0
+    if not forced.isdigit() or int(forced) == 0 or int(forced) % multiple:
+        raise ValueError(f"{env}={forced!r}: expected a positive multiple of {multiple} tokens")
+    return int(forced)
+
+
 def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
     """Keys per split of the fused kernels for `heads` (batch x kv heads) sequences of
     `context` tokens: TRACE_ATTN_FUSED_CHUNK if set, else the wave rule for their resident CTAs
@@ -71,12 +82,9 @@ def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
     splits."""
     from trace_common.kernels.attention import ring_chunk
 
-    forced = os.environ.get("TRACE_ATTN_FUSED_CHUNK")
+    forced = forced_chunk("TRACE_ATTN_FUSED_CHUNK")
     if forced:
-        if not forced.isdigit() or int(forced) == 0 or int(forced) % TILE:
-            raise ValueError(f"TRACE_ATTN_FUSED_CHUNK={forced!r}: expected a positive multiple "
-                             f"of {TILE} tokens")  # fmt: skip
-        return int(forced)
+        return forced
     per_sm = ring_ctas_per_sm() if fp4 else FUSED_BF16_CTAS_PER_SM
     if not per_sm:  # the FP4 "regs" kernel: no fused variant
         return 0
