@@ -94,3 +94,21 @@ def test_forced_ring_chunk(value, monkeypatch):
     monkeypatch.setenv("TRACE_ATTN_CHUNK", str(forced))
     plan = attn.DecodeAttnPlan.make(**kw)
     assert plan.chunk == forced and plan.nsplit == -(-1100 // forced)
+
+
+@pytest.mark.parametrize("batch,context", [(8, 1024), (32, 1024), (128, 1024), (8, 32768),
+                                           (16, 32768)])  # fmt: skip
+def test_ring_plan_keeps_one_wave_up_to_capacity(batch, context):
+    """The FP4 ring plan is made for the cache's capacity, not the starting length: decoding
+    past a split boundary (context + a few tokens) must not need a second wave of CTAs."""
+    from trace_common.kernels import attention as attn
+    from trace_common.kernels import cuda_attn
+    from trace_common.kernels.cuda_launch import sm_resources
+
+    cap = context + 64
+    plan = attn.DecodeAttnPlan.make(batch=batch, q_heads=32, kv_heads=4, capacity=cap,
+                                    head_dim=128, context_hint=context, device="cpu",
+                                    cuda_fp4=True)  # fmt: skip
+    slots = cuda_attn.ring_ctas_per_sm() * sm_resources("cpu")[0]
+    for length in (context, context + 1, context + 12, cap):
+        assert batch * 4 * -(-length // plan.chunk) <= slots, (length, plan.chunk)
