@@ -529,15 +529,12 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   if (!is_last) return;
   __threadfence();
   const float neg_inf = __int_as_float(0xFF800000);
-  float* s_v = reinterpret_cast<float*>(xs);  // logits of token b at s_v[b * XS / 2] (fp32)
-  __shared__ float s_mx[NT], s_den[NT];
-  for (int b = warp; b < NT; b += WK) {  // softmax max and denominator of token b, one warp
+  for (int b = warp; b < NT; b += WK) {  // softmax + top-k of token b, one warp
     float v[MAX_EXPERTS / 32];
 #pragma unroll
     for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
       const int e = lane + 32 * i;
       v[i] = e < n_exp ? bf16_to_f32(ld_cg_u16(logits + (long)b * n_exp + e)) : neg_inf;
-      if (e < n_exp) s_v[b * (XS / 2) + e] = v[i];
     }
     float mx = neg_inf;
 #pragma unroll
@@ -548,39 +545,43 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
     for (int i = 0; i < MAX_EXPERTS / 32; ++i)
       if (lane + 32 * i < n_exp) den += expf(v[i] - mx);
     den = warp_sum(den);
-    if (lane == 0) {
-      s_mx[b] = mx;
-      s_den[b] = den;
-    }
-  }
-  __syncthreads();
-  // top-k: every (token, expert) in parallel finds its rank in (logit descending, index
-  // ascending) order (NaN ranked as -inf, so the ranks are a permutation); ranks < top_k are
-  // the choices, in the order the sequential arg-max picked them.
-  for (int q = threadIdx.x; q < NT * n_exp; q += WK * 32) {
-    const int b = q / n_exp, e = q - b * n_exp;
-    const float* vb = s_v + b * (XS / 2);
-    const float x = vb[e], xr = x == x ? x : neg_inf;
-    int rank = 0;
-#pragma unroll 8
-    for (int e2 = 0; e2 < n_exp; ++e2) {
-      const float y = vb[e2], yr = y == y ? y : neg_inf;
-      rank += yr > xr || (yr == xr && e2 < e);
-    }
-    if (rank < top_k) {
-      s_ids[b * top_k + rank] = e;
-      s_w[b * top_k + rank] = expf(x - s_mx[b]) / s_den[b];
-    }
-  }
-  __syncthreads();
-  for (int b = threadIdx.x; b < NT; b += WK * 32) {  // renormalize in pick order
+    u32 taken = 0;
     float wsum = 0.f;
-    for (int kk = 0; kk < top_k; ++kk) wsum += s_w[b * top_k + kk];
     for (int kk = 0; kk < top_k; ++kk) {
-      topk_w[b * top_k + kk] = s_w[b * top_k + kk] / wsum;
-      topk_ids[b * top_k + kk] = s_ids[b * top_k + kk];
+      float best = neg_inf;
+      int bidx = 0x7FFFFFFF;
+#pragma unroll
+      for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
+        const int e = lane + 32 * i;
+        if (e < n_exp && !((taken >> i) & 1u) && (v[i] > best || bidx == 0x7FFFFFFF)) {
+          best = v[i];
+          bidx = e;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+        const int oi = __shfl_xor_sync(0xFFFFFFFFu, bidx, o);
+        if (ov > best || (ov == best && oi < bidx)) {
+          best = ov;
+          bidx = oi;
+        }
+      }
+      if ((bidx & 31) == lane) taken |= 1u << (bidx >> 5);
+      const float p = expf(best - mx) / den;
+      wsum += p;
+      if (lane == 0) {
+        s_ids[b * top_k + kk] = bidx;
+        s_w[b * top_k + kk] = p;
+      }
+    }
+    __syncwarp();
+    if (lane < top_k) {
+      topk_w[b * top_k + lane] = s_w[b * top_k + lane] / wsum;
+      topk_ids[b * top_k + lane] = s_ids[b * top_k + lane];
     }
   }
+  __syncthreads();
   // block layout: rank of each pair within its expert in (j, t) order, blocks per expert
   const int n_pairs = NT * top_k;
   for (int q = threadIdx.x; q < n_pairs; q += WK * 32) {
@@ -596,28 +597,10 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   }
   for (int s = threadIdx.x; s < maxb * bm; s += WK * 32) s_slots[s] = n_pairs;
   __syncthreads();
-  if (warp == 0) {  // s_start = exclusive prefix sum of s_nblk: lane l owns experts [8l, 8l + 8)
-    constexpr int PER = MAX_EXPERTS / 32;
-    int c[PER], sum = 0;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int e = lane * PER + i;
-      c[i] = e < n_exp ? s_nblk[e] : 0;
-      sum += c[i];
-    }
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int up = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-      if (lane >= o) incl += up;
-    }
-    int st = incl - sum;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int e = lane * PER + i;
-      if (e < n_exp) s_start[e] = st;
-      st += c[i];
-    }
+  for (int e = threadIdx.x; e < n_exp; e += WK * 32) {
+    int st = 0;
+    for (int e2 = 0; e2 < e; ++e2) st += s_nblk[e2];
+    s_start[e] = st;
   }
   __syncthreads();
   const int total = s_start[n_exp - 1] + s_nblk[n_exp - 1];
