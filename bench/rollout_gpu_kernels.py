@@ -67,8 +67,7 @@ def _graph_us_per_call(fns) -> float:
 
 
 def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
-              tokens: tuple[int, ...] = (1, 8, 32, 128), once: bool = False,
-              ws: bool = False) -> None:  # fmt: skip
+              tokens: tuple[int, ...] = (1, 8, 32, 128), once: bool = False) -> None:  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(0)
     wgu = torch.empty(E, 2 * INTER, H, dtype=torch.bfloat16, device="cuda").normal_(
         0, 0.02, generator=g
@@ -117,18 +116,13 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             for cfg in SWEEP_STREAM_DOWN:
                 if cuda_moe.stream_smem_bytes(bm, *cfg[:4], False) <= cuda_moe.STREAM_SMEM_MAX:
                     variants.append((f"stream dn{cfg}", None, "cuda", "stream", None, cfg))
-        if ws:  # the warp-specialized draft kernel (moe_fp4_ws)
-            variants.append(("fp4-ws", None, "cuda", "ws", None, None))
-        for item_kern, gu_cfgs, dn_cfgs in (("tma", SWEEP_TMA_GATE_UP, SWEEP_TMA_DOWN),
-                                            ("ws", SWEEP_WS_GATE_UP, SWEEP_WS_DOWN)):  # fmt: skip
-            if not sweep or (item_kern == "ws" and not ws):
-                continue
-            for gated, k, cfgs in ((True, H, gu_cfgs), (False, INTER, dn_cfgs)):
-                for cfg in cfgs:  # (RW, WK, KGW, S[, R])
-                    smem = cuda_moe.tma_smem_bytes(k, bm, cfg[0], cfg[1], cfg[3], gated, *cfg[4:])
-                    if smem <= cuda_moe.STREAM_SMEM_MAX:
-                        variants.append((f"{item_kern} {'gu' if gated else 'dn'}{cfg}", None,
-                                         "cuda", item_kern, cfg if gated else None,
+        if sweep:  # the bulk-copy kernel (moe_fp4_tma)
+            for gated, k, cfgs in ((True, H, SWEEP_TMA_GATE_UP), (False, INTER, SWEEP_TMA_DOWN)):
+                for cfg in cfgs:  # (RW, WK, KGW, S)
+                    if cuda_moe.tma_smem_bytes(k, bm, *cfg[:2], cfg[3], gated) <= (
+                            cuda_moe.STREAM_SMEM_MAX):  # fmt: skip
+                        variants.append((f"tma {'gu' if gated else 'dn'}{cfg}", None, "cuda",
+                                         "tma", cfg if gated else None,
                                          None if gated else cfg))  # fmt: skip
         if sweep:
             for waves in SWEEP_STREAM_WAVES:  # default configs, grid sized for more waves
@@ -228,9 +222,6 @@ SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 4, 3, 4, 3), (4, 3, 4, 4, 0), (2, 2, 6
 # warp, item buffers (the grid: as many CTAs as the SMs hold)
 SWEEP_TMA_GATE_UP = [(1, 16, 2, 5), (1, 16, 2, 2), (1, 8, 4, 2), (2, 8, 4, 2), (2, 16, 2, 2)]
 SWEEP_TMA_DOWN = [(2, 6, 2, 4), (4, 4, 3, 3), (4, 12, 1, 3), (2, 12, 1, 4), (2, 4, 3, 3)]
-# Warp-specialized kernel (RW, WK, KGW, S, R): + R reduction slots
-SWEEP_WS_GATE_UP = [(1, 8, 4, 5, 2), (1, 16, 2, 4, 3), (1, 8, 4, 3, 4), (2, 8, 4, 2, 2)]
-SWEEP_WS_DOWN = [(4, 4, 3, 6, 3), (2, 6, 2, 8, 3), (2, 12, 1, 8, 4), (1, 4, 3, 8, 4)]
 SWEEP_STREAM_WAVES = [3]  # the default configs with the grid sized for 3 waves of resident CTAs
 
 
@@ -325,8 +316,6 @@ def main() -> None:
     ap.add_argument("--launch-once", action="store_true",
                     help="launch each CUDA expert GEMM once per token count, untimed (for ncu)")  # fmt: skip
     ap.add_argument("--no-attention", action="store_true")
-    ap.add_argument("--ws", action="store_true",
-                    help="also the warp-specialized draft expert GEMM (moe_fp4_ws)")  # fmt: skip
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="time CUDA attention configs too")
     ap.add_argument("--write-configs", type=pathlib.Path, help="json of the fastest configs")
@@ -337,7 +326,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.2f} TB/s (read + write)\n")
     if not args.attention_only:
-        bench_moe(bw, args.cuda_sweep, args.write_configs, tuple(args.tokens), ws=args.ws)
+        bench_moe(bw, args.cuda_sweep, args.write_configs, tuple(args.tokens))
     if not args.no_attention:
         bench_attention(bw, args.attn_sweep)
 

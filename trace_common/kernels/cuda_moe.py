@@ -165,15 +165,7 @@ TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (768, 8, False): (2, 4, 3, 3),
     (768, 16, False): (2, 4, 3, 3),
 }
-# `moe_fp4_ws` (DRAFT, not yet run on a GPU: `moe_fp4_tma` with a producer warp and no CTA
-# barrier per item, see cuda/moe_fp4.cu): (RW, WK, KGW, S item buffers, R reduction slots).
-WS_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
-    (2048, 8, True): (1, 8, 4, 4, 3),
-    (2048, 16, True): (1, 8, 4, 4, 3),
-    (768, 8, False): (2, 4, 3, 6, 3),
-    (768, 16, False): (2, 4, 3, 6, 3),
-}
-CUDA_KERNELS = ("stream", "mma", "tma", "ws")  # moe_fp4_stream, _mma, _tma, _ws
+CUDA_KERNELS = ("stream", "mma", "tma")  # moe_fp4_stream, _mma, _tma
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # The kernel per (K, token slots, gated): the faster one (same sums) measured on an H200 with
 # `bench/rollout_gpu_kernels.py --cuda-sweep` (2026-12-02, graph-timed, us): 8 slots gate_up
@@ -277,13 +269,12 @@ def default_tma_config(k: int, block_m: int, gated: bool, n_out: int
     raise ValueError(f"K={k}: two items of one tile do not fit in shared memory")
 
 
-def tma_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, gated: bool,
-                   slots: int = 2) -> int:  # fmt: skip
-    """Dynamic shared memory of `moe_fp4_tma` / `moe_fp4_ws`: S item buffers (an item's codes +
-    scales) and `slots` items' partial sums (tma: 2, double-buffered; ws: its R)."""
+def tma_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, gated: bool) -> int:
+    """Dynamic shared memory of `moe_fp4_tma`: S item buffers (an item's codes + scales) and two
+    items' partial sums (double-buffered)."""
     tiles = 2 * rw if gated else rw
     item = tiles * (k // K_GROUP) * (LANES * 16 + 64)
-    return stages * item + slots * wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
+    return stages * item + 2 * wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
 
 
 def stream_smem_bytes(block_m: int, rw: int, wk: int, kgw: int, stages: int, gated: bool) -> int:
@@ -319,7 +310,7 @@ _RESIDENT_FNS: dict[tuple, tuple[object, int]] = {}
 def _resident_kernel(name: str, warps: int, smem: int, device: torch.device
                      ) -> tuple[object, int]:  # fmt: skip
     """The compiled instance `name` of a kernel sized to the GPU (`moe_fp4_stream`,
-    `moe_fp4_tma`, `moe_fp4_ws`) allowed `smem` bytes of dynamic shared memory, and the CTAs of it one SM
+    `moe_fp4_tma`) allowed `smem` bytes of dynamic shared memory, and the CTAs of it one SM
     holds."""
     key = (name, smem, device.index)
     hit = _RESIDENT_FNS.get(key)
@@ -354,7 +345,7 @@ def moe_gemm_cuda(
     mul_route_w: bool,
     out: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,  # mma: (RW, WK, KGW, MINB); stream: + S before MINB
-    kernel: str | None = None,  # "stream" | "mma" | "tma" | "ws" (default: `cuda_kernel`)
+    kernel: str | None = None,  # "stream" | "mma" | "tma" (default: `cuda_kernel`)
     pdl: bool = False,
     quant_out: FP4Rows | None = None,
     counter: torch.Tensor | None = None,  # int32 [>= MAXB], zero: quant_out's per-block counters
@@ -363,7 +354,7 @@ def moe_gemm_cuda(
 ) -> torch.Tensor:
     """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring).
 
-    `pdl`: the `mma`, `tma` or `ws` kernel as a programmatic dependent launch (it waits before
+    `pdl`: the `mma` or `tma` kernel as a programmatic dependent launch (it waits before
     reading anything; the `stream` kernel is launched normally). `quant_out`: also NVFP4-quantize
     `out` into it (per-row scale_2, and its dq16 if given), equal to quant.quantize_rows(out,
     scale_2=None, dq16=quant_out.dq16): by the last CTA of each expert block in the `mma`
@@ -386,7 +377,7 @@ def moe_gemm_cuda(
             _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config, stream_waves,
                            stream_probe)  # fmt: skip
         else:
-            _launch_items(kern, a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
+            _launch_tma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
         if quant_out is not None:
             from trace_common.kernels.quant import quantize_rows
 
@@ -451,37 +442,30 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
                            shared_mem=smem)  # fmt: skip
 
 
-def _launch_items(kernel: str, a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool,
-                  a_div: int, mul_route_w: bool, out: torch.Tensor,
-                  config: tuple[int, ...] | None, pdl: bool) -> None:  # fmt: skip
-    """`moe_fp4_tma` (config (RW, WK, KGW, S)) or `moe_fp4_ws` ((RW, WK, KGW, S, R); one more
-    warp, the producer): a persistent grid of the CTAs the SMs hold."""
+def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
+                mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
+                pdl: bool) -> None:  # fmt: skip
+    """`moe_fp4_tma` (config (RW, WK, KGW, S)): a persistent grid of the CTAs the SMs hold."""
     import numpy as np
 
-    ws = kernel == "ws"
     n_out = w.n // 2 if gated else w.n
-    if config is None:
-        config = (WS_CONFIGS.get((w.k, plan.block_m, gated)) if ws
-                  else default_tma_config(w.k, plan.block_m, gated, n_out))  # fmt: skip
-    want = "(RW, WK, KGW, S, R)" if ws else "(RW, WK, KGW, S)"
-    if config is None or len(config) != (5 if ws else 4):
-        raise ValueError(f"{kernel} config {config}: expected {want} for K={w.k}, "
+    config = config or default_tma_config(w.k, plan.block_m, gated, n_out)
+    if len(config) != 4:
+        raise ValueError(f"tma config {config}: expected (RW, WK, KGW, S) for K={w.k}, "
                          f"block_m={plan.block_m}, gated={gated}")  # fmt: skip
-    rw, wk, kgw, stages = config[:4]
-    slots = config[4] if ws else 2
-    smem = tma_smem_bytes(w.k, plan.block_m, rw, wk, stages, gated, slots)
-    if (wk * kgw * K_GROUP != w.k or n_out % (MMA_M * rw) or stages < 2 or slots < 2
+    rw, wk, kgw, stages = config
+    smem = tma_smem_bytes(w.k, plan.block_m, rw, wk, stages, gated)
+    if (wk * kgw * K_GROUP != w.k or n_out % (MMA_M * rw) or stages < 2
             or smem > STREAM_SMEM_MAX):  # fmt: skip
-        raise ValueError(f"{kernel} config {want} = {config} does not fit N_out={n_out}, "
+        raise ValueError(f"tma config (RW, WK, KGW, S) = {config} does not fit N_out={n_out}, "
                          f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    name = (f"moe_fp4_{kernel}<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, "
-            f"{str(gated).lower()}, {stages}{f', {slots}' if ws else ''}>")  # fmt: skip
-    warps = wk + 1 if ws else wk
-    fn, ctas_per_sm = _resident_kernel(name, warps, smem, out.device)
+    name = (f"moe_fp4_tma<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, "
+            f"{str(gated).lower()}, {stages}>")  # fmt: skip
+    fn, ctas_per_sm = _resident_kernel(name, wk, smem, out.device)
     maxb = plan.block_expert.numel()
     grid = min(sm_resources(out.device)[0] * ctas_per_sm, maxb * (n_out // (MMA_M * rw)))
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(maxb))
-    launch_on_torch_stream(fn, (grid,), (warps * LANES,), args, out.device, shared_mem=smem,
+    launch_on_torch_stream(fn, (grid,), (wk * LANES,), args, out.device, shared_mem=smem,
                            pdl=pdl)  # fmt: skip
 
 
@@ -531,7 +515,6 @@ __all__ = [
     "KERNEL_FOR",
     "STREAM_CONFIGS",
     "TMA_CONFIGS",
-    "WS_CONFIGS",
     "PackedFP4",
     "block_m_for",
     "cuda_kernel",

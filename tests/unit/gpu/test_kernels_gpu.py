@@ -372,33 +372,25 @@ def test_moe_gemm_fp4_stream_model_shape(t, block_m):
             assert db > 60, f"stream vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
 
 
-@pytest.mark.parametrize("kernel", ["tma", "ws"])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
-def test_moe_gemm_fp4_items_model_shape(t, block_m, pdl, kernel):
-    """The bulk-copy kernels (`tma`, and the warp-specialized `ws`, a DRAFT) at the model's
-    expert shape, where a CTA walks many items across expert blocks and its buffers wrap many
-    times: with the first CUDA kernel's split of K (same warps, same k groups per warp: the same
-    summation order and epilogue order) each equals that kernel bit for bit; with its defaults
-    and with 2 buffers (ws: and 2 reduction slots) it agrees to > 60 dB; every output is
-    written; with and without the PDL launch attribute. `ws` is opt-in until it has run once:
-    a synchronization bug would hang the GPU suite."""
-    import os
-
-    if kernel == "ws" and os.environ.get("TRACE_TEST_WS") != "1":
-        pytest.skip("moe_fp4_ws is a draft not yet run on a GPU; TRACE_TEST_WS=1 runs it")
+def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
+    """The bulk-copy kernel (`tma`) at the model's expert shape, where a CTA walks many items
+    across expert blocks and its buffers wrap many times: with the first CUDA kernel's split of
+    K (same warps, same k groups per warp: the same summation order and epilogue order) it
+    equals that kernel bit for bit; with its defaults and with 2 buffers it agrees to > 60 dB;
+    every output is written; with and without the PDL launch attribute."""
     from trace_common.kernels import cuda_moe
 
-    extra = (2,) if kernel == "ws" else ()  # ws: R reduction slots
+    kernel = "tma"
     plan, cases = _model_shape_gemms(t, block_m)
     for wt, a, gated, a_div, mrw, n_out in cases:
         mma_cfg = cuda_moe.default_config(wt.k, block_m, gated)
         ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
                                      kernel="mma", config=mma_cfg).float()  # fmt: skip
-        same_order = (*mma_cfg[:3], 2, *extra)
-        default = (cuda_moe.WS_CONFIGS[(wt.k, block_m, gated)] if kernel == "ws"
-                   else cuda_moe.default_tma_config(wt.k, block_m, gated, n_out))  # fmt: skip
-        for cfg in (same_order, None, (*default[:3], 2, *extra)):
+        same_order = (*mma_cfg[:3], 2)
+        default = cuda_moe.default_tma_config(wt.k, block_m, gated, n_out)
+        for cfg in (same_order, None, (*default[:3], 2)):
             got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
             cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
                                    out=got, config=cfg, kernel=kernel, pdl=pdl)  # fmt: skip

@@ -292,23 +292,3 @@ def test_compiled_function_smem_opt_in(monkeypatch, tmp_path):
     cuda_launch.compiled_function(src, "k<1>", 120_000)
     assert fn.max_dynamic_shared_size_bytes == 120_000
     assert len(compiled) == 1
-
-
-def test_ws_configs_fit():
-    """The warp-specialized kernel's shipped and swept configs split K exactly, tile N_out and
-    fit the opt-in shared memory (with the bit-exact test's config: the mma split, 2 + 2)."""
-    import bench.rollout_gpu_kernels as bench
-
-    must_fit = list(cuda_moe.WS_CONFIGS.items())
-    swept = []
-    for bm in cuda_moe.BLOCK_MS:
-        swept += [((2048, bm, True), c) for c in bench.SWEEP_WS_GATE_UP]
-        swept += [((768, bm, False), c) for c in bench.SWEEP_WS_DOWN]
-        for k, gated in ((2048, True), (768, False)):
-            must_fit.append(((k, bm, gated), (*cuda_moe.default_config(k, bm, gated)[:3], 2, 2)))
-    for i, ((k, bm, gated), (rw, wk, kgw, stages, slots)) in enumerate(must_fit + swept):
-        n_out = 768 if gated else 2048
-        assert wk * kgw * cuda_moe.K_GROUP == k and n_out % (16 * rw) == 0
-        smem = cuda_moe.tma_smem_bytes(k, bm, rw, wk, stages, gated, slots)
-        if i < len(must_fit):  # the bench skips swept configs that do not fit
-            assert smem <= cuda_moe.STREAM_SMEM_MAX and (wk + 1) * 32 <= 1024, (k, bm, smem)

@@ -469,7 +469,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
 // Dynamic shared memory: S * item bytes + 2 * WK * TILES * NT * 512 bytes.
 // ---------------------------------------------------------------------------------------------
 
-// Shared by `moe_fp4_tma` and `moe_fp4_ws` -------------------------------------------------
+// Pieces of `moe_fp4_tma` -------------------------------------------------------------------
 
 // The item geometry of a configuration: RW tiles of 16 features (GATED: + their RW up tiles)
 // over all of K; one half = RW tiles' codes (W_BYTES) then their scales.
@@ -645,117 +645,5 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
     if (threadIdx.x == 0 && j + S < n_my) issue(j + S);
     store_outputs<NT, RW, WK, GATED>(r, pair_s[h], xg_s[h], rw_s[h], regs.wgain, out, n_pairs,
                                      n_out, y * RW * 16);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Warp-specialized variant (`moe_fp4_ws`, DRAFT: not yet run on a GPU): `moe_fp4_tma`'s items,
-// buffers and split of K, without the CTA-wide barrier per item. One producer warp (the last)
-// issues the bulk copies, waiting on a per-buffer "empty" barrier (one arrival per consumer warp
-// once it has read the buffer); the WK consumer warps write their partial sums into a ring of R
-// reduction slots and count themselves in (a shared counter per slot); the warp that arrives
-// last sums the slot and stores the item's outputs (one warp's epilogue) while the others go on
-// to the next item, and then frees the slot (its "free" barrier) for item j + R.
-// Dynamic shared memory: S * item bytes + R * WK * TILES * NT * 512 bytes.
-// ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-template <int NT, int RW, int WK, int KGW, bool GATED, int S, int R>
-__global__ void __launch_bounds__((WK + 1) * 32, 1) moe_fp4_ws(
-    const u32* __restrict__ wq, const u32* __restrict__ ws, const float* __restrict__ w_g,
-    const u32* __restrict__ x_dq, const float* __restrict__ x_g,
-    const int* __restrict__ sorted_pair, const int* __restrict__ block_expert,
-    const float* __restrict__ route_w, u16* __restrict__ out, int n_pairs, int n_out, int a_div,
-    int mul_route_w, int maxb) {
-  static_assert(S >= 2 && R >= 2, "at least two buffers and two reduction slots");
-  using I = ItemShape<NT, RW, WK, KGW, GATED>;
-  constexpr int BT = I::BT;
-  extern __shared__ __align__(16) unsigned char smem[];  // as the stream kernel declares it
-  float* red = reinterpret_cast<float*>(smem + S * I::ITEM);  // [R][WK][TILES][NT][4][32]
-  __shared__ __align__(8) unsigned long long full[S], empty[S], slot_free[R];
-  __shared__ int arrived[R];
-  __shared__ int pair_s[R][BT];
-  __shared__ float xg_s[R][BT], rw_s[R][BT];
-  __shared__ int n_blocks_s;
-
-  pdl_wait();
-  pdl_launch_dependents();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  if (warp == 0) {
-    const int n = count_filled_blocks(block_expert, maxb, lane);
-    if (lane == 0) n_blocks_s = n;
-  }
-  const u32 full0 = smem_addr(&full[0]), empty0 = smem_addr(&empty[0]);
-  const u32 free0 = smem_addr(&slot_free[0]);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, WK);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      mbar_init(free0 + 8 * r, 1);
-      arrived[r] = 0;
-    }
-    fence_mbar_init();
-  }
-  __syncthreads();
-  const int n_y = n_out / (16 * RW);
-  const long total = (long)n_blocks_s * n_y;
-  const int i0 = (int)(blockIdx.x * total / gridDim.x);
-  const int n_my = (int)((blockIdx.x + 1) * total / gridDim.x) - i0;
-  if (n_my <= 0) return;
-  const u32 buf0 = smem_addr(smem);
-
-  if (warp == WK) {  // the producer
-    if (lane == 0) {
-      int iss_blk = -1;
-      long e = 0;
-      for (int j = 0; j < n_my; ++j) {
-        const int item = i0 + j, blk = item / n_y, s = j % S;
-        if (blk != iss_blk) {
-          iss_blk = blk;
-          e = block_expert[blk];
-        }
-        if (j >= S) mbar_wait(empty0 + 8 * s, ((j / S) - 1) & 1);  // item j - S read by all
-        issue_item<RW, I::KG, I::W_BYTES, I::HALF, GATED>(wq, ws, e, item - blk * n_y, n_out,
-                                                          buf0 + s * I::ITEM, full0 + 8 * s);
-      }
-    }
-    return;
-  }
-
-  BlockRegs<NT, KGW, I::KT> regs;
-  for (int j = 0; j < n_my; ++j) {
-    const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
-    const int s = j % S, r = j % R;
-    regs.load_if_new(blk, x_dq, sorted_pair, w_g, block_expert, x_g, route_w, warp * KGW, g, t,
-                     n_pairs, a_div, mul_route_w);
-    if (j >= R) mbar_wait(free0 + 8 * r, ((j / R) - 1) & 1);  // item j - R's epilogue is done
-    regs.put(pair_s[r], xg_s[r], rw_s[r]);
-    mbar_wait(full0 + 8 * s, (j / S) & 1);
-    float* rs = red + r * I::RED;
-    item_partials<NT, RW, WK, KGW, GATED>(buf0 + s * I::ITEM, rs, regs.b, warp, lane, g);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty0 + 8 * s);  // this warp is done with buffer s
-    __threadfence_block();                      // its partials (and scalars) before the count
-    int last = 0;
-    if (lane == 0) last = atomicAdd(&arrived[r], 1) == WK - 1;
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (last) {  // every warp's partials of item j are in slot r: this warp stores the item
-      __threadfence_block();
-      store_outputs<NT, RW, WK, GATED>(rs, pair_s[r], xg_s[r], rw_s[r], regs.wgain, out, n_pairs,
-                                       n_out, y * RW * 16, lane, 32);
-      __syncwarp();
-      if (lane == 0) {
-        arrived[r] = 0;
-        mbar_arrive(free0 + 8 * r);  // slot r may take item j + R
-      }
-    }
   }
 }
