@@ -78,14 +78,15 @@ def test_forced_fused_chunk_must_be_a_multiple_of_the_tile(value, monkeypatch):
     assert cuda_attn.fused_chunk(4, 1024, fp4=False, sms=132) == 64
 
 
+@pytest.mark.parametrize("cuda_fp4", [True, False])
 @pytest.mark.parametrize("value", ["abc", "0", "32", "100"])
-def test_forced_ring_chunk(value, monkeypatch):
-    """TRACE_ATTN_CHUNK forces the FP4 ring kernel's split size (split + reduce path): a
-    positive multiple of 64 tokens, anything else refused naming the variable."""
+def test_forced_split_chunk(value, cuda_fp4, monkeypatch):
+    """TRACE_ATTN_CHUNK forces the split size of the split + reduce plan (FP4 ring kernel or
+    Triton): a positive multiple of 64 tokens, anything else refused naming the variable."""
     from trace_common.kernels import attention as attn
 
     kw = dict(batch=32, q_heads=32, kv_heads=4, capacity=1100, head_dim=128, context_hint=1024,
-              device="cpu", cuda_fp4=True)  # fmt: skip
+              device="cpu", cuda_fp4=cuda_fp4)  # fmt: skip
     planned = attn.DecodeAttnPlan.make(**kw).chunk
     monkeypatch.setenv("TRACE_ATTN_CHUNK", value)
     with pytest.raises(ValueError, match="TRACE_ATTN_CHUNK"):
