@@ -102,7 +102,8 @@ struct Ring {
 // for HBM); each lane reads back only the 16 bytes it copied, so no barrier is needed.
 // start() issues the first NS - 1 stages (before a prologue, to overlap it); run() the rest.
 // FULL: start() fills all NS stages and a stage is refilled after its MMAs (the down kernel:
-// 12.3 -> 10.8 us per layer at batch 1 on the H200; the other kernels were not faster so).
+// 12.3 -> 10.8 us per layer at batch 1 on the H200; the router: +1.3% BF16 tok/s; qkv and o
+// were not faster so).
 template <int RT, int KCW, int U, int NS, bool FULL = false>
 struct WarpGemv {
   static_assert(KCW % U == 0, "U must divide KCW");
@@ -490,7 +491,10 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   const bool quant_cta = QX && blockIdx.x == gridDim.x - 1;
   const int row0 = blockIdx.x * TILE_ROWS;
   const u16* wt[1] = {w + (long)(quant_cta ? 0 : row0) * K};
-  WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
+  // FULL: every stage of the warp's K slice in flight before the PDL wait (H200, batch 1: BF16
+  // 318.8 -> 322.8 tok/s, FP4 unchanged; FULL for qkv and o as well was slower, FP4 -3.8%)
+  WarpGemv<1, KCW, U, NS, true> gv(wt, K, warp * KCW * 32,
+                                   dyn_ring + warp * Ring<1, U, NS>::UINT4);
   if (!quant_cta) gv.start();  // weight copies in flight during the prologue
   pdl_wait();
   pdl_launch_dependents();
