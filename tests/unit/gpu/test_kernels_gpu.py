@@ -382,7 +382,6 @@ def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
     every output is written; with and without the PDL launch attribute."""
     from trace_common.kernels import cuda_moe
 
-    kernel = "tma"
     plan, cases = _model_shape_gemms(t, block_m)
     for wt, a, gated, a_div, mrw, n_out in cases:
         mma_cfg = cuda_moe.default_config(wt.k, block_m, gated)
@@ -393,12 +392,12 @@ def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
         for cfg in (same_order, None, (*default[:3], 2)):
             got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
             cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                   out=got, config=cfg, kernel=kernel, pdl=pdl)  # fmt: skip
+                                   out=got, config=cfg, kernel="tma", pdl=pdl)  # fmt: skip
             assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
             if cfg == same_order:
-                assert torch.equal(got.float(), ref), f"{kernel} != mma bits ({gated=}, {cfg})"
+                assert torch.equal(got.float(), ref), f"tma != mma bits ({gated=}, {cfg})"
             db = sqnr_db(ref, got)
-            assert db > 60, f"{kernel} vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
+            assert db > 60, f"tma vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
 
 
 @pytest.mark.parametrize("fp4,decode", [(False, None), (True, "bits"), (True, "ptx")])

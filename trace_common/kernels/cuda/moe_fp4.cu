@@ -338,6 +338,27 @@ __device__ __forceinline__ void mma_group_smem(float (&acc)[NT][4], u32 words, u
   mma_word<NT, 3, RAW>(acc, aw[3], sw[1], bq[3]);
 }
 
+// One tile's partial sums over this warp's KGW k groups into the reduction buffer `red`
+// [NT][4][32] (this warp's and tile's slice): the tile's words from `words` (512 bytes per k
+// group), its scales from `scales` (64 bytes per group), times the B fragments b[0..4 KGW).
+template <int NT, int KGW, bool RAW = false>
+__device__ __forceinline__ void tile_partials(float* red, u32 words, u32 scales,
+                                              const u32 (*b)[NT][2], int lane, int g) {
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KGW; ++kk)
+    mma_group_smem<NT, RAW>(acc, words + kk * 512 + lane * 16, scales + kk * 64 + g * 8,
+                            b + kk * 4);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[(nt * 4 + i) * 32 + lane] = acc[nt][i];
+}
+
 // PROBE (a timing probe for the bench only; its outputs are meaningless): the packed words
 // go to the MMA as they are, without the decode and the block scale, to time what those cost.
 template <int NT, int RW, int WK, int KGW, bool GATED, int S, int MINB, bool PROBE = false>
@@ -423,20 +444,8 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
       issue();                 // the stage S - 1 ahead, into the slot freed
       const u32 st = ring_s + rd_slot * STAGE;
       rd_slot = rd_slot == S - 1 ? 0 : rd_slot + 1;
-      float acc[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < KGW; ++kk)
-        mma_group_smem<NT, PROBE>(acc, st + kk * 512 + lane * 16, st + A_BYTES + kk * 64 + g * 8,
-                                  b + kk * 4);
-      float* r = red_it + ((warp * TILES + ti) * NT) * 128;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r[(nt * 4 + i) * 32 + lane] = acc[nt][i];
+      tile_partials<NT, KGW, PROBE>(red_it + ((warp * TILES + ti) * NT) * 128, st, st + A_BYTES,
+                                    b, lane, g);
     }
     __syncthreads();  // all warps' partial sums of this item are in red_it
 
@@ -554,22 +563,10 @@ __device__ __forceinline__ void item_partials(u32 st, float* rs, const u32 (&b)[
   const int kg0 = warp * KGW;
 #pragma unroll
   for (int ti = 0; ti < I::TILES; ++ti) {
-    const u32 tw = st + (ti >= RW ? I::HALF : 0) + (ti % RW) * I::KG * 512;
-    const u32 tsc = st + (ti >= RW ? I::HALF : 0) + I::W_BYTES + (ti % RW) * I::KG * 64;
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KGW; ++kk)
-      mma_group_smem<NT>(acc, tw + (kg0 + kk) * 512 + lane * 16, tsc + (kg0 + kk) * 64 + g * 8,
-                         b + kk * 4);
-    float* rt = rs + ((warp * I::TILES + ti) * NT) * 128;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) rt[(nt * 4 + i) * 32 + lane] = acc[nt][i];
+    const u32 half = st + (ti >= RW ? I::HALF : 0);
+    tile_partials<NT, KGW>(rs + ((warp * I::TILES + ti) * NT) * 128,
+                           half + (ti % RW) * I::KG * 512 + kg0 * 512,
+                           half + I::W_BYTES + (ti % RW) * I::KG * 64 + kg0 * 64, b, lane, g);
   }
 }
 
