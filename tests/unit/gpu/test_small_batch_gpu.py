@@ -494,3 +494,43 @@ def test_engine_small_fp4_fusions_equal_unfused(batch, monkeypatch):
                          *(t for r in rec for t in (r.mbits, r.block_scales, r.row_scales))]  # fmt: skip
     for i, (a, b) in enumerate(zip(results["none"], results["all"], strict=True)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
+
+
+@pytest.mark.parametrize("fp4,gemm,batch", [(False, None, 1), (False, None, 8), (True, "cuda", 1),
+                                            (True, "triton", 4)])  # fmt: skip
+def test_engine_small_l2_prefetch_changes_nothing(fp4, gemm, batch, monkeypatch):
+    """The step with every L2 prefetch (o before the attention, the chosen experts' down
+    weights before gate_up, the next layer's qkv before the router; PDL launches) gives the
+    logits, tokens and KV cache of the step without them, eager and replayed: the prefetch
+    kernel writes nothing and keeps the order of the kernels around it."""
+    results = {}
+    for spec in ("none", "all"):
+        monkeypatch.setenv("TRACE_L2_PREFETCH", spec)
+        eng, _, _ = _engine(fp4, gemm, batch, small=True)
+        assert eng.l2pf == (frozenset() if spec == "none" else {"o", "down", "qkv"})
+        eng.pdl = True
+        eng.step()
+        eng.capture(warmup=1)
+        eng.replay()
+        eng.replay()
+        torch.cuda.synchronize()
+        results[spec] = [eng.logits, eng.tokens,
+                         *(t for c in eng.caches for t in ((c.codes, c.scales) if fp4 else (c.values,)))]  # fmt: skip
+    assert torch.isfinite(results["all"][0].float()).all()
+    for i, (a, b) in enumerate(zip(results["none"], results["all"], strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
+
+
+def test_l2_prefetch_of_expert_slices_runs():
+    """l2_prefetch with ids (repeated experts included) and two regions, PDL and plain."""
+    from trace_common.kernels import cuda_small
+
+    w0 = _rand(16, 64, 256)
+    w1 = torch.zeros(16, 64, 16, dtype=torch.uint8, device=DEV)
+    ids = torch.tensor([[3, 5, 3, 15], [0, 5, 7, 7]], dtype=torch.int32, device=DEV)
+    before = (w0.clone(), w1.clone())
+    for pdl in (False, True):
+        cuda_small.l2_prefetch(w0, w1, ids=ids, pdl=pdl)
+        cuda_small.l2_prefetch(w0, pdl=pdl)
+    torch.cuda.synchronize()
+    assert torch.equal(w0, before[0]) and torch.equal(w1, before[1])
