@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import cuda_attn, cuda_small, fp4_attn_impl, fp4_gemm_impl, fused, moe
+from trace_common.kernels import (
+    cuda_attn,
+    cuda_small,
+    cupy_available,
+    fp4_attn_impl,
+    fp4_gemm_impl,
+    fused,
+    moe,
+)
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
@@ -177,8 +185,12 @@ class DecodeEngine:
         # (fused.fused_parts, TRACE_FUSED_STEP)
         self.small_fuse = cuda_small.fp4_fuse_parts() if small_batch and self.cuda_gemm else (
             frozenset())  # fmt: skip
-        # L2 prefetches of later weights on the small path (cuda_small.l2_prefetch_parts)
-        self.l2pf = cuda_small.l2_prefetch_parts() if small_batch else frozenset()
+        # L2 prefetches of later weights (cuda_small.l2_prefetch_parts; the standard step has
+        # only "o": the o weights, after the qkv GEMM)
+        self.l2pf = cuda_small.l2_prefetch_parts()
+        if self.l2pf and not cupy_available():
+            raise ValueError(f"TRACE_L2_PREFETCH={','.join(sorted(self.l2pf))}: the prefetch "
+                             f"kernel is launched through CuPy, which is not installed")  # fmt: skip
         parts = frozenset() if small_batch else fused.fused_parts()
         self.qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
         self.norm_quant = (
@@ -286,6 +298,8 @@ class DecodeEngine:
             attn.add_rmsnorm(prev, self.resid, lw.ln1, self.xn, nsum=0 if li == 0 else s.top_k,
                              eps=s.eps)  # fmt: skip
             torch.mm(self.xn, lw.w_qkv.t(), out=self.qkv)
+            if "o" in self.l2pf:  # into L2 while the norms and the attention run
+                cuda_small.l2_prefetch(lw.w_o)
             rec = self.records.get(li) if self.fp4 else None
             if self.qk_kv:
                 fused.qk_norm_rope_append(self.qkv, lw.norm_qk, self.pos, self.inv_freq, self.q,
