@@ -8,7 +8,10 @@ median tokens/s per setting and its change against the first setting.
         --setting "" --setting "TRACE_FUSED_STEP=norm_quant,qk_kv,act" \
         --setting "TRACE_ATTN_FUSED=all"
 
-A setting is space-separated VAR=value assignments ("" = the defaults).
+A setting is space-separated VAR=value assignments ("" = the defaults). Each engine takes the
+path the engine itself picks under its setting (the small-batch kernels with PDL at batch 1 by
+default), as bench/rollout_gpu.py does. (Until 2026-12-03, 13:30 UTC it always took the standard
+path without PDL, which mattered only at batch 1: every earlier A/B ran at batch >= 8.)
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from rollout_gpu import copy_bandwidth, fits, time_engine
 
-from trace_common.kernels.engine import EngineShape, EngineWeights
+from trace_common.kernels.cuda_launch import pdl_enabled
+from trace_common.kernels.cuda_small import small_batch_enabled
+from trace_common.kernels.engine import EngineShape, EngineWeights, small_batch_supported
 
 
 def parse_setting(text: str) -> dict[str, str]:
@@ -71,8 +76,12 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for i, s in enumerate(settings):
                         apply(s, names)
+                        # the engine's own choices under this setting (the small-batch kernels
+                        # and PDL at batch 1 by default)
+                        small = small_batch_enabled(b) and small_batch_supported(shape, b)
                         secs[i].append(time_engine(shape, weights, batch=b, context=ctx,
-                                                   steps=args.steps)[0])  # fmt: skip
+                                                   steps=args.steps, small=small,
+                                                   pdl=small and pdl_enabled())[0])  # fmt: skip
                 base = statistics.median(secs[0])
                 for s, sec in zip(texts, secs, strict=True):
                     med = statistics.median(sec)

@@ -431,10 +431,12 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
 # ~2/3 of the copy bandwidth); "qkv": the next layer's qkv weights, launched before the router.
 L2_PREFETCH_PARTS = ("o", "down", "qkv")
 DEFAULT_L2_PREFETCH = "none"
-# Launch shape of l2_prefetch: CTAs x 128 threads, bytes per cp.async.bulk.prefetch
-# (TRACE_L2_PREFETCH_SHAPE="ctas,chunk").
-L2_PREFETCH_CTAS = 32
-L2_PREFETCH_CHUNK = 32 * 1024
+# Launch shape of l2_prefetch: CTAs x 128 threads, bytes per piece, and how a piece is fetched
+# (0: one cp.async.bulk.prefetch.L2; > 0: prefetch.global.L2 every that many bytes)
+# (TRACE_L2_PREFETCH_SHAPE="ctas,chunk,line").
+L2_PREFETCH_CTAS = 132
+L2_PREFETCH_CHUNK = 16 * 1024
+L2_PREFETCH_LINE = 0
 
 
 def l2_prefetch_parts(spec: str | None = None) -> frozenset[str]:
@@ -443,18 +445,20 @@ def l2_prefetch_parts(spec: str | None = None) -> frozenset[str]:
     return env_parts("TRACE_L2_PREFETCH", spec, L2_PREFETCH_PARTS, DEFAULT_L2_PREFETCH)
 
 
-def _prefetch_shape() -> tuple[int, int]:
+def _prefetch_shape() -> tuple[int, int, int]:
     spec = os.environ.get("TRACE_L2_PREFETCH_SHAPE")
     if not spec:
-        return L2_PREFETCH_CTAS, L2_PREFETCH_CHUNK
+        return L2_PREFETCH_CTAS, L2_PREFETCH_CHUNK, L2_PREFETCH_LINE
     try:
-        ctas, chunk = (int(v) for v in spec.split(","))
+        ctas, chunk, line = (int(v) for v in spec.split(","))
     except ValueError:
-        raise ValueError(f"TRACE_L2_PREFETCH_SHAPE={spec!r}; expected 'ctas,chunk'") from None
-    if not 0 < ctas <= 1024 or chunk <= 0 or chunk % 16 or chunk >= 1 << 31:
+        raise ValueError(f"TRACE_L2_PREFETCH_SHAPE={spec!r}; expected 'ctas,chunk,line'") from None
+    if not 0 < ctas <= 1024 or chunk <= 0 or chunk % 16 or chunk >= 1 << 31 or line < 0 or (
+            line and (line % 16 or chunk % line)):  # fmt: skip
         raise ValueError(f"TRACE_L2_PREFETCH_SHAPE={spec!r}: ctas in 1..1024, chunk a positive "
-                         f"multiple of 16 below 2**31")  # fmt: skip
-    return ctas, chunk
+                         f"multiple of 16 below 2**31, line 0 or a multiple of 16 dividing "
+                         f"chunk")  # fmt: skip
+    return ctas, chunk, line
 
 
 def l2_prefetch(*weights: torch.Tensor, ids: torch.Tensor | None = None,
@@ -465,7 +469,7 @@ def l2_prefetch(*weights: torch.Tensor, ids: torch.Tensor | None = None,
     next kernel start at once and completes after the kernel before it."""
     import numpy as np
 
-    ctas, chunk = _prefetch_shape()
+    ctas, chunk, line = _prefetch_shape()
     if not 0 < len(weights) <= 2:
         raise ValueError(f"l2_prefetch takes 1 or 2 weight tensors, got {len(weights)}")
     regions = []
@@ -493,7 +497,7 @@ def l2_prefetch(*weights: torch.Tensor, ids: torch.Tensor | None = None,
     for w, per in regions + [(None, 0)] * (2 - len(regions)):
         region_args += [*pointers(w), np.int64(per), np.int64(per if ids is not None else 0)]
     args = (*region_args, *pointers(ids), np.int32(0 if ids is None else ids.numel()),
-            np.int32(chunk))  # fmt: skip
+            np.int32(chunk), np.int32(line))  # fmt: skip
     fn = compiled_function(SOURCE, "l2_prefetch")
     launch_on_torch_stream(fn, (ctas,), (128,), args, weights[0].device, 0, pdl)
 

@@ -58,7 +58,7 @@ def test_l2_prefetch_parts_default_and_environment(monkeypatch):
         cuda_small.l2_prefetch_parts("lm_head")
 
 
-@pytest.mark.parametrize("spec", ["32", "0,4096", "8,100", "x,y"])
+@pytest.mark.parametrize("spec", ["32,4096", "0,4096,0", "8,100,0", "8,4096,100", "x,y,z"])
 def test_l2_prefetch_rejects_bad_launch_shape(monkeypatch, spec):
     import torch
 

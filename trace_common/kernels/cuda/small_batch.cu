@@ -688,13 +688,15 @@ __global__ void __launch_bounds__(TOPK * 32) moe_down_bf16(
 }
 
 // ---- L2 prefetch of weights a later kernel of the step reads ---------------------------------
-// cp.async.bulk.prefetch.L2: the SM's copy engine pulls [p, p + bytes) into L2 (a hint: no
-// registers, no shared memory, nothing to wait for), so while the latency-bound kernels after
-// this launch (attention, the router) leave HBM idle, a projection that runs later in the step
-// gets its weights into L2. Regions (p0, n0, s0) and (p1, n1, s1) (p1 null: one region): with
-// ids null each [p, p + n) once, else [p + e * s, + n) for every distinct expert e among the
-// n_ids ids an earlier kernel wrote (the router's top-k: read after the PDL wait). Every thread
-// of the grid takes `chunk`-byte pieces in turn.
+// So that while the latency-bound kernels after this launch (attention, the router) leave HBM
+// idle, a projection that runs later in the step gets its weights into L2. Regions (p0, n0, s0)
+// and (p1, n1, s1) (p1 null: one region): with ids null each [p, p + n) once, else
+// [p + e * s, + n) for every distinct expert e among the n_ids ids an earlier kernel wrote (the
+// router's top-k: read after the PDL wait). The regions are cut into `chunk`-byte pieces, dealt
+// to the CTAs first (piece j to CTA j % grid) so that every SM issues. line == 0: one
+// cp.async.bulk.prefetch.L2 per piece (the SM's copy engine fetches it; the CTA stays resident
+// until it has); line > 0: prefetch.global.L2 every `line` bytes of the piece (a hint the warp
+// does not wait for).
 // PDL: without ids, launch_dependents first (the next kernel starts at once) and the wait
 // last, so this grid completes only after the one before it: a dependent that passes its own
 // wait also sees what that kernel wrote.
@@ -702,11 +704,15 @@ __device__ __forceinline__ void prefetch_l2_bulk(const char* p, long long bytes)
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((u32)bytes) : "memory");
 }
 
+__device__ __forceinline__ void prefetch_l2_line(const char* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __global__ void __launch_bounds__(128) l2_prefetch(const char* __restrict__ p0, long long n0,
                                                    long long s0, const char* __restrict__ p1,
                                                    long long n1, long long s1,
                                                    const int* __restrict__ ids, int n_ids,
-                                                   int chunk) {
+                                                   int chunk, int line) {
   __shared__ int s_ids[MAX_PAIRS];
   __shared__ u32 s_seen[MAX_EXPERTS / 32];
   int reps = 1;
@@ -726,7 +732,7 @@ __global__ void __launch_bounds__(128) l2_prefetch(const char* __restrict__ p0, 
     pdl_launch_dependents();
   }
   const long long nth = (long long)gridDim.x * blockDim.x;
-  const long long me = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long me = (long long)threadIdx.x * gridDim.x + blockIdx.x;  // CTAs first
   long long base = 0;  // pieces before this (id, region)
   for (int i = 0; i < reps; ++i) {
     const long long e = ids ? s_ids[i] : 0;
@@ -738,8 +744,12 @@ __global__ void __launch_bounds__(128) l2_prefetch(const char* __restrict__ p0, 
       p += e * (r ? s1 : s0);
       const long long pieces = (n + chunk - 1) / chunk;
       for (long long j = ((me - base) % nth + nth) % nth; j < pieces; j += nth) {
-        const long long off = j * chunk;
-        prefetch_l2_bulk(p + off, n - off < chunk ? n - off : chunk);
+        const long long off = j * chunk, len = n - off < chunk ? n - off : chunk;
+        if (line == 0) {
+          prefetch_l2_bulk(p + off, len);
+        } else {
+          for (long long o = 0; o < len; o += line) prefetch_l2_line(p + off + o);
+        }
       }
       base += pieces;
     }
