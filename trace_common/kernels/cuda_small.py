@@ -425,95 +425,15 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
     launch_on_torch_stream(fn, (t, h // TILE_ROWS), (k * 32,), args, y.device, k * sp.smem, pdl)
 
 
-# L2 prefetches on the small-batch step (engine._step_small, TRACE_L2_PREFETCH=<comma
-# list>|all|none): "o": the o projection's weights, launched before the attention (which leaves
-# HBM idle); "down": the chosen experts' down weights, launched before gate_up (which streams at
-# ~2/3 of the copy bandwidth); "qkv": the next layer's qkv weights, launched before the router.
-L2_PREFETCH_PARTS = ("o", "down", "qkv")
-DEFAULT_L2_PREFETCH = "none"
-# Launch shape of l2_prefetch: CTAs x 128 threads, bytes per piece, and how a piece is fetched
-# (0: one cp.async.bulk.prefetch.L2; > 0: prefetch.global.L2 every that many bytes)
-# (TRACE_L2_PREFETCH_SHAPE="ctas,chunk,line").
-L2_PREFETCH_CTAS = 132
-L2_PREFETCH_CHUNK = 16 * 1024
-L2_PREFETCH_LINE = 0
-
-
-def l2_prefetch_parts(spec: str | None = None) -> frozenset[str]:
-    """The weights the small-batch step prefetches into L2: `spec`, else TRACE_L2_PREFETCH,
-    else DEFAULT_L2_PREFETCH."""
-    return env_parts("TRACE_L2_PREFETCH", spec, L2_PREFETCH_PARTS, DEFAULT_L2_PREFETCH)
-
-
-def _prefetch_shape() -> tuple[int, int, int]:
-    spec = os.environ.get("TRACE_L2_PREFETCH_SHAPE")
-    if not spec:
-        return L2_PREFETCH_CTAS, L2_PREFETCH_CHUNK, L2_PREFETCH_LINE
-    try:
-        ctas, chunk, line = (int(v) for v in spec.split(","))
-    except ValueError:
-        raise ValueError(f"TRACE_L2_PREFETCH_SHAPE={spec!r}; expected 'ctas,chunk,line'") from None
-    if not 0 < ctas <= 1024 or chunk <= 0 or chunk % 16 or chunk >= 1 << 31 or line < 0 or (
-            line and (line % 16 or chunk % line)):  # fmt: skip
-        raise ValueError(f"TRACE_L2_PREFETCH_SHAPE={spec!r}: ctas in 1..1024, chunk a positive "
-                         f"multiple of 16 below 2**31, line 0 or a multiple of 16 dividing "
-                         f"chunk")  # fmt: skip
-    return ctas, chunk, line
-
-
-def l2_prefetch(*weights: torch.Tensor, ids: torch.Tensor | None = None,
-                pdl: bool = False) -> None:  # fmt: skip
-    """Pull one or two weight tensors into L2 (cp.async.bulk.prefetch.L2, a hint: no result).
-    `ids` (int32, an earlier kernel's output, e.g. the router's top-k): only the slices
-    w[e] of the distinct experts e in it, read after the PDL wait. A launch with `pdl` lets the
-    next kernel start at once and completes after the kernel before it."""
-    import numpy as np
-
-    ctas, chunk, line = _prefetch_shape()
-    if not 0 < len(weights) <= 2:
-        raise ValueError(f"l2_prefetch takes 1 or 2 weight tensors, got {len(weights)}")
-    regions = []
-    for i, w in enumerate(weights):
-        if not w.is_cuda or not w.is_contiguous():
-            raise ValueError(f"weight {i}: needs a contiguous CUDA tensor, got device={w.device}, "
-                             f"contiguous={w.is_contiguous()}")  # fmt: skip
-        nbytes = w.numel() * w.element_size()
-        per = nbytes // w.shape[0] if ids is not None else nbytes
-        if ids is not None and w.shape[0] > MAX_EXPERTS:
-            raise ValueError(f"weight {i}: {w.shape[0]} experts (at most {MAX_EXPERTS})")
-        if per % 16 or w.data_ptr() % 16:
-            raise ValueError(f"weight {i}: {per} bytes per prefetch region at address "
-                             f"{w.data_ptr():#x}; both must be multiples of 16")  # fmt: skip
-        regions.append((w, per))
-    if ids is not None:
-        if ids.dtype != torch.int32 or not ids.is_contiguous() or ids.device != weights[0].device:
-            raise ValueError(f"ids: contiguous int32 on {weights[0].device}, got {ids.dtype} "
-                             f"on {ids.device}")  # fmt: skip
-        if not 0 < ids.numel() <= MAX_TOKENS * MAX_TOP_K:
-            raise ValueError(f"ids: {ids.numel()} entries (1..{MAX_TOKENS * MAX_TOP_K})")
-        if len({w.shape[0] for w in weights}) != 1:
-            raise ValueError(f"weights of different expert counts: {[w.shape[0] for w in weights]}")
-    region_args: list = []
-    for w, per in regions + [(None, 0)] * (2 - len(regions)):
-        region_args += [*pointers(w), np.int64(per), np.int64(per if ids is not None else 0)]
-    args = (*region_args, *pointers(ids), np.int32(0 if ids is None else ids.numel()),
-            np.int32(chunk), np.int32(line))  # fmt: skip
-    fn = compiled_function(SOURCE, "l2_prefetch")
-    launch_on_torch_stream(fn, (ctas,), (128,), args, weights[0].device, 0, pdl)
-
-
 __all__ = [
     "AUTO_MAX_BATCH",
     "FP4_FUSE_PARTS",
-    "L2_PREFETCH_PARTS",
     "MAX_TOKENS",
     "PROLOGUE_MAX_ROWS",
     "Split",
     "configure",
     "fp4_fuse_parts",
     "gemv",
-    "l2_prefetch",
-    "l2_prefetch_parts",
     "moe_down",
     "moe_gate_up",
     "qkv_rope",

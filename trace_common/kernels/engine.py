@@ -24,15 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import (
-    cuda_attn,
-    cuda_small,
-    cupy_available,
-    fp4_attn_impl,
-    fp4_gemm_impl,
-    fused,
-    moe,
-)
+from trace_common.kernels import cuda_attn, cuda_small, fp4_attn_impl, fp4_gemm_impl, fused, moe
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
@@ -185,12 +177,6 @@ class DecodeEngine:
         # (fused.fused_parts, TRACE_FUSED_STEP)
         self.small_fuse = cuda_small.fp4_fuse_parts() if small_batch and self.cuda_gemm else (
             frozenset())  # fmt: skip
-        # L2 prefetches of later weights (cuda_small.l2_prefetch_parts; the standard step has
-        # only "o": the o weights, after the qkv GEMM)
-        self.l2pf = cuda_small.l2_prefetch_parts()
-        if self.l2pf and not cupy_available():
-            raise ValueError(f"TRACE_L2_PREFETCH={','.join(sorted(self.l2pf))}: the prefetch "
-                             f"kernel is launched through CuPy, which is not installed")  # fmt: skip
         parts = frozenset() if small_batch else fused.fused_parts()
         self.qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
         self.norm_quant = (
@@ -298,8 +284,6 @@ class DecodeEngine:
             attn.add_rmsnorm(prev, self.resid, lw.ln1, self.xn, nsum=0 if li == 0 else s.top_k,
                              eps=s.eps)  # fmt: skip
             torch.mm(self.xn, lw.w_qkv.t(), out=self.qkv)
-            if "o" in self.l2pf:  # into L2 while the norms and the attention run
-                cuda_small.l2_prefetch(lw.w_o)
             rec = self.records.get(li) if self.fp4 else None
             if self.qk_kv:
                 fused.qk_norm_rope_append(self.qkv, lw.norm_qk, self.pos, self.inv_freq, self.q,
@@ -375,17 +359,6 @@ class DecodeEngine:
                           dq16=self.actq.dq16)  # fmt: skip
         gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True, out=self.y)
 
-    def _expert_tensors(self, ew: moe.ExpertWeights) -> tuple[torch.Tensor, ...]:
-        """The tensors this step's expert GEMM reads of one projection (each [E, ...])."""
-        if not ew.is_fp4:
-            assert ew.bf16 is not None
-            return (ew.bf16,)
-        if self.cuda_gemm:
-            assert ew.packed is not None
-            return ew.packed.words, ew.packed.scales
-        assert ew.codes is not None and ew.scales is not None
-        return ew.codes, ew.scales
-
     def _step_small(self) -> None:
         """`step` on the small-batch kernels. The residual alternates between self.resid and
         self.resid_b: a fused add + RMSNorm prologue reads one and writes the other."""
@@ -416,15 +389,11 @@ class DecodeEngine:
                 cuda_small.qkv_rope(**qkv_args, xn=self.xn, pdl=self.pdl)
             if self.fp4 and "kv" not in fuse:
                 attn.kv_append(cache, self.kv_new, self.pos, None if rec is None else rec[1])
-            if "o" in self.l2pf:
-                cuda_small.l2_prefetch(lw.w_o, pdl=self.pdl)
             attn.decode_attention(self.q, cache, self.lens, self.attn_plan, out=self.attn_out,
                                   pdl=self.pdl)  # fmt: skip
             cuda_small.gemv(self.attn_out, lw.w_o, self.o, warps=cuda_small.WARPS["o"],
                             pdl=self.pdl)  # fmt: skip
             plan = self.plans[li]
-            if "qkv" in self.l2pf and li + 1 < len(w.layers):
-                cuda_small.l2_prefetch(w.layers[li + 1].w_qkv, pdl=self.pdl)
             cuda_small.router_topk(
                 resid_in=cur, delta=self.o, nsum=1, ln_w=lw.ln2, eps=s.eps, resid_out=other,
                 xn_out=self.xn, w_router=lw.router, logits=self.rlogits,
@@ -435,9 +404,6 @@ class DecodeEngine:
                 capture=None if rec is None or "xq" not in fuse else rec[0],
             )  # fmt: skip
             cur, other = other, cur
-            if "down" in self.l2pf:
-                cuda_small.l2_prefetch(*self._expert_tensors(lw.down), ids=plan.topk_ids,
-                                       pdl=self.pdl)  # fmt: skip
             if self.fp4:
                 self._experts_fp4(lw, plan, rec, x_quantized="xq" in fuse,
                                   fuse_act="act" in fuse, pdl=self.pdl and "pdl" in fuse)  # fmt: skip

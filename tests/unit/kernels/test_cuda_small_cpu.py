@@ -44,35 +44,3 @@ def test_configure_rejects_bad_settings(restore, spec, message):
     with pytest.raises(ValueError, match=message):
         cuda_small.configure(spec)
     assert cuda_small.configure({}) == before, "a refused setting changed nothing"
-
-
-def test_l2_prefetch_parts_default_and_environment(monkeypatch):
-    monkeypatch.delenv("TRACE_L2_PREFETCH", raising=False)
-    assert cuda_small.l2_prefetch_parts() == frozenset(
-        p for p in cuda_small.DEFAULT_L2_PREFETCH.split(",") if p and p != "none"
-    )
-    monkeypatch.setenv("TRACE_L2_PREFETCH", "o,down")
-    assert cuda_small.l2_prefetch_parts() == {"o", "down"}
-    assert cuda_small.l2_prefetch_parts("all") == set(cuda_small.L2_PREFETCH_PARTS)
-    with pytest.raises(ValueError, match="TRACE_L2_PREFETCH='lm_head'"):
-        cuda_small.l2_prefetch_parts("lm_head")
-
-
-@pytest.mark.parametrize("spec", ["32,4096", "0,4096,0", "8,100,0", "8,4096,100", "x,y,z"])
-def test_l2_prefetch_rejects_bad_launch_shape(monkeypatch, spec):
-    import torch
-
-    monkeypatch.setenv("TRACE_L2_PREFETCH_SHAPE", spec)
-    with pytest.raises(ValueError, match=f"TRACE_L2_PREFETCH_SHAPE='{spec}'"):
-        cuda_small.l2_prefetch(torch.zeros(16, 16))  # the launch shape is checked first
-
-
-def test_l2_prefetch_checks_its_weights():
-    import torch
-
-    with pytest.raises(ValueError, match="1 or 2 weight tensors, got 0"):
-        cuda_small.l2_prefetch()
-    with pytest.raises(
-        ValueError, match="weight 0: needs a contiguous CUDA tensor, got device=cpu"
-    ):
-        cuda_small.l2_prefetch(torch.zeros(16, 16))
