@@ -77,15 +77,16 @@ _STREAMS: dict[int, object] = {}
 
 
 def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-                           device: torch.device, shared_mem: int = 0,
-                           pdl: bool = False) -> None:  # fmt: skip
+                           device: torch.device, shared_mem: int = 0, pdl: bool = False,
+                           cluster: int = 0) -> None:  # fmt: skip
     """Launch a CuPy kernel on PyTorch's current stream of `device` (so a CUDA graph that
     PyTorch is capturing records it), with `shared_mem` bytes of dynamic shared memory.
-    `pdl`: as a programmatic dependent launch (`launch_pdl`)."""
+    `pdl`: as a programmatic dependent launch; `cluster` > 0: in thread-block clusters of that
+    many CTAs along x (both through `launch_pdl`)."""
     cp = require_cupy()
     ptr = torch.cuda.current_stream(device).cuda_stream
-    if pdl:
-        launch_pdl(fn, grid, block, args, ptr, shared_mem)
+    if pdl or cluster:
+        launch_pdl(fn, grid, block, args, ptr, shared_mem, pdl=pdl, cluster=cluster)
         return
     s = _STREAMS.get(ptr)
     if s is None:
@@ -108,13 +109,16 @@ PDL_MODES = ("on", "off")
 # (bench/rollout_gpu.py --pdl both, 2026-12-02); graph replay with PDL == plain launches, bit
 # for bit (tests/unit/gpu/test_small_batch_gpu.py)
 DEFAULT_PDL = "on"
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+MAX_PORTABLE_CLUSTER = 8  # CTAs per cluster any sm_90 launch may ask for
 
 
 class _LaunchAttribute(ctypes.Structure):
-    # CUlaunchAttribute: id, pad to 8 bytes, a 64-byte value union (here its first int)
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("value_pad", ctypes.c_char * 60)]  # fmt: skip
+    # CUlaunchAttribute: id, pad to 8 bytes, a 64-byte value union (as 16 uints: the PDL flag is
+    # the first, the cluster dimension x, y, z the first three)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_uint * 16)]  # fmt: skip
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -156,9 +160,14 @@ def cu_function(fn) -> int:
 
 
 def launch_pdl(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream: int,
-               shared_mem: int = 0) -> None:  # fmt: skip
-    """Launch CuPy kernel `fn` (compiled and loaded) on `stream` (a CUstream handle) with the
-    programmatic-stream-serialization attribute. `args`: numpy scalars (pointers as uint64)."""
+               shared_mem: int = 0, *, pdl: bool = True, cluster: int = 0) -> None:  # fmt: skip
+    """Launch CuPy kernel `fn` (compiled and loaded) on `stream` (a CUstream handle) through
+    cuLaunchKernelEx: `pdl` with the programmatic-stream-serialization attribute, `cluster` > 0
+    in clusters of that many CTAs along x (grid x a multiple of it, at most
+    MAX_PORTABLE_CLUSTER). `args`: numpy scalars (pointers as uint64)."""
+    if cluster and (cluster > MAX_PORTABLE_CLUSTER or grid[0] % cluster):
+        raise ValueError(f"cluster={cluster}: needs 1..{MAX_PORTABLE_CLUSTER} CTAs dividing the "
+                         f"grid's x ({grid[0]})")  # fmt: skip
     vals = []
     for a in args:
         ct = _CTYPE.get(getattr(getattr(a, "dtype", None), "name", ""))
@@ -168,14 +177,25 @@ def launch_pdl(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
         vals.append(ct(a.item()))
     lib = _driver()
     params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
-    attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    attrs = (_LaunchAttribute * 2)()
+    n = 0
+    if pdl:
+        attrs[n].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n].value[0] = 1
+        n += 1
+    if cluster:
+        attrs[n].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster, 1, 1
+        n += 1
     g = (*grid, 1, 1, 1)[:3]
     b = (*block, 1, 1, 1)[:3]
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
-                        ctypes.c_void_p(stream), ctypes.pointer(attr), 1)  # fmt: skip
+                        ctypes.c_void_p(stream), ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)),
+                        n)  # fmt: skip
     rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(cu_function(fn)), params, None)
     if rc != 0:
         name = ctypes.c_char_p()
         lib.cuGetErrorName(rc, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernelEx (PDL) of {getattr(fn, 'name', fn)!r}: CUresult "
-                           f"{rc} {name.value!r}, grid {grid}, block {block}, smem {shared_mem}")  # fmt: skip
+        raise RuntimeError(f"cuLaunchKernelEx (pdl={pdl}, cluster={cluster}) of "
+                           f"{getattr(fn, 'name', fn)!r}: CUresult {rc} {name.value!r}, grid "
+                           f"{grid}, block {block}, smem {shared_mem}")  # fmt: skip

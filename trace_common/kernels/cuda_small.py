@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from trace_common.kernels import cupy_available, env_choice, env_parts
-from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream, pointers
+from trace_common.kernels.cuda_launch import (
+    MAX_PORTABLE_CLUSTER,
+    compiled_function,
+    launch_on_torch_stream,
+    pointers,
+)
 from trace_common.kernels.quant import check_buffer as _check
 
 if TYPE_CHECKING:
@@ -78,6 +83,20 @@ AUTO_MAX_BATCH = 1
 # quantize launch it replaces did), so those two are off by default.
 FP4_FUSE_PARTS = ("pdl", "xq", "act", "kv")
 DEFAULT_FP4_FUSE = "pdl,xq"
+
+
+# router_topk as one thread-block cluster (E / 16 <= 8 CTAs): the logits meet in CTA 0's shared
+# memory behind one cluster barrier instead of a fence, an atomic counter and L2 reads by the
+# last CTA (TRACE_ROUTER_CLUSTER=on|off).
+ROUTER_CLUSTER_MODES = ("on", "off")
+DEFAULT_ROUTER_CLUSTER = "off"
+
+
+def router_cluster_enabled(mode: str | None = None) -> bool:
+    """Whether router_topk runs as one cluster: `mode`, else TRACE_ROUTER_CLUSTER, else
+    DEFAULT_ROUTER_CLUSTER (where the expert count allows, `router_topk`)."""
+    return env_choice("TRACE_ROUTER_CLUSTER", mode, ROUTER_CLUSTER_MODES,
+                      DEFAULT_ROUTER_CLUSTER) == "on"  # fmt: skip
 
 
 def fp4_fuse_parts(spec: str | None = None) -> frozenset[str]:
@@ -323,12 +342,15 @@ def router_topk(
     pdl: bool = False,
     xq: FP4Rows | None = None,  # NVFP4 rows of xn: codes [T, H/2], scales [T, H/16], g [T]
     capture: CompactRecordBuffers | None = None,  # rows [T, H]: the `moe_in` record
+    cluster: bool | None = None,
 ) -> None:
     """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
     logits, softmax top-k (renormalized) and the grouped GEMMs' block layout (moe.RoutePlan,
     pairs of each expert in (j, t) order as moe.align_reference). With `xq`, one more CTA
     also writes xn's NVFP4 rows (and xq.dq16, and the compact record into `capture`), equal
-    to quant.quantize_rows(xn, scale_2=None, capture=capture, dq16=xq.dq16)."""
+    to quant.quantize_rows(xn, scale_2=None, capture=capture, dq16=xq.dq16). `cluster`
+    (default: router_cluster_enabled()): the E / 16 CTAs as one cluster (E <= 128; more
+    experts take the counter path), the same results; `counter` is then unused."""
     import numpy as np
 
     t, h = resid_in.shape
@@ -353,14 +375,17 @@ def router_topk(
     qargs = _quant_args(xq, capture, t, h)
     sp = split_k(h, WARPS["router"])
     qx = str(xq is not None).lower()
+    use_cluster = router_cluster_enabled() if cluster is None else cluster
+    cl = e // TILE_ROWS if use_cluster and e // TILE_ROWS <= MAX_PORTABLE_CLUSTER else 0
     fn = compiled_function(
-        SOURCE, f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {qx}>", sp.smem
+        SOURCE, f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {qx}, {cl}>", sp.smem
     )
     args = (*pargs, np.float32(eps), *pointers(resid_out, xn_out, w_router, logits, counter,
             topk_ids, topk_w, sorted_pair, block_expert), np.int32(e), np.int32(k),
             np.int32(block_m), np.int32(maxb), *qargs)  # fmt: skip
-    grid = e // TILE_ROWS + (xq is not None)  # + the quantizing CTA
-    launch_on_torch_stream(fn, (grid,), (sp.wk * 32,), args, xn_out.device, sp.smem, pdl)
+    grid = e // TILE_ROWS + (xq is not None and not cl)  # + the quantizing CTA
+    launch_on_torch_stream(fn, (grid,), (sp.wk * 32,), args, xn_out.device, sp.smem, pdl,
+                           cluster=cl)  # fmt: skip
 
 
 def _quant_args(xq: FP4Rows | None, capture: CompactRecordBuffers | None, t: int,
@@ -437,6 +462,7 @@ __all__ = [
     "moe_down",
     "moe_gate_up",
     "qkv_rope",
+    "router_cluster_enabled",
     "router_topk",
     "small_batch_enabled",
     "split_k",

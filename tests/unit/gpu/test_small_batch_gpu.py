@@ -494,3 +494,72 @@ def test_engine_small_fp4_fusions_equal_unfused(batch, monkeypatch):
                          *(t for r in rec for t in (r.mbits, r.block_scales, r.row_scales))]  # fmt: skip
     for i, (a, b) in enumerate(zip(results["none"], results["all"], strict=True)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
+
+
+@pytest.mark.parametrize("t,e,h,quant", [(1, 128, 2048, False), (1, 128, 2048, True),
+                                         (8, 128, 2048, True), (3, 32, 512, True),
+                                         (5, 64, 2048, False), (2, 256, 2048, True)])  # fmt: skip
+def test_router_topk_cluster_equals_counter_path(t, e, h, quant):
+    """router_topk as one thread-block cluster (logits exchanged in CTA 0's shared memory, the
+    quantize in the last CTA) writes what the counter path writes, bit for bit: residual, xn,
+    logits, routing, block layout, NVFP4 rows and record; PDL and plain launches, twice. (256
+    experts = 16 CTAs, past the portable cluster size: the counter path runs.)"""
+    from trace_common.kernels import cuda_small, moe
+
+    eps, k, bm = 1e-6, 8, 8
+    resid, delta = _rand(t, h, seed=41), _rand(t, h, std=0.5, seed=42)
+    ln_w = (1 + 0.1 * _rand(h, seed=43).float()).bfloat16()
+    w = _rand(e, h, std=0.02, seed=44)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    outs = {}
+    for cluster in (False, True):
+        for pdl in (False, True):
+            plan = moe.RoutePlan.allocate(t, e, k, bm, DEV)
+            plan.block_expert.fill_(-7)
+            plan.sorted_pair.fill_(-7)
+            r_out, xn, logits = _nan(t, h), _nan(t, h), _nan(t, e)
+            xq, rec = _fp4_rows(t, h) if quant else (None, None)
+            cuda_small.router_topk(resid_in=resid, delta=delta, nsum=1, ln_w=ln_w, eps=eps,
+                                   resid_out=r_out, xn_out=xn, w_router=w, logits=logits,
+                                   counter=counter, topk_ids=plan.topk_ids, topk_w=plan.topk_w,
+                                   sorted_pair=plan.sorted_pair, block_expert=plan.block_expert,
+                                   block_m=bm, pdl=pdl, xq=xq, capture=rec, cluster=cluster)  # fmt: skip
+            got = [r_out, xn, logits, plan.topk_ids, plan.topk_w, plan.sorted_pair,
+                   plan.block_expert]  # fmt: skip
+            if quant:
+                got += [xq.codes, xq.scales, xq.scale_2, xq.dq16, rec.mbits, rec.block_scales,
+                        rec.row_scales]  # fmt: skip
+            outs[cluster, pdl] = got
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[True, True][2].float()).all()
+    ref = outs[False, False]
+    for key, got in outs.items():
+        for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{key}: output {i}"
+    assert int(counter) == 0, "counter not reset"
+
+
+@pytest.mark.parametrize("fp4,gemm,batch", [(False, None, 1), (True, "cuda", 1),
+                                            (True, "cuda", 4)])  # fmt: skip
+def test_engine_small_router_cluster_equals_counter_path(fp4, gemm, batch, monkeypatch):
+    """The small-batch step with the cluster router equals the step with the counter router
+    (logits, tokens, KV cache, guidance records), eager and replayed with PDL."""
+    results = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("TRACE_ROUTER_CLUSTER", mode)
+        eng, _, _ = _engine(fp4, gemm, batch, small=True)
+        eng.pdl = True
+        eng.step()
+        eng.capture(warmup=1)
+        eng.replay()
+        eng.replay()
+        torch.cuda.synchronize()
+        out = [eng.logits, eng.tokens]
+        for c in eng.caches:
+            out += [c.codes, c.scales, c.row_scales] if fp4 else [c.values]
+        if fp4:
+            out += [t for r in eng.records[2] for t in (r.mbits, r.block_scales, r.row_scales)]
+        results[mode] = out
+    assert torch.isfinite(results["on"][0].float()).all()
+    for i, (a, b) in enumerate(zip(results["off"], results["on"], strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"

@@ -1,4 +1,4 @@
-"""cuda_launch's programmatic-dependent-launch plumbing, without a GPU: the TRACE_PDL switch,
+"""cuda_launch's cuLaunchKernelEx plumbing (PDL, clusters), without a GPU: the TRACE_PDL switch,
 the ctypes mirrors of cuda.h's launch structures, and argument checking before any driver call.
 The launches themselves run in tests/unit/gpu/test_small_batch_gpu.py."""
 
@@ -28,9 +28,26 @@ def test_launch_structures_match_cuda_h():
     assert (ctypes.sizeof(a), a.value.offset) == (72, 8)
     offsets = (c.stream.offset, c.attrs.offset, c.num_attrs.offset)
     assert (ctypes.sizeof(c), *offsets) == (56, 32, 40, 48)
-    attr = a(id=cuda_launch._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    attr = a(id=cuda_launch._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
     raw = bytes(attr)
     assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")
+    # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4, value.clusterDim = {x, y, z} (uint each)
+    attr = a(id=cuda_launch._CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attr.value[0], attr.value[1], attr.value[2] = 8, 1, 1
+    raw = bytes(attr)
+    assert raw[:4] == (4).to_bytes(4, "little")
+    assert raw[8:20] == b"".join(v.to_bytes(4, "little") for v in (8, 1, 1))
+
+
+@pytest.mark.parametrize("cluster,grid", [(9, 9), (4, 6)])
+def test_launch_rejects_bad_cluster_before_the_driver(monkeypatch, cluster, grid):
+    def no_driver():
+        raise AssertionError("the driver must not be reached")
+
+    monkeypatch.setattr(cuda_launch, "_driver", no_driver)
+    with pytest.raises(ValueError, match=f"cluster={cluster}: needs 1..8 CTAs dividing"):
+        cuda_launch.launch_pdl(None, (grid,), (32,), (), stream=0, cluster=cluster)
 
 
 def test_launch_pdl_rejects_unknown_argument_before_the_driver(monkeypatch):

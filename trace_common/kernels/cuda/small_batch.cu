@@ -49,6 +49,32 @@ __device__ __forceinline__ u16 ld_cg_u16(const u16* p) {
   return v;
 }
 
+// ---- thread-block clusters (sm_90): the router's logits exchange -----------------------------
+// barrier.cluster phases: every thread arrives once and waits once per phase, in order.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// the shared::cluster address of `p` (this CTA's shared memory) in cluster CTA `rank`
+__device__ __forceinline__ u32 cluster_map(const void* p, u32 rank) {
+  u32 a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
+  return a;
+}
+__device__ __forceinline__ void st_cluster_u16(u32 addr, u16 v) {
+  asm volatile("st.shared::cluster.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
+}
+
 __device__ __forceinline__ uint4 u32x4(u32 a, u32 b, u32 c, u32 d) {
   uint4 v;
   v.x = a;
@@ -468,7 +494,11 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
 // scale_2): codes q_codes [NT, K/2], e4m3 scales q_scales [NT, K/16], scale_2 q_g [NT], the
 // CUDA expert GEMM's operand q_dq [NT, K] (null: none) and, with r_mbits, the compact guidance
 // record (r_mbits [NT, K/8], r_scales [NT, K/16], r_g [NT]); one launch fewer per layer.
-template <int NT, int WK, int KCW, int U, int NS, bool QX>
+// CL > 0: the grid is one cluster of CL = E / 16 CTAs (launched with that cluster size, no extra
+// CTA): each CTA also stores its logits tile into CTA 0's shared memory (st.shared::cluster),
+// one cluster barrier replaces the fence + counter + L2 reads, CTA 0 runs the tail from its
+// shared memory, and with QX the last CTA quantizes after its tile (counter unused).
+template <int NT, int WK, int KCW, int U, int NS, bool QX, int CL = 0>
 __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
     const u16* __restrict__ resid_in, const u16* __restrict__ delta, int nsum,
     const u16* __restrict__ ln_w, float eps, u16* __restrict__ resid_out,
@@ -488,8 +518,12 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   __shared__ int s_nblk[MAX_EXPERTS], s_start[MAX_EXPERTS];
   __shared__ int s_slots[MAX_SLOTS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const bool quant_cta = QX && blockIdx.x == gridDim.x - 1;
+  if (CL) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
+  const bool quant_cta = QX && !CL && blockIdx.x == gridDim.x - 1;  // the extra CTA (no tile)
   const int row0 = blockIdx.x * TILE_ROWS;
+  // CTA 0's copy of the logits [NT][n_exp] (bf16) in cluster mode: in s_slots, which CTA 0
+  // fills only after it has read them all
+  u16* s_lg = reinterpret_cast<u16*>(s_slots);
   const u16* wt[1] = {w + (long)(quant_cta ? 0 : row0) * K};
   // FULL: every stage of the warp's K slice in flight before the PDL wait (H200, batch 1: BF16
   // 318.8 -> 322.8 tok/s, FP4 unchanged; FULL for qkv and o as well was slower, FP4 -3.8%)
@@ -500,45 +534,69 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   pdl_launch_dependents();
   add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out, xn_out, xs,
                                      red);
+  // the experts' NVFP4 input, from the normalized rows in xs (the extra CTA, or CL's last)
+  auto xq_load = [&](int tk, int e, float (&x)[4]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(xs + tk * XS + e);
+    x[0] = bf16lo_to_f32(v.x);
+    x[1] = bf16hi_to_f32(v.x);
+    x[2] = bf16lo_to_f32(v.y);
+    x[3] = bf16hi_to_f32(v.y);
+  };
+  auto xq_dst = [&](int tk) {
+    NVFP4RowOut o = nvfp4_row_out(q_codes + (long)tk * (K / 2), q_scales + (long)tk * (K / 16),
+                                  q_g + tk);
+    o.dq16 = q_dq ? q_dq + (long)tk * K : nullptr;
+    if (r_mbits) {
+      o.mbits = r_mbits + (long)tk * (K / 8);
+      o.rec_scales = r_scales + (long)tk * (K / 16);
+      o.rec_g = r_g + tk;
+    }
+    return o;
+  };
   if (quant_cta) {
-    auto load = [&](int tk, int e, float (&x)[4]) {  // from the normalized rows in xs
-      const uint2 v = *reinterpret_cast<const uint2*>(xs + tk * XS + e);
-      x[0] = bf16lo_to_f32(v.x);
-      x[1] = bf16hi_to_f32(v.x);
-      x[2] = bf16lo_to_f32(v.y);
-      x[3] = bf16hi_to_f32(v.y);
-    };
-    auto dst = [&](int tk) {
-      NVFP4RowOut o = nvfp4_row_out(q_codes + (long)tk * (K / 2), q_scales + (long)tk * (K / 16),
-                                    q_g + tk);
-      o.dq16 = q_dq ? q_dq + (long)tk * K : nullptr;
-      if (r_mbits) {
-        o.mbits = r_mbits + (long)tk * (K / 8);
-        o.rec_scales = r_scales + (long)tk * (K / 16);
-        o.rec_g = r_g + tk;
-      }
-      return o;
-    };
-    nvfp4_quantize_rows_cta<WK * 32>(NT, K, load, dst);
+    nvfp4_quantize_rows_cta<WK * 32>(NT, K, xq_load, xq_dst);
   } else {
     float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
     gv.run(g < NT ? xs + g * XS : nullptr, acc);
     cta_reduce<1, WK>(acc, red);
     if (warp == 0) store_tile<NT>(logits, n_exp, row0, acc[0]);
+    if (CL) {
+      cluster_wait_acquire();  // phase 0: CTA 0 runs
+      if (warp == 0) {  // the same bf16 values into CTA 0's s_lg
+        const int t = lane & 3, t0 = 2 * t, t1 = 2 * t + 1;
+        const u32 base = cluster_map(s_lg, 0);
+        if (t0 < NT) {
+          st_cluster_u16(base + 2u * (t0 * n_exp + row0 + g), f32_to_bf16_rn(acc[0][0]));
+          st_cluster_u16(base + 2u * (t0 * n_exp + row0 + g + 8), f32_to_bf16_rn(acc[0][2]));
+        }
+        if (t1 < NT) {
+          st_cluster_u16(base + 2u * (t1 * n_exp + row0 + g), f32_to_bf16_rn(acc[0][1]));
+          st_cluster_u16(base + 2u * (t1 * n_exp + row0 + g + 8), f32_to_bf16_rn(acc[0][3]));
+        }
+      }
+      cluster_arrive_release();  // phase 1: this CTA's logits are in CTA 0
+    }
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (CL) {
+    if (QX && (int)cluster_rank() == CL - 1) nvfp4_quantize_rows_cta<WK * 32>(NT, K, xq_load, xq_dst);
+    if (cluster_rank() != 0) return;
+    cluster_wait_acquire();  // phase 1: every CTA's logits are in s_lg
+  } else {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+  }
   const float neg_inf = __int_as_float(0xFF800000);
   for (int b = warp; b < NT; b += WK) {  // softmax + top-k of token b, one warp
     float v[MAX_EXPERTS / 32];
 #pragma unroll
     for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
       const int e = lane + 32 * i;
-      v[i] = e < n_exp ? bf16_to_f32(ld_cg_u16(logits + (long)b * n_exp + e)) : neg_inf;
+      v[i] = e >= n_exp ? neg_inf
+             : bf16_to_f32(CL ? s_lg[b * n_exp + e] : ld_cg_u16(logits + (long)b * n_exp + e));
     }
     float mx = neg_inf;
 #pragma unroll
@@ -614,7 +672,7 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   for (int bb = total + threadIdx.x; bb < maxb; bb += WK * 32) block_expert[bb] = -1;
   __syncthreads();
   for (int s = threadIdx.x; s < maxb * bm; s += WK * 32) sorted_pair[s] = s_slots[s];
-  if (threadIdx.x == 0) *counter = 0;
+  if (!CL && threadIdx.x == 0) *counter = 0;
 }
 
 // Routed experts' gate_up, grouped by expert block of 8 pair slots (sorted_pair/block_expert of
