@@ -263,6 +263,8 @@ def main() -> None:
         "triton": triton.__version__, "cuda": torch.version.cuda,
         "command": " ".join(sys.argv), "fp4_decode": decode, "fp4_gemm": args.fp4_gemm,
         "fp4_attn": args.fp4_attn, "small": args.small, "pdl": args.pdl,
+        "router_cluster": cuda_small.router_cluster_enabled(),
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRACE_")},
     }  # fmt: skip
     print(env, flush=True)
     bw = copy_bandwidth()

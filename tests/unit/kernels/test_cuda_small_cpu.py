@@ -44,3 +44,14 @@ def test_configure_rejects_bad_settings(restore, spec, message):
     with pytest.raises(ValueError, match=message):
         cuda_small.configure(spec)
     assert cuda_small.configure({}) == before, "a refused setting changed nothing"
+
+
+def test_router_cluster_switch(monkeypatch):
+    monkeypatch.delenv("TRACE_ROUTER_CLUSTER", raising=False)
+    assert cuda_small.router_cluster_enabled() is (cuda_small.DEFAULT_ROUTER_CLUSTER == "on")
+    monkeypatch.setenv("TRACE_ROUTER_CLUSTER", "off")
+    assert cuda_small.router_cluster_enabled() is False
+    assert cuda_small.router_cluster_enabled("on") is True
+    monkeypatch.setenv("TRACE_ROUTER_CLUSTER", "maybe")
+    with pytest.raises(ValueError, match="TRACE_ROUTER_CLUSTER='maybe'"):
+        cuda_small.router_cluster_enabled()
