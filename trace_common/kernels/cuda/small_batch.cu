@@ -17,12 +17,15 @@
 //    writes the new residual to a second buffer (ping-pong: others still read the old one).
 //  - q/k RMSNorm + RoPE + BF16 KV append after the qkv GEMV: the last CTA to finish a head
 //    (atomic counter per head, reset by that CTA) normalizes, rotates and appends it.
-//  - router softmax + top-k + block alignment after the router GEMV: the last CTA does them.
+//  - router softmax + top-k + block alignment after the router GEMV: CTA 0 of the router's one
+//    thread-block cluster does them from the logits the others stored into its shared memory
+//    (or, without the cluster, the last CTA to finish, through L2).
 //  - routed experts: gate_up grouped by expert block (silu * up epilogue), down per token with
 //    one warp per chosen expert, the routing weights and the top-k sum in its epilogue (the
 //    same bf16 roundings as the per-pair path: bf16(w * acc) summed in fp32 in order j).
-//  - FP4 engine (optional): NVFP4 quantize of the experts' input (router, one extra CTA) and
-//    the FP4 KV append (qkv, the last CTA of the k / v heads), fp4_common.cuh's quantizer.
+//  - FP4 engine (optional): NVFP4 quantize of the experts' input (router: its last CTA, or
+//    one extra CTA without the cluster) and the FP4 KV append (qkv, the last CTA of the k / v
+//    heads), fp4_common.cuh's quantizer.
 // Rounding points follow the Triton kernels (trace_common/kernels/_tl_attn.py, _tl_moe.py).
 //
 // Programmatic dependent launch (cuda_launch.launch_pdl, TRACE_PDL=on): every kernel here calls
