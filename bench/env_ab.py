@@ -10,8 +10,7 @@ median tokens/s per setting and its change against the first setting.
 
 A setting is space-separated VAR=value assignments ("" = the defaults). Each engine takes the
 path the engine itself picks under its setting (the small-batch kernels with PDL at batch 1 by
-default), as bench/rollout_gpu.py does. (Until 2026-12-03, 13:30 UTC it always took the standard
-path without PDL, which mattered only at batch 1: every earlier A/B ran at batch >= 8.)
+default), as bench/rollout_gpu.py does.
 """
 
 from __future__ import annotations

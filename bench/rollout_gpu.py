@@ -60,7 +60,7 @@ class Row:
     bw_frac: float | None = None  # achieved / copy bandwidth
     note: str = ""
     small: bool = False  # the small-batch kernels (trace_common/kernels/cuda_small.py)
-    pdl: bool = False  # ... launched as programmatic dependent launches (cuda_launch.launch_pdl)
+    pdl: bool = False  # ... launched as programmatic dependent launches (cuda_launch.launch_ex)
 
 
 def copy_bandwidth(nbytes: int = 4 * GIB, reps: int = 20) -> float:

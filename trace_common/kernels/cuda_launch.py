@@ -82,11 +82,11 @@ def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], ar
     """Launch a CuPy kernel on PyTorch's current stream of `device` (so a CUDA graph that
     PyTorch is capturing records it), with `shared_mem` bytes of dynamic shared memory.
     `pdl`: as a programmatic dependent launch; `cluster` > 0: in thread-block clusters of that
-    many CTAs along x (both through `launch_pdl`)."""
+    many CTAs along x (both through `launch_ex`)."""
     cp = require_cupy()
     ptr = torch.cuda.current_stream(device).cuda_stream
     if pdl or cluster:
-        launch_pdl(fn, grid, block, args, ptr, shared_mem, pdl=pdl, cluster=cluster)
+        launch_ex(fn, grid, block, args, ptr, shared_mem, pdl=pdl, cluster=cluster)
         return
     s = _STREAMS.get(ptr)
     if s is None:
@@ -159,12 +159,13 @@ def cu_function(fn) -> int:
     return int(ptr)
 
 
-def launch_pdl(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream: int,
-               shared_mem: int = 0, *, pdl: bool = True, cluster: int = 0) -> None:  # fmt: skip
+def launch_ex(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream: int,
+              shared_mem: int = 0, *, pdl: bool = False, cluster: int = 0) -> None:  # fmt: skip
     """Launch CuPy kernel `fn` (compiled and loaded) on `stream` (a CUstream handle) through
-    cuLaunchKernelEx: `pdl` with the programmatic-stream-serialization attribute, `cluster` > 0
-    in clusters of that many CTAs along x (grid x a multiple of it, at most
-    MAX_PORTABLE_CLUSTER). `args`: numpy scalars (pointers as uint64)."""
+    cuLaunchKernelEx, for the launch attributes CuPy's own launch cannot set: `pdl` the
+    programmatic-stream-serialization attribute, `cluster` > 0 clusters of that many CTAs
+    along x (dividing the grid's x, at most MAX_PORTABLE_CLUSTER). `args`: numpy scalars
+    (pointers as uint64)."""
     if cluster and (cluster > MAX_PORTABLE_CLUSTER or grid[0] % cluster):
         raise ValueError(f"cluster={cluster}: needs 1..{MAX_PORTABLE_CLUSTER} CTAs dividing the "
                          f"grid's x ({grid[0]})")  # fmt: skip
@@ -172,7 +173,7 @@ def launch_pdl(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     for a in args:
         ct = _CTYPE.get(getattr(getattr(a, "dtype", None), "name", ""))
         if ct is None:
-            raise TypeError(f"launch_pdl: kernel argument {a!r} is not a numpy scalar of "
+            raise TypeError(f"launch_ex: kernel argument {a!r} is not a numpy scalar of "
                             f"{sorted(_CTYPE)}")  # fmt: skip
         vals.append(ct(a.item()))
     lib = _driver()

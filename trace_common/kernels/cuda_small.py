@@ -15,7 +15,7 @@ Compiled by NVRTC through CuPy on first use and launched on PyTorch's current st
 engine's CUDA graph captures them (`cuda_launch`). Importing this module needs neither CuPy
 nor a GPU. `TRACE_SMALL_BATCH=auto|on|off` (`small_batch_enabled`) selects them in the engine.
 
-`pdl=True` launches a kernel as a programmatic dependent launch (`cuda_launch.launch_pdl`,
+`pdl=True` launches a kernel as a programmatic dependent launch (`cuda_launch.launch_ex`,
 TRACE_PDL in the engine): it starts while the kernel before it drains, and streams its weights
 into its cp.async ring before `griddepcontrol.wait` (the expert kernels wait first: their
 weights depend on the routing). Every kernel here waits before it touches activations, so any

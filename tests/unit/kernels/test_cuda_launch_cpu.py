@@ -47,13 +47,13 @@ def test_launch_rejects_bad_cluster_before_the_driver(monkeypatch, cluster, grid
 
     monkeypatch.setattr(cuda_launch, "_driver", no_driver)
     with pytest.raises(ValueError, match=f"cluster={cluster}: needs 1..8 CTAs dividing"):
-        cuda_launch.launch_pdl(None, (grid,), (32,), (), stream=0, cluster=cluster)
+        cuda_launch.launch_ex(None, (grid,), (32,), (), stream=0, cluster=cluster)
 
 
-def test_launch_pdl_rejects_unknown_argument_before_the_driver(monkeypatch):
+def test_launch_ex_rejects_unknown_argument_before_the_driver(monkeypatch):
     def no_driver():
         raise AssertionError("the driver must not be reached")
 
     monkeypatch.setattr(cuda_launch, "_driver", no_driver)
     with pytest.raises(TypeError, match="not a numpy scalar"):
-        cuda_launch.launch_pdl(None, (1,), (32,), (np.uint64(0), 3), stream=0)
+        cuda_launch.launch_ex(None, (1,), (32,), (np.uint64(0), 3), stream=0)

@@ -20,7 +20,7 @@
 //     (rows g) and d + 1 (rows g + 8), mt' = mt & 3, + 64 for mt >= 4: a PRMT pairs the two
 //     tokens' values of one d.
 //
-// Programmatic dependent launch (cuda_launch.launch_pdl): before `griddepcontrol.wait` a warp
+// Programmatic dependent launch (cuda_launch.launch_ex): before `griddepcontrol.wait` a warp
 // already loads its first tile's tokens older than the newest one (lens[b] - 1): those were
 // written by earlier decode steps, and the kernel before this one (the qkv projection, which
 // appends the newest K/V) writes only the newest position. The newest row, q and the scratch

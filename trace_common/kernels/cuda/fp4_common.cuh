@@ -112,7 +112,7 @@ __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 byte
       ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// ---- programmatic dependent launch (cuda_launch.launch_pdl; sm_90) ---------------------------
+// ---- programmatic dependent launch (cuda_launch.launch_ex; sm_90) ----------------------------
 // Both are no-ops in a grid launched without the attribute (or with no programmatic dependent).
 
 // wait until the previous grid on the stream has completed and its writes are visible: every

@@ -203,7 +203,7 @@ __device__ __forceinline__ void quantize_block_rows_if_last(const u16* out, cons
   nvfp4_quantize_rows_cta<NTHREADS>(s_nrows, n_out, load, dst);
 }
 
-// Programmatic dependent launch (cuda_launch.launch_pdl; a no-op without the attribute): every
+// Programmatic dependent launch (cuda_launch.launch_ex; a no-op without the attribute): every
 // CTA waits for the previous grid first (the routing picks the weights, so nothing is
 // prefetched before), then lets the next grid start its CTAs.
 template <int NT, int RW, int WK, int KGW, bool GATED, int MINB, bool QOUT = false>

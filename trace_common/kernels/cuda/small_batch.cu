@@ -28,7 +28,7 @@
 //    heads), fp4_common.cuh's quantizer.
 // Rounding points follow the Triton kernels (trace_common/kernels/_tl_attn.py, _tl_moe.py).
 //
-// Programmatic dependent launch (cuda_launch.launch_pdl, TRACE_PDL=on): every kernel here calls
+// Programmatic dependent launch (cuda_launch.launch_ex, TRACE_PDL=on): every kernel here calls
 // pdl_wait() before it reads an activation or writes anything, and pdl_launch_dependents()
 // right after it. The projections issue their first weight stages before the wait (no kernel
 // writes weights), so their prefetch overlaps the previous kernel's tail; the expert kernels
@@ -581,7 +581,8 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
     }
   }
   if (CL) {
-    if (QX && (int)cluster_rank() == CL - 1) nvfp4_quantize_rows_cta<WK * 32>(NT, K, xq_load, xq_dst);
+    if (QX && (int)cluster_rank() == CL - 1)
+      nvfp4_quantize_rows_cta<WK * 32>(NT, K, xq_load, xq_dst);
     if (cluster_rank() != 0) return;
     cluster_wait_acquire();  // phase 1: every CTA's logits are in s_lg
   } else {
