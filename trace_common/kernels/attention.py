@@ -234,7 +234,7 @@ def _attention_cuda(
         return "fused"
     if not fp4_cuda:
         return ""
-    fused = plan.counters is not None and cuda_attn.DEFAULT_CONFIG[0] == "ring"
+    fused = plan.counters is not None and cuda_attn.default_config()[0] == "ring"
     cuda_attn.decode_attn_split_cuda(
         q, kv, cache.scales, cache.row_scales, lens, plan.part_o, plan.part_ml,  # type: ignore[arg-type]
         chunk=plan.chunk, qk_scale=qk_scale, counters=plan.counters if fused else None,

@@ -117,9 +117,28 @@ def kernel_name(config: tuple, fused: bool = False) -> tuple[str, int]:
                      f"(the fused variant is the ring kernel's only)")  # fmt: skip
 
 
+def parse_config(text: str) -> tuple:
+    """A launch configuration from its comma-separated form ("ring,4,4,5"), checked by
+    `kernel_name`; a bad one raises ValueError naming TRACE_ATTN_CONFIG and the text."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        config = (parts[0], *(int(x) for x in parts[1:]))
+        kernel_name(config)
+    except (IndexError, ValueError) as err:
+        raise ValueError(f"TRACE_ATTN_CONFIG={text!r}: {err}") from None
+    return config
+
+
+def default_config() -> tuple:
+    """The launch configuration used where none is given: TRACE_ATTN_CONFIG if set (e.g.
+    "ring,4,4,5"; sweeps and engine A/Bs), else DEFAULT_CONFIG."""
+    text = os.environ.get("TRACE_ATTN_CONFIG")
+    return parse_config(text) if text else DEFAULT_CONFIG
+
+
 def ring_ctas_per_sm(config: tuple | None = None) -> int:
     """CTAs per SM the ring kernel's config asks for (0 for the "regs" kernel)."""
-    config = config or DEFAULT_CONFIG
+    config = config or default_config()
     kernel_name(config)
     return config[2] if config[0] == "ring" else 0
 
@@ -140,7 +159,7 @@ def decode_attn_split_cuda(
     *,
     chunk: int,
     qk_scale: float,  # head_dim ** -0.5 * log2(e)
-    config: tuple | None = None,  # default DEFAULT_CONFIG
+    config: tuple | None = None,  # default: default_config()
     counters: torch.Tensor | None = None,  # int32 [B * HKV], zero: the fused variant
     out: torch.Tensor | None = None,  # bf16 [B, HQ * 128]: its output
     pdl: bool = False,
@@ -166,7 +185,7 @@ def decode_attn_split_cuda(
     fused = counters is not None
     if fused:
         _check_fused(counters, out, b, hq, hkv)
-    config = config or DEFAULT_CONFIG
+    config = config or default_config()
     name, warps = kernel_name(config, fused)
     fn = compiled_function(SOURCE, name)
     ptr = np.uint64
@@ -242,10 +261,12 @@ __all__ = [
     "DEFAULT_CONFIG",
     "decode_attn_fused_bf16",
     "decode_attn_split_cuda",
+    "default_config",
     "fused_bf16_warps",
     "fused_chunk",
     "fused_enabled",
     "kernel_name",
+    "parse_config",
     "ring_ctas_per_sm",
     "supports",
 ]

@@ -438,7 +438,8 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
     gy, ipc = stream_grid(n_out // (MMA_M * rw), est, ctas_per_sm, sm_resources(out.device)[0],
                           waves)  # fmt: skip
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
-    launch_on_torch_stream(fn, (plan.block_expert.numel(), gy), (wk * LANES,), args, out.device,
+    # grid (CTAs per block, blocks): the empty blocks (past the routing's) are the last CTAs
+    launch_on_torch_stream(fn, (gy, plan.block_expert.numel()), (wk * LANES,), args, out.device,
                            shared_mem=smem)  # fmt: skip
 
 
@@ -487,7 +488,9 @@ def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
         raise ValueError(f"config RW={rw}, WK={wk}, KGW={kgw} does not fit N_out={n_out}, "
                          f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
     fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None)
-    grid = (plan.block_expert.numel(), n_out // (MMA_M * rw))
+    # (output tiles, expert blocks): blocks as the slow dimension, so the CTAs of the empty ones
+    # (past the routing's) come last instead of in every wave
+    grid = (n_out // (MMA_M * rw), plan.block_expert.numel())
     q = quant_out
     qargs = pointers(counter, *((None,) * 4 if q is None else (q.codes, q.scales, q.scale_2,
                                                                 q.dq16)))  # fmt: skip

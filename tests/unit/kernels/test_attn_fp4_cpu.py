@@ -203,3 +203,23 @@ def test_kernel_name_configs():
     for bad in (("ring", 4, 4, 1), ("ring", 4, 4), ("flash", 4, 3), ("regs", 4, 3, 2)):
         with pytest.raises(ValueError, match="CUDA FP4 attention config"):
             kernel_name(bad)
+
+
+def test_attn_config_from_env(monkeypatch):
+    """TRACE_ATTN_CONFIG selects a launch configuration by its comma form (checked as
+    kernel_name checks a tuple); unset or empty: DEFAULT_CONFIG."""
+    from trace_common.kernels import cuda_attn
+
+    monkeypatch.delenv("TRACE_ATTN_CONFIG", raising=False)
+    assert cuda_attn.default_config() == cuda_attn.DEFAULT_CONFIG
+    monkeypatch.setenv("TRACE_ATTN_CONFIG", "")
+    assert cuda_attn.default_config() == cuda_attn.DEFAULT_CONFIG
+    monkeypatch.setenv("TRACE_ATTN_CONFIG", "ring, 4, 2, 5")
+    assert cuda_attn.default_config() == ("ring", 4, 2, 5)
+    assert cuda_attn.ring_ctas_per_sm() == 2
+    monkeypatch.setenv("TRACE_ATTN_CONFIG", "regs,4,3")
+    assert cuda_attn.default_config() == ("regs", 4, 3)
+    for bad in ("ring,4,4,x", "ring,4,4,1", "ring,4,4", "warp,1", ","):
+        monkeypatch.setenv("TRACE_ATTN_CONFIG", bad)
+        with pytest.raises(ValueError, match="TRACE_ATTN_CONFIG"):
+            cuda_attn.default_config()

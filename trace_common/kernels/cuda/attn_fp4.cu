@@ -86,13 +86,18 @@ __device__ __forceinline__ void mma_half(float& c0, float& c1, u32 a0, u32 a2, u
 
 // Q row (head) of 128 bf16 -> lane t's d = 32t .. 32t+31 as fp16 fragments of 8 k-tiles: k-tile
 // 2w takes d offsets (0, 2 | 4, 6) of the 8-group w, k-tile 2w+1 takes (1, 3 | 5, 7); the same
-// order as fp4_bytes + h2_b01 / h2_b23 of the lane's 16 K bytes [16t, 16t + 16).
-__device__ __forceinline__ void load_q_frags(const u16* __restrict__ qrow, int t, u32 (&qf)[8][2]) {
-  const u32* qp = (const u32*)(qrow + 32 * t);
+// order as fp4_bytes + h2_b01 / h2_b23 of the lane's 16 K bytes [16t, 16t + 16). In two steps,
+// so that a kernel can issue the loads early and convert once they are needed.
+__device__ __forceinline__ void load_q_raw(const u16* __restrict__ qrow, int t, uint4 (&raw)[4]) {
+  const uint4* qp = (const uint4*)(qrow + 32 * t);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) raw[w] = qp[w];
+}
+
+__device__ __forceinline__ void q_frags(const uint4 (&raw)[4], u32 (&qf)[8][2]) {
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const uint4 v = *(const uint4*)(qp + 4 * w);
-    const u32 x[4] = {v.x, v.y, v.z, v.w};
+    const u32 x[4] = {raw[w].x, raw[w].y, raw[w].z, raw[w].w};
     float f[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -104,6 +109,12 @@ __device__ __forceinline__ void load_q_frags(const u16* __restrict__ qrow, int t
     qf[2 * w + 1][0] = pack_h2(f[1], f[3]);
     qf[2 * w + 1][1] = pack_h2(f[5], f[7]);
   }
+}
+
+__device__ __forceinline__ void load_q_frags(const u16* __restrict__ qrow, int t, u32 (&qf)[8][2]) {
+  uint4 raw[4];
+  load_q_raw(qrow, t, raw);
+  q_frags(raw, qf);
 }
 
 // One lane's raw bytes of one 16-token tile.
@@ -380,6 +391,74 @@ __device__ __forceinline__ void ring_fill_next(u32 st, RingSrc& src, u32 dcode,
   src.r += WARPS * TILE;
 }
 
+// S^T = K Q^T of one stage: rows tokens g (c0, c1) and g + 8 (c2, c3), columns heads 2t, 2t+1
+// (offk: ring_code_off(g, t); qb: Q as B fragments, load_q_frags).
+__device__ __forceinline__ void stage_scores(const u8* st, int offk, int g, int t,
+                                             const u32 (&qb)[8][2], float (&s)[2][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s[0][i] = s[1][i] = 0.f;
+  const uint4 kv0 = *(const uint4*)(st + ST_KC + offk);
+  const uint4 kv1 = *(const uint4*)(st + ST_KC + offk + 512);
+  const u32 k0[4] = {kv0.x, kv0.y, kv0.z, kv0.w}, k1[4] = {kv1.x, kv1.y, kv1.z, kv1.w};
+  const u32 s20 = e4m3x2_to_f16x2(*(const u16*)(st + ST_KS + 8 * g + 2 * t));
+  const u32 s21 = e4m3x2_to_f16x2(*(const u16*)(st + ST_KS + 8 * (g + 8) + 2 * t));
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const u32 sel = w < 2 ? 0x1010u : 0x3232u;  // block 2t (words 0, 1) or 2t + 1
+    const u32 sc0 = __byte_perm(s20, 0u, sel), sc1 = __byte_perm(s21, 0u, sel);
+    u32 lo0, hi0, lo1, hi1;
+    fp4_bytes(k0[w], lo0, hi0);
+    fp4_bytes(k1[w], lo1, hi1);
+    mma_f16(s[0], hmul2(h2_b01(lo0), sc0), hmul2(h2_b01(lo1), sc1), hmul2(h2_b23(lo0), sc0),
+            hmul2(h2_b23(lo1), sc1), qb[2 * w][0], qb[2 * w][1]);
+    mma_f16(s[1], hmul2(h2_b01(hi0), sc0), hmul2(h2_b01(hi1), sc1), hmul2(h2_b23(hi0), sc0),
+            hmul2(h2_b23(hi1), sc1), qb[2 * w + 1][0], qb[2 * w + 1][1]);
+  }
+}
+
+// The rest of one stage (tokens t0 .. t0 + 15, those < end) given its scores s: online softmax
+// (running m, l of heads 2t, 2t+1), rescale of acc, then O^T += V^T P^T: lane's V rows 2t, 2t+1
+// (pair 0) and 2t+8, 2t+9 (pair 1) (offv0 / offv1: ring_code_off of V rows 2t / 2t+1).
+__device__ __forceinline__ void stage_softmax_pv(const u8* st, const float (&s)[2][4], int offv0,
+                                                 int offv1, int g, int t, int t0, int end,
+                                                 float kgain, float& m0, float& m1, float& l0,
+                                                 float& l1, float (&acc)[8][4]) {
+  const float* rk = (const float*)(st + ST_KR);
+  const float* rv = (const float*)(st + ST_KR + 64);
+  const float g0 = rk[g] * kgain, g1 = rk[g + 8] * kgain;
+  const SoftmaxTile p =
+      online_softmax_tile(s, g0, g1, t0 + g < end, t0 + g + 8 < end, m0, m1, l0, l1);
+  const float v0 = rv[g] * FP16_GAIN, v1 = rv[g + 8] * FP16_GAIN;
+  // P^T fragments: b0 = heads g x tokens 2t, 2t+1; b1 = tokens 2t+8, 2t+9
+  const u32 pb0 = movm_trans(pack_h2(p.p0 * v0, p.p1 * v0));
+  const u32 pb1 = movm_trans(pack_h2(p.p2 * v1, p.p3 * v1));
+  rescale_acc(acc, p.al0, p.al1);
+  const uint2 va = *(const uint2*)(st + ST_VC + offv0);
+  const uint2 vb = *(const uint2*)(st + ST_VC + offv1);
+  const uint2 vc = *(const uint2*)(st + ST_VC + offv0 + 512);
+  const uint2 vd = *(const uint2*)(st + ST_VC + offv1 + 512);
+  const u8* vsc = st + ST_KS + 128 + 16 * t + g;  // V block scale g of row 2t
+  const u32 sv0 = e4m3x2_to_f16x2(__byte_perm(vsc[0], vsc[8], 0x0040u));
+  const u32 sv1 = e4m3x2_to_f16x2(__byte_perm(vsc[64], vsc[72], 0x0040u));
+  const u32 w0[2] = {va.x, va.y}, w1[2] = {vb.x, vb.y};
+  const u32 w2[2] = {vc.x, vc.y}, w3[2] = {vd.x, vd.y};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u32 sel = h ? 0x7362u : 0x5140u;
+      u32 lo0, hi0, lo1, hi1;
+      fp4_bytes(__byte_perm(w0[k], w1[k], sel), lo0, hi0);
+      fp4_bytes(__byte_perm(w2[k], w3[k], sel), lo1, hi1);
+      const int mt = 2 * (2 * k + h);
+      mma_f16(acc[mt], hmul2(h2_b01(lo0), sv0), hmul2(h2_b01(hi0), sv0),
+              hmul2(h2_b01(lo1), sv1), hmul2(h2_b01(hi1), sv1), pb0, pb1);
+      mma_f16(acc[mt + 1], hmul2(h2_b23(lo0), sv0), hmul2(h2_b23(hi0), sv0),
+              hmul2(h2_b23(lo1), sv1), hmul2(h2_b23(hi1), sv1), pb0, pb1);
+    }
+  }
+}
+
 // FUSED: one launch for the whole attention (the small-batch step): the CTA that finishes a
 // (sequence, kv head) last combines its splits into `out` (attn_common.cuh; counters [B, HKV]
 // zero before and after), and as a programmatic dependent launch it waits (griddepcontrol) for
@@ -429,6 +508,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
   src.r = (lane < 16 ? krs : vrs) + first + (lane & 15);
   const u32 dcode = ring_code_off(lane >> 2, lane & 3);
 
+  // Q first: issued behind the first stages' copies, its loads waited behind up to the whole
+  // wave's KV bytes (ncu, batch 32 at 1K: a fifth of all stall samples on its conversion)
+  uint4 qraw[4];
+  load_q_raw(q + ((long)b * hq + hk * GROUP + g) * HEAD_D, t, qraw);
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s) {
     if (s < nj)
@@ -440,7 +523,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
   // Q of head g as the B fragments (b0, b1) of 8 k-tiles (the same registers as the A
   // fragments above: the k index of both is 2t + (0, 1 | 8, 9))
   u32 qb[8][2];
-  load_q_frags(q + ((long)b * hq + hk * GROUP + g) * HEAD_D, t, qb);
+  q_frags(qraw, qb);
 
   // loop-invariant shared-memory offsets of this lane's fragments
   const int offk = ring_code_off(g, t);             // K row g (row g + 8: + 512)
@@ -453,82 +536,24 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
 #pragma unroll
   for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
 
-  int slot = 0;  // stage of tile j
+  // Stage j of the warp's ring holds its tile j (token t0(j)); the fill of tile j + NS - 1
+  // goes into the slot of tile j - 1 once every lane has finished reading it.
+  auto t0_of = [&](int j) { return start + (warp + WARPS * j) * TILE; };
+  auto stage = [&](int j) { return &ring[warp][j % NS][0]; };
+  auto fill_ahead = [&](int j) {
+    const int jn = j + NS - 1;
+    if (jn < nj)
+      ring_fill_next<WARPS>(ring0 + (jn % NS) * RING_STAGE, src, dcode, codes, scales, krs, vrs,
+                            kbase, vbase, t0_of(jn), end, lane);
+    cp_async_commit();
+  };
   for (int j = 0; j < nj; ++j) {
     cp_async_wait<NS - 2>();
     __syncwarp();  // every lane's copies of stage j landed; stage j - 1 is no longer read
-    {
-      const int jn = j + NS - 1;
-      const int fill = slot == 0 ? NS - 1 : slot - 1;
-      if (jn < nj)
-        ring_fill_next<WARPS>(ring0 + fill * RING_STAGE, src, dcode, codes, scales, krs, vrs,
-                              kbase, vbase, start + (warp + WARPS * jn) * TILE, end, lane);
-      cp_async_commit();
-    }
-    const u8* st = &ring[warp][slot][0];
-    slot = slot == NS - 1 ? 0 : slot + 1;
-    const int t0 = start + (warp + WARPS * j) * TILE;
-
-    // ---- S^T = K Q^T: rows tokens g (c0, c1) and g + 8 (c2, c3), columns heads 2t, 2t+1
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    {
-      const uint4 kv0 = *(const uint4*)(st + ST_KC + offk);
-      const uint4 kv1 = *(const uint4*)(st + ST_KC + offk + 512);
-      const u32 k0[4] = {kv0.x, kv0.y, kv0.z, kv0.w}, k1[4] = {kv1.x, kv1.y, kv1.z, kv1.w};
-      const u32 s20 = e4m3x2_to_f16x2(*(const u16*)(st + ST_KS + 8 * g + 2 * t));
-      const u32 s21 = e4m3x2_to_f16x2(*(const u16*)(st + ST_KS + 8 * (g + 8) + 2 * t));
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const u32 sel = w < 2 ? 0x1010u : 0x3232u;  // block 2t (words 0, 1) or 2t + 1
-        const u32 sc0 = __byte_perm(s20, 0u, sel), sc1 = __byte_perm(s21, 0u, sel);
-        u32 lo0, hi0, lo1, hi1;
-        fp4_bytes(k0[w], lo0, hi0);
-        fp4_bytes(k1[w], lo1, hi1);
-        mma_f16(s[0], hmul2(h2_b01(lo0), sc0), hmul2(h2_b01(lo1), sc1),
-                hmul2(h2_b23(lo0), sc0), hmul2(h2_b23(lo1), sc1), qb[2 * w][0], qb[2 * w][1]);
-        mma_f16(s[1], hmul2(h2_b01(hi0), sc0), hmul2(h2_b01(hi1), sc1),
-                hmul2(h2_b23(hi0), sc0), hmul2(h2_b23(hi1), sc1), qb[2 * w + 1][0],
-                qb[2 * w + 1][1]);
-      }
-    }
-    const float* rk = (const float*)(st + ST_KR);
-    const float* rv = (const float*)(st + ST_KR + 64);
-    const float g0 = rk[g] * kgain, g1 = rk[g + 8] * kgain;
-    const SoftmaxTile p = online_softmax_tile(s, g0, g1, t0 + g < end, t0 + g + 8 < end, m0, m1,
-                                              l0, l1);
-    const float v0 = rv[g] * FP16_GAIN, v1 = rv[g + 8] * FP16_GAIN;
-    // P^T fragments: b0 = heads g x tokens 2t, 2t+1; b1 = tokens 2t+8, 2t+9
-    const u32 pb0 = movm_trans(pack_h2(p.p0 * v0, p.p1 * v0));
-    const u32 pb1 = movm_trans(pack_h2(p.p2 * v1, p.p3 * v1));
-    rescale_acc(acc, p.al0, p.al1);
-
-    // ---- O^T += V^T P^T: lane's V rows 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1)
-    {
-      const uint2 va = *(const uint2*)(st + ST_VC + offv0);
-      const uint2 vb = *(const uint2*)(st + ST_VC + offv1);
-      const uint2 vc = *(const uint2*)(st + ST_VC + offv0 + 512);
-      const uint2 vd = *(const uint2*)(st + ST_VC + offv1 + 512);
-      const u8* vsc = st + ST_KS + 128 + 16 * t + g;  // V block scale g of row 2t
-      const u32 sv0 = e4m3x2_to_f16x2(__byte_perm(vsc[0], vsc[8], 0x0040u));
-      const u32 sv1 = e4m3x2_to_f16x2(__byte_perm(vsc[64], vsc[72], 0x0040u));
-      const u32 w0[2] = {va.x, va.y}, w1[2] = {vb.x, vb.y};
-      const u32 w2[2] = {vc.x, vc.y}, w3[2] = {vd.x, vd.y};
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const u32 sel = h ? 0x7362u : 0x5140u;
-          u32 lo0, hi0, lo1, hi1;
-          fp4_bytes(__byte_perm(w0[k], w1[k], sel), lo0, hi0);
-          fp4_bytes(__byte_perm(w2[k], w3[k], sel), lo1, hi1);
-          const int mt = 2 * (2 * k + h);
-          mma_f16(acc[mt], hmul2(h2_b01(lo0), sv0), hmul2(h2_b01(hi0), sv0),
-                  hmul2(h2_b01(lo1), sv1), hmul2(h2_b01(hi1), sv1), pb0, pb1);
-          mma_f16(acc[mt + 1], hmul2(h2_b23(lo0), sv0), hmul2(h2_b23(hi0), sv0),
-                  hmul2(h2_b23(lo1), sv1), hmul2(h2_b23(hi1), sv1), pb0, pb1);
-        }
-      }
-    }
+    fill_ahead(j);
+    float s[2][4];
+    stage_scores(stage(j), offk, g, t, qb, s);
+    stage_softmax_pv(stage(j), s, offv0, offv1, g, t, t0_of(j), end, kgain, m0, m1, l0, l1, acc);
   }
   cp_async_wait<0>();
 

@@ -167,7 +167,7 @@ __device__ __forceinline__ void store_outputs(const float* red, const int* pair_
   }
 }
 
-// QOUT: the last of the gridDim.y CTAs of expert block blk to finish (counters[blk], zero
+// QOUT: the last of the gridDim.x CTAs of expert block blk to finish (counters[blk], zero
 // before and after) NVFP4-quantizes the block's pair rows of `out` (as quant.quantize_rows with
 // per-row scale_2, read back from L2): the next GEMM's input, one quantize launch fewer, spread
 // over the blocks' CTAs. Outputs as the quantize kernel's: codes [n_pairs, n_out/2], e4m3
@@ -181,8 +181,8 @@ __device__ __forceinline__ void quantize_block_rows_if_last(const u16* out, cons
   __threadfence();  // this CTA's outputs, before the block's counter
   __syncthreads();
   if (threadIdx.x == 0) {
-    is_last = atomicAdd(counters + blockIdx.x, 1) == (int)gridDim.y - 1;
-    if (is_last) counters[blockIdx.x] = 0;
+    is_last = atomicAdd(counters + blockIdx.y, 1) == (int)gridDim.x - 1;
+    if (is_last) counters[blockIdx.y] = 0;
     int n = 0;
     for (int c = 0; c < BT; ++c)
       if (pair_s[c] < n_pairs) s_rows[n++] = pair_s[c];
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
 
   pdl_wait();
   pdl_launch_dependents();
-  const int blk = blockIdx.x;
+  const int blk = blockIdx.y;  // slow grid dimension: the empty blocks' CTAs come last
   const int e = block_expert[blk];
   if (e < 0) return;
   // epilogue scalars, loaded now so that their latency hides under the weight loads
@@ -252,8 +252,8 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   u32 s[TILES][KGW][2];
 #pragma unroll
   for (int ti = 0; ti < TILES; ++ti) {
-    const int tile = (GATED && ti >= RW) ? n_out / 16 + blockIdx.y * RW + (ti - RW)
-                                         : blockIdx.y * RW + ti;
+    const int tile = (GATED && ti >= RW) ? n_out / 16 + blockIdx.x * RW + (ti - RW)
+                                         : blockIdx.x * RW + ti;
     const long base = ((long)e * n_w_tiles + tile) * KG + kg0;
 #pragma unroll
     for (int j = 0; j < KGW; ++j) {
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
       for (int i = 0; i < 4; ++i) red[warp][ti][nt][i][lane] = acc[ti][nt][i];
   __syncthreads();
   store_outputs<NT, RW, WK, GATED>(&red[0][0][0][0][0], pair_s, xg_s, rw_s, wgain, out, n_pairs,
-                                   n_out, blockIdx.y * RW * 16);
+                                   n_out, blockIdx.x * RW * 16);
   if (QOUT)
     quantize_block_rows_if_last<WK * 32, BT>(out, pair_s, n_pairs, n_out, counter, q_codes,
                                              q_scales, q_g, q_dq);
@@ -387,11 +387,11 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
   __shared__ int pair_s[BT];
   __shared__ float xg_s[BT], rw_s[BT];
 
-  const int blk = blockIdx.x;
+  const int blk = blockIdx.y;  // slow grid dimension, as in moe_fp4_mma
   const int e = block_expert[blk];
   if (e < 0) return;
   const int n_items = n_out / (16 * RW);
-  const int item0 = blockIdx.y * items_per_cta;
+  const int item0 = blockIdx.x * items_per_cta;
   if (item0 >= n_items) return;
   const int n_my = items_per_cta < n_items - item0 ? items_per_cta : n_items - item0;
   const int total = n_my * TILES;  // stages this CTA streams (the same for every warp)
