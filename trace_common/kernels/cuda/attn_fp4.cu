@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
   src.r = (lane < 16 ? krs : vrs) + first + (lane & 15);
   const u32 dcode = ring_code_off(lane >> 2, lane & 3);
 
-  // Q first: issued behind the first stages' copies, its loads waited behind up to the whole
+  // Q first: issued after the first stages' copies, its loads waited behind up to the whole
   // wave's KV bytes (ncu, batch 32 at 1K: a fifth of all stall samples on its conversion)
   uint4 qraw[4];
   load_q_raw(q + ((long)b * hq + hk * GROUP + g) * HEAD_D, t, qraw);
