@@ -116,14 +116,13 @@ def moe_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    BLOCK_AXIS: tl.constexpr,  # grid axis of the expert blocks (the other: output tiles)
 ):
     """out[pair, n] = sum_k A[pair // A_DIV, k] * W[expert(pair), n, k], grouped by expert.
 
     FP4: A and W tiles are decoded to fp16 (code * block scale * 2**-14, exact) in registers;
     the fp32 accumulator then gets 2**28 and both fp32 second-level scales."""
-    pid_m = tl.program_id(BLOCK_AXIS)
-    pid_n = tl.program_id(1 - BLOCK_AXIS)
+    pid_m = tl.program_id(1)  # expert blocks on the slow axis (see moe.moe_gemm's grid)
+    pid_n = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return

@@ -438,7 +438,7 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
     gy, ipc = stream_grid(n_out // (MMA_M * rw), est, ctas_per_sm, sm_resources(out.device)[0],
                           waves)  # fmt: skip
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
-    # grid (CTAs per block, blocks): the empty blocks (past the routing's) are the last CTAs
+    # (CTAs per block, expert blocks): the empty blocks' CTAs last, as in _launch_mma
     launch_on_torch_stream(fn, (gy, plan.block_expert.numel()), (wk * LANES,), args, out.device,
                            shared_mem=smem)  # fmt: skip
 

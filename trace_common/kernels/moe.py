@@ -25,10 +25,6 @@ if TYPE_CHECKING:
 
 DECODE_BLOCK_M = 16  # rows per tile when experts see few tokens (decode): tensor-core minimum
 PREFILL_BLOCK_M = 64  # rows per tile for prefill-sized token counts
-# Grid axis of the grouped GEMM's expert blocks: 1 (the slow one) launches every output tile of
-# block 0, then of block 1, ..., so the CTAs of the empty blocks past the routing's (up to a
-# third of the plan's bound at decode sizes) come last instead of in every wave.
-GRID_BLOCK_AXIS = 1
 MAX_FUSED_ROUTE_TOKENS = 256  # the single-program route kernel holds a [T, E] tile
 _ROUTE_SENTINEL_CHUNK = 1024
 
@@ -252,13 +248,14 @@ def moe_gemm(
     else:
         a_args = (a, a, a)
         w_args = (w.bf16, w.bf16, w.bf16)
-    tiles, blocks = n_out // block_n, plan.block_expert.numel()
-    grid = (tiles, blocks) if GRID_BLOCK_AXIS else (blocks, tiles)
+    # (output tiles, expert blocks): every tile of block 0, then of block 1, ..., so the programs
+    # of the empty blocks past the routing's (up to a third of the plan's bound at decode sizes)
+    # come last instead of in every wave (the CUDA kernels' grids alike, cuda_moe)
+    grid = (n_out // block_n, plan.block_expert.numel())
     k_mod.moe_gemm_kernel[grid](
         *a_args, *w_args, out, plan.topk_w, plan.sorted_pair, plan.block_expert, n_pairs,
         N_OUT=n_out, K=w.k, A_DIV=a_div, GATED=gated, MUL_ROUTE_W=mul_route_w, FP4=fp4, WORDS=words,
-        BM=plan.block_m, BN=block_n, BK=block_k, BLOCK_AXIS=GRID_BLOCK_AXIS, num_warps=4,
-        num_stages=4,
+        BM=plan.block_m, BN=block_n, BK=block_k, num_warps=4, num_stages=4,
     )  # fmt: skip
     return out
 

@@ -539,21 +539,18 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
   // Stage j of the warp's ring holds its tile j (token t0(j)); the fill of tile j + NS - 1
   // goes into the slot of tile j - 1 once every lane has finished reading it.
   auto t0_of = [&](int j) { return start + (warp + WARPS * j) * TILE; };
-  auto stage = [&](int j) { return &ring[warp][j % NS][0]; };
-  auto fill_ahead = [&](int j) {
+  for (int j = 0; j < nj; ++j) {
+    cp_async_wait<NS - 2>();
+    __syncwarp();  // every lane's copies of stage j landed; stage j - 1 is no longer read
     const int jn = j + NS - 1;
     if (jn < nj)
       ring_fill_next<WARPS>(ring0 + (jn % NS) * RING_STAGE, src, dcode, codes, scales, krs, vrs,
                             kbase, vbase, t0_of(jn), end, lane);
     cp_async_commit();
-  };
-  for (int j = 0; j < nj; ++j) {
-    cp_async_wait<NS - 2>();
-    __syncwarp();  // every lane's copies of stage j landed; stage j - 1 is no longer read
-    fill_ahead(j);
+    const u8* st = &ring[warp][j % NS][0];
     float s[2][4];
-    stage_scores(stage(j), offk, g, t, qb, s);
-    stage_softmax_pv(stage(j), s, offv0, offv1, g, t, t0_of(j), end, kgain, m0, m1, l0, l1, acc);
+    stage_scores(st, offk, g, t, qb, s);
+    stage_softmax_pv(st, s, offv0, offv1, g, t, t0_of(j), end, kgain, m0, m1, l0, l1, acc);
   }
   cp_async_wait<0>();
 
