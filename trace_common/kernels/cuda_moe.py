@@ -134,10 +134,12 @@ def dq16_permutation(device: torch.device | str = "cpu") -> torch.Tensor:
 # WK * KGW * 64 == K. Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200
 # (fastest summed over 1, 8, 32, 128 tokens of each block size; docs/benchmarks.md).
 # TRACE_FP4_CUDA_CONFIGS=<json file> overrides them ({"K,block_m,gated": [RW, WK, KGW, MINB]}).
+# (768, 8, False) re-picked with the reordered prologue (session 9, H200: 17.2 / 33.9 us at 8 /
+# 32 tokens against (4, 4, 3, 0)'s 18.9 / 34.5; docs/benchmarks.md).
 CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (2048, 8, True): (2, 16, 2, 2),
     (2048, 16, True): (2, 8, 4, 2),
-    (768, 8, False): (4, 4, 3, 0),
+    (768, 8, False): (2, 4, 3, 8),
     (768, 16, False): (4, 4, 3, 4),
 }
 
@@ -327,11 +329,12 @@ def _resident_kernel(name: str, warps: int, smem: int, device: torch.device
 
 
 def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int,
-            qout: bool = False):  # fmt: skip
+            qout: bool = False, pdl: bool = False):  # fmt: skip
     """The compiled expert-GEMM instance for one launch configuration (`qout`: it also
-    quantizes its output, see `moe_gemm_cuda`)."""
+    quantizes its output, see `moe_gemm_cuda`; `pdl`: launched as a programmatic dependent
+    launch, it waits for the previous grid first)."""
     name = (f"moe_fp4_mma<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-            f"{minb}, {str(qout).lower()}>")  # fmt: skip
+            f"{minb}, {str(qout).lower()}, {str(pdl).lower()}>")  # fmt: skip
     return compiled_function(SOURCE, name)
 
 
@@ -398,9 +401,20 @@ def _check_quant_out(q: FP4Rows, counter: torch.Tensor | None, rows: int, k: int
                          "elements (one per expert block)")  # fmt: skip
 
 
+def row_multiplier(a_div: int, n_pairs: int) -> int:
+    """The kernels' a_mul for activation row = pair // a_div: ceil(2**32 / a_div), whose
+    product's high word is that quotient for every pair < n_pairs while n_pairs * a_div <=
+    2**32 (the error of the rounded-up reciprocal stays below one step); 2**32 for a_div = 1."""
+    if a_div < 1:
+        raise ValueError(f"a_div={a_div}: must be >= 1")
+    if n_pairs * a_div > 1 << 32:
+        raise ValueError(f"a_div={a_div} with {n_pairs} pairs: pair * a_div must stay below 2**32")
+    return -(-(1 << 32) // a_div)
+
+
 def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor, n_out: int,
           a_div: int, mul_route_w: bool) -> tuple:  # fmt: skip
-    """The kernel arguments both CUDA kernels start with."""
+    """The kernel arguments every CUDA kernel starts with."""
     import numpy as np
 
     assert w.packed is not None and a.dq16 is not None
@@ -410,7 +424,8 @@ def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor, n_ou
         ptr(w.scale_2.data_ptr()), ptr(a.dq16.data_ptr()), ptr(a.scale_2.data_ptr()),
         ptr(plan.sorted_pair.data_ptr()), ptr(plan.block_expert.data_ptr()),
         ptr(plan.topk_w.data_ptr()), ptr(out.data_ptr()),
-        np.int32(plan.n_pairs), np.int32(n_out), np.int32(a_div), np.int32(int(mul_route_w)),
+        np.int32(plan.n_pairs), np.int32(n_out), np.uint64(row_multiplier(a_div, plan.n_pairs)),
+        np.int32(int(mul_route_w)),
     )  # fmt: skip
 
 
@@ -487,7 +502,7 @@ def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
     ):
         raise ValueError(f"config RW={rw}, WK={wk}, KGW={kgw} does not fit N_out={n_out}, "
                          f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None)
+    fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None, pdl)
     # (output tiles, expert blocks): blocks as the slow dimension, so the CTAs of the empty ones
     # (past the routing's) come last instead of in every wave
     grid = (n_out // (MMA_M * rw), plan.block_expert.numel())
@@ -528,6 +543,7 @@ __all__ = [
     "expected_blocks",
     "moe_gemm_cuda",
     "pack_fp4_weights",
+    "row_multiplier",
     "smem_bytes",
     "stream_grid",
     "stream_smem_bytes",

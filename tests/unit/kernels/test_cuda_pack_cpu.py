@@ -71,6 +71,32 @@ def test_dq16_permutation_is_the_b_fragment_order():
         assert [inv[4 * t + i] for i in range(4)] == [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]
 
 
+def _kernel_row(p: torch.Tensor, a_mul: int) -> torch.Tensor:
+    """moe_fp4.cu pair_row in 64-bit integer arithmetic: umulhi(p, low word) + p * high word,
+    truncated to 32 bits as the kernel's u32 sum is."""
+    lo, hi = a_mul & 0xFFFFFFFF, a_mul >> 32
+    return (((p * lo) >> 32) + p * hi) & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("a_div", [1, 2, 3, 6, 7, 8, 10, 128, 255, 256])
+def test_row_multiplier_gives_the_quotient(a_div):
+    """pair // a_div from the multiplier at every pair of small plans and across the whole range
+    the check admits (its end included)."""
+    n = (1 << 32) // a_div
+    m = cuda_moe.row_multiplier(a_div, n)
+    g = torch.Generator().manual_seed(a_div)
+    p = torch.cat([torch.arange(0, 70000), torch.randint(0, n, (200000,), generator=g),
+                   torch.tensor([n - 1, n - 2, n // 2])]).long()  # fmt: skip
+    assert torch.equal(_kernel_row(p, m), p // a_div)
+
+
+def test_row_multiplier_checks():
+    with pytest.raises(ValueError, match="a_div=0"):
+        cuda_moe.row_multiplier(0, 8)
+    with pytest.raises(ValueError, match="a_div=8 with 1073741824 pairs"):
+        cuda_moe.row_multiplier(8, 1 << 30)
+
+
 def test_block_m_and_configs():
     assert cuda_moe.block_m_for(8, 128) == 8  # batch 1, top-8
     assert cuda_moe.block_m_for(256, 128) == 8  # batch 32

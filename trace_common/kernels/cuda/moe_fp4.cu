@@ -79,37 +79,69 @@ __device__ __forceinline__ void scale_fragment(u32 sc, u32& r0, u32& r1, u32& r2
       : "+r"(r0), "+r"(r1), "+r"(r2), "+r"(r3) : "r"(sc));
 }
 
-// Epilogue scalars of expert block `blk` (threads < BT load them): its pairs, their activation
-// rows' second-level scales, and the routing weights (1 unless mul_route_w).
-template <int BT>
-__device__ __forceinline__ void load_block_scalars(int* pair_s, float* xg_s, float* rw_s,
-                                                   const int* sorted_pair, const float* x_g,
-                                                   const float* route_w, int blk, int n_pairs,
-                                                   int a_div, int mul_route_w) {
-  if (threadIdx.x < BT) {
-    const int p = sorted_pair[blk * BT + threadIdx.x];
-    const bool ok = p < n_pairs;
-    pair_s[threadIdx.x] = p;
-    xg_s[threadIdx.x] = ok ? x_g[p / a_div] : 0.f;
-    rw_s[threadIdx.x] = ok && mul_route_w ? route_w[p] : 1.f;
-  }
+// Row of pair p in the activations, p / a_div, from the host's a_mul = ceil(2**32 / a_div)
+// (2**32 for a_div = 1; cuda_moe.row_multiplier): the high word of p * a_mul, exact while
+// p * a_div < 2**32. Two multiplies, no branch or select: the integer division it replaces
+// (~25 dependent instructions and their registers) sat in the loads' address chain.
+__device__ __forceinline__ int pair_row(int p, unsigned long long a_mul) {
+  return (int)(__umulhi((u32)p, (u32)a_mul) + (u32)p * (u32)(a_mul >> 32));
 }
+
+// Epilogue scalars of token slot threadIdx.x of expert block `blk`, held in registers until
+// `put` stores those of threads < BT for the epilogue: its pair (`load_pair`), the activation
+// row's second-level scale and the routing weight (1 unless mul_route_w) (`load_scales`).
+// Every thread loads (threads >= BT slot 0's, unused): no divergent branch in the prologue.
+struct SlotScalars {
+  int pair = 0;
+  float xg = 0.f, rw = 1.f;
+
+  template <int BT>
+  __device__ __forceinline__ void load_pair(const int* sorted_pair, int blk) {
+    pair = sorted_pair[blk * BT + (threadIdx.x < BT ? threadIdx.x : 0)];
+  }
+
+  __device__ __forceinline__ void load_scales(const float* x_g, const float* route_w, int n_pairs,
+                                              unsigned long long a_mul, int mul_route_w) {
+    const bool ok = pair < n_pairs;
+    xg = ok ? x_g[pair_row(pair, a_mul)] : 0.f;
+    rw = ok && mul_route_w ? route_w[pair] : 1.f;
+  }
+
+  template <int BT>
+  __device__ __forceinline__ void load(const int* sorted_pair, const float* x_g,
+                                       const float* route_w, int blk, int n_pairs,
+                                       unsigned long long a_mul, int mul_route_w) {
+    load_pair<BT>(sorted_pair, blk);
+    load_scales(x_g, route_w, n_pairs, a_mul, mul_route_w);
+  }
+
+  template <int BT>
+  __device__ __forceinline__ void put(int* pair_s, float* xg_s, float* rw_s) const {
+    if (threadIdx.x < BT) {
+      pair_s[threadIdx.x] = pair;
+      xg_s[threadIdx.x] = xg;
+      rw_s[threadIdx.x] = rw;
+    }
+  }
+};
 
 // B fragments of a warp's K slice (KGW k groups from group kg0) for expert block `blk`: token
 // slot nt*8 + g, k-tile kk, lane quad t; padding slots are zero.
 template <int NT, int KGW, int KT>
 __device__ __forceinline__ void load_b_fragments(u32 (&b)[KGW * 4][NT][2], const u32* x_dq,
                                                  const int* sorted_pair, int blk, int kg0, int g,
-                                                 int t, int n_pairs, int a_div) {
+                                                 int t, int n_pairs,
+                                                 unsigned long long a_mul) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int pair = sorted_pair[blk * NT * 8 + nt * 8 + g];
     const bool valid = pair < n_pairs;
-    const long row = valid ? pair / a_div : 0;
+    const long row = valid ? pair_row(pair, a_mul) : 0;
+    const u32* xp = x_dq + ((row * KT + kg0 * 4) * 4 + t) * 2;
 #pragma unroll
     for (int kk = 0; kk < KGW * 4; ++kk) {
       if (valid) {
-        ldg_v2(x_dq + ((row * KT + kg0 * 4 + kk) * 4 + t) * 2, b[kk][nt][0], b[kk][nt][1]);
+        ldg_v2(xp + kk * 8, b[kk][nt][0], b[kk][nt][1]);
       } else {
         b[kk][nt][0] = 0u;
         b[kk][nt][1] = 0u;
@@ -203,10 +235,12 @@ __device__ __forceinline__ void quantize_block_rows_if_last(const u16* out, cons
   nvfp4_quantize_rows_cta<NTHREADS>(s_nrows, n_out, load, dst);
 }
 
-// Programmatic dependent launch (cuda_launch.launch_ex; a no-op without the attribute): every
-// CTA waits for the previous grid first (the routing picks the weights, so nothing is
-// prefetched before), then lets the next grid start its CTAs.
-template <int NT, int RW, int WK, int KGW, bool GATED, int MINB, bool QOUT = false>
+// PDL: launched as a programmatic dependent launch (cuda_launch.launch_ex): every CTA waits for
+// the previous grid first (the routing picks the weights, so nothing is prefetched before),
+// then lets the next grid start its CTAs. A template flag, not always compiled in: with the
+// griddepcontrol instructions the 64-register gate_up instance spills.
+template <int NT, int RW, int WK, int KGW, bool GATED, int MINB, bool QOUT = false,
+          bool PDL = false>
 __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
     const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
@@ -217,7 +251,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const int* __restrict__ block_expert,  // [MAXB]
     const float* __restrict__ route_w,     // [n_pairs]
     u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
-    int n_pairs, int n_out, int a_div, int mul_route_w,
+    int n_pairs, int n_out, unsigned long long a_mul, int mul_route_w,
     int* __restrict__ counter,             // QOUT: int32 [MAXB], zero
     u8* __restrict__ q_codes, u8* __restrict__ q_scales, float* __restrict__ q_g,
     u16* __restrict__ q_dq) {              // QOUT: the quantized `out` (see above)
@@ -230,22 +264,27 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   __shared__ int pair_s[BT];
   __shared__ float xg_s[BT], rw_s[BT];
 
-  pdl_wait();
-  pdl_launch_dependents();
+  if (PDL) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   const int blk = blockIdx.y;  // slow grid dimension: the empty blocks' CTAs come last
   const int e = block_expert[blk];
   if (e < 0) return;
-  // epilogue scalars, loaded now so that their latency hides under the weight loads
-  const float wgain = w_g[e] * FP16_GAIN_SQ;
-  load_block_scalars<BT>(pair_s, xg_s, rw_s, sorted_pair, x_g, route_w, blk, n_pairs, a_div,
-                         mul_route_w);
+  // The loads in order of need, each chain short: the B fragments (block_expert ->
+  // sorted_pair -> activations), the weights (block_expert -> weights), and only then the
+  // epilogue scalars (into registers; stored for the epilogue after the MMAs). Before, a
+  // divergent sorted_pair -> x_g chain with an integer division ran ahead of the weight loads
+  // (docs/benchmarks.md, session 9).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
   const int kg0 = warp * KGW;
 
+  SlotScalars slot;
+  slot.load_pair<BT>(sorted_pair, blk);
   u32 b[KGW * 4][NT][2];
-  load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
+  load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_mul);
 
   // A: packed codes and scales of every tile of this warp's K slice.
   u32 a[TILES][KGW][4];
@@ -262,6 +301,8 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
       ldg_v2(ws + ((base + j) * 8 + g) * 2, s[ti][j][0], s[ti][j][1]);
     }
   }
+  slot.load_scales(x_g, route_w, n_pairs, a_mul, mul_route_w);
+  const float wgain = w_g[e] * FP16_GAIN_SQ;
 
   float acc[TILES][NT][4];
 #pragma unroll
@@ -288,6 +329,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][ti][nt][i][lane] = acc[ti][nt][i];
+  slot.put<BT>(pair_s, xg_s, rw_s);
   __syncthreads();
   store_outputs<NT, RW, WK, GATED>(&red[0][0][0][0][0], pair_s, xg_s, rw_s, wgain, out, n_pairs,
                                    n_out, blockIdx.x * RW * 16);
@@ -372,7 +414,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
     const int* __restrict__ block_expert,  // [MAXB]
     const float* __restrict__ route_w,     // [n_pairs]
     u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
-    int n_pairs, int n_out, int a_div, int mul_route_w, int items_per_cta) {
+    int n_pairs, int n_out, unsigned long long a_mul, int mul_route_w, int items_per_cta) {
   static_assert(S >= 2 && KGW * 4 <= 32, "ring depth >= 2; scales copied by <= 32 lanes");
   constexpr int K = WK * KGW * 64;
   constexpr int KT = K / 16;
@@ -429,10 +471,11 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
   for (int j = 0; j < S - 1; ++j) issue();
 
   const float wgain = w_g[e] * FP16_GAIN_SQ;
-  load_block_scalars<BT>(pair_s, xg_s, rw_s, sorted_pair, x_g, route_w, blk, n_pairs, a_div,
-                         mul_route_w);
+  SlotScalars slot;
+  slot.load<BT>(sorted_pair, x_g, route_w, blk, n_pairs, a_mul, mul_route_w);
+  slot.put<BT>(pair_s, xg_s, rw_s);
   u32 b[KGW * 4][NT][2];
-  load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_div);
+  load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_mul);
 
   int rd_slot = 0;  // ring slot of the stage consumed now
   for (int it = 0; it < n_my; ++it) {
@@ -525,32 +568,24 @@ __device__ __forceinline__ void issue_item(const u32* wq, const u32* ws, long e,
 template <int NT, int KGW, int KT>
 struct BlockRegs {
   u32 b[KGW * 4][NT][2];
-  int blk = -1, pair = 0;
-  float wgain = 0.f, xg = 0.f, rw = 1.f;
+  int blk = -1;
+  float wgain = 0.f;
+  SlotScalars slot;
 
   __device__ __forceinline__ void load_if_new(int block, const u32* x_dq, const int* sorted_pair,
                                               const float* w_g, const int* block_expert,
                                               const float* x_g, const float* route_w, int kg0,
-                                              int g, int t, int n_pairs, int a_div,
-                                              int mul_route_w) {
+                                              int g, int t, int n_pairs,
+                                              unsigned long long a_mul, int mul_route_w) {
     if (block == blk) return;
-    load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, block, kg0, g, t, n_pairs, a_div);
+    load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, block, kg0, g, t, n_pairs, a_mul);
     wgain = w_g[block_expert[block]] * FP16_GAIN_SQ;
-    if (threadIdx.x < NT * 8) {
-      pair = sorted_pair[block * NT * 8 + threadIdx.x];
-      const bool ok = pair < n_pairs;
-      xg = ok ? x_g[pair / a_div] : 0.f;
-      rw = ok && mul_route_w ? route_w[pair] : 1.f;
-    }
+    slot.load<NT * 8>(sorted_pair, x_g, route_w, block, n_pairs, a_mul, mul_route_w);
     blk = block;
   }
 
   __device__ __forceinline__ void put(int* pair_s, float* xg_s, float* rw_s) const {
-    if (threadIdx.x < NT * 8) {
-      pair_s[threadIdx.x] = pair;
-      xg_s[threadIdx.x] = xg;
-      rw_s[threadIdx.x] = rw;
-    }
+    slot.put<NT * 8>(pair_s, xg_s, rw_s);
   }
 };
 
@@ -581,7 +616,7 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
     const int* __restrict__ block_expert,  // [MAXB]
     const float* __restrict__ route_w,     // [n_pairs]
     u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
-    int n_pairs, int n_out, int a_div, int mul_route_w, int maxb) {
+    int n_pairs, int n_out, unsigned long long a_mul, int mul_route_w, int maxb) {
   static_assert(S >= 2, "at least two buffers");
   using I = ItemShape<NT, RW, WK, KGW, GATED>;
   constexpr int BT = I::BT;
@@ -633,7 +668,7 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
     const int item = i0 + j, blk = item / n_y, y = item - blk * n_y;
     const int h = j & 1;  // double buffers: partial sums and epilogue scalars
     regs.load_if_new(blk, x_dq, sorted_pair, w_g, block_expert, x_g, route_w, warp * KGW, g, t,
-                     n_pairs, a_div, mul_route_w);
+                     n_pairs, a_mul, mul_route_w);
     regs.put(pair_s[h], xg_s[h], rw_s[h]);
     mbar_wait(bar0 + 8 * (j % S), (j / S) & 1);
     float* r = red + h * I::RED;
