@@ -8,11 +8,13 @@ repetitions; every call is timed inside a CUDA graph (no Python launch cost).
 
     python bench/rollout_gpu_kernels.py                 # tables
     python bench/rollout_gpu_kernels.py --cuda-sweep    # + launch configs of the stream kernel
+    python bench/rollout_gpu_kernels.py --attention-only --attn-cold  # attention from HBM
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -230,17 +232,20 @@ ATTN_SWEEP = [("regs", 4, 3), ("ring", 4, 4, 4), ("ring", 4, 4, 3), ("ring", 4, 
 ATTN_RING = ("ring", 4, 4, 4)
 
 
-def _graph_us(fn) -> float:
-    """Median microseconds of `fn` captured in a CUDA graph (no Python launch cost), as the
-    engine runs it."""
-    return _graph_us_per_call([fn])
+def cold_copies(nbytes: int, cap: int = 64) -> int:
+    """Caches to cycle through so that each call reads its cache from HBM, as the engine's
+    layers do (each has its own): enough for 3x the L2 cache, at most `cap`."""
+    l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+    return max(1, min(cap, -(-3 * l2 // max(nbytes, 1))))
 
 
-def bench_attention(bw: float, sweep: bool = False) -> None:
+def bench_attention(bw: float, sweep: bool = False, cold: bool = False) -> None:
     from trace_common.kernels import cuda_attn
 
     default = cuda_attn.DEFAULT_CONFIG
-    print("\nDecode attention, each call captured in a CUDA graph (split + reduce kernels):")
+    print("\nDecode attention, each call captured in a CUDA graph (split + reduce kernels)"
+          + (", cycling through copies of the cache so that every call reads it from HBM:"
+             if cold else ":"))  # fmt: skip
     print("\n| batch | context | variant | us | GB KV | TB/s | % copy | SQNR vs Triton dB |")
     print("|---|---|---|---|---|---|---|---|")
     shapes = [(1, 32768), (8, 32768), (128, 32768), (32, 8192), (128, 1024), (1, 1024)]
@@ -249,14 +254,17 @@ def bench_attention(bw: float, sweep: bool = False) -> None:
     for b, ctx in shapes:
         for variant in ("bf16", "fp4-ptx", "fp4-cuda"):
             fp4 = variant != "bf16"
-            cache = attn.KVCacheGPU.allocate(fp4=fp4, batch=b, kv_heads=HKV, capacity=ctx,
-                                             head_dim=D, device="cuda")  # fmt: skip
-            cache.fill_random_()
+            gb = b * ctx * attn.KVCacheGPU.bytes_per_token(fp4=fp4, kv_heads=HKV, head_dim=D) / 1e9
+            caches = []
+            for _ in range(cold_copies(int(gb * 1e9)) if cold else 1):
+                caches.append(attn.KVCacheGPU.allocate(fp4=fp4, batch=b, kv_heads=HKV,
+                                                       capacity=ctx, head_dim=D, device="cuda"))  # fmt: skip
+                caches[-1].fill_random_()
+            cache = caches[0]
             q = torch.randn(b, HQ, D, device="cuda").bfloat16()
             lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
             plan = attn.DecodeAttnPlan.make(batch=b, q_heads=HQ, kv_heads=HKV, capacity=ctx,
                                             head_dim=D, context_hint=ctx, device="cuda")  # fmt: skip
-            gb = b * ctx * attn.KVCacheGPU.bytes_per_token(fp4=fp4, kv_heads=HKV, head_dim=D) / 1e9
             ref = (
                 attn.decode_attention(q, cache, lens, plan, impl="triton").float() if fp4 else None
             )
@@ -289,7 +297,9 @@ def bench_attention(bw: float, sweep: bool = False) -> None:
                                                      p.part_o, p.part_ml, chunk=p.chunk,
                                                      qk_scale=D**-0.5 * attn.LOG2E)  # fmt: skip
 
-                us = _graph_us(split if split_only else run)
+                # one call per cache copy (each call reads other HBM when `cold`)
+                fn, key = (split, "c") if split_only else (run, "cache")
+                us = _graph_us_per_call([functools.partial(fn, **{key: c}) for c in caches])
                 db = "" if ref is None or split_only else f"{_sqnr_db(ref, run().float()):.1f}"
                 tbs = gb / (us * 1e-6) / 1e3
                 name = variant if cfg is None else f"{variant} {cfg} splits {plan.nsplit}"
@@ -297,7 +307,7 @@ def bench_attention(bw: float, sweep: bool = False) -> None:
                 print(f"| {b} | {ctx} | {name} | {us:.1f} | {gb:.3f} | {tbs:.2f} | "
                       f"{100 * tbs / bw:.0f} | {db} |", flush=True)  # fmt: skip
             cuda_attn.DEFAULT_CONFIG = default
-            del cache
+            del cache, caches
 
 
 def _key(key: str) -> tuple[int, int, bool]:
@@ -318,6 +328,9 @@ def main() -> None:
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="time CUDA attention configs too")
+    ap.add_argument("--attn-cold", action="store_true",
+                    help="attention calls cycle through copies of the cache (>= 3x L2), so each "
+                         "reads its KV from HBM as the engine's layers do")  # fmt: skip
     ap.add_argument("--write-configs", type=pathlib.Path, help="json of the fastest configs")
     args = ap.parse_args()
     if args.launch_once:
@@ -328,7 +341,7 @@ def main() -> None:
     if not args.attention_only:
         bench_moe(bw, args.cuda_sweep, args.write_configs, tuple(args.tokens))
     if not args.no_attention:
-        bench_attention(bw, args.attn_sweep)
+        bench_attention(bw, args.attn_sweep, args.attn_cold)
 
 
 if __name__ == "__main__":
