@@ -11,8 +11,10 @@ vs NVFP4 codes + scales). Attention projections, router, norms, embeddings and t
 BF16 in both (the paper's sites). Guidance capture (FP4 only) writes the compact records of
 the `moe_in`, `k` and `v` sites of `guided_layers` from inside the quantize kernels.
 
-This is the benchmark's engine (bench/rollout_gpu.py); it is not wired to the policy's
-weights (random weights of the right shapes), so it measures speed, not model outputs.
+This is the benchmark's engine (bench/rollout_gpu.py), run there on random weights of the
+model's shapes. `EngineShape.from_model_config` / `EngineWeights.from_model` take a policy's
+(`trace_common.model.MoECausalLM`) shape and weights instead; the rollout service does not use
+the engine yet, and its decode has not yet been compared with the policy's on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +30,10 @@ from trace_common.kernels import attention as attn
 from trace_common.kernels import cuda_attn, cuda_small, fp4_attn_impl, fp4_gemm_impl, fused, moe
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
+
+if TYPE_CHECKING:
+    from trace_common.model.config import ModelConfig
+    from trace_common.model.model import MoECausalLM
 
 WEIGHT_STD = 0.02
 
@@ -52,6 +59,29 @@ class EngineShape:
             raise ValueError(f"q_heads={self.q_heads} not a multiple of kv_heads={self.kv_heads}")
         if self.num_experts & (self.num_experts - 1):
             raise ValueError(f"num_experts={self.num_experts} must be a power of two")
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig) -> EngineShape:
+        """The engine shape of a policy's config. What the engine's step does not compute is
+        refused, naming the field: dense MLP layers, a shared expert, attention biases, top-k
+        weights left unnormalized (its routing kernels renormalize them)."""
+        dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+        refused = {
+            "mlp_only_layers / decoder_sparse_step (dense MLP layers)": dense,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "attention_bias": cfg.attention_bias,
+            "norm_topk_prob=False": not cfg.norm_topk_prob,
+        }
+        bad = {name: value for name, value in refused.items() if value}
+        if bad:
+            raise ValueError(
+                f"the decode engine runs routed-expert layers only; this config has {bad}"
+            )
+        return cls(num_layers=cfg.num_layers, hidden=cfg.hidden_size, q_heads=cfg.num_heads,
+                   kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                   num_experts=cfg.num_experts, top_k=cfg.top_k,
+                   moe_inter=cfg.moe_intermediate_size, vocab=cfg.vocab_size,
+                   eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -99,6 +129,41 @@ class EngineWeights:
                     rnd(e, h),
                     moe.ExpertWeights(n=2 * i, k=h, bf16=rnd(e, 2 * i, h)),
                     moe.ExpertWeights(n=h, k=i, bf16=rnd(e, h, i)),
+                )
+            )
+        return w
+
+    @classmethod
+    def from_model(cls, model: MoECausalLM, device: str) -> EngineWeights:
+        """A policy's weights in the engine's layout, BF16 on `device`: q/k/v stacked into one
+        projection, the q and k norm weights into one [2, D], each layer's gate and up experts
+        into one [E, 2I, H] (gate rows first, as the gated GEMM reads them). These are the
+        master weights; `quantize_experts_` makes the FP4 engine's from them. The shape is
+        `EngineShape.from_model_config(model.cfg)` (called here, so unsupported configs are
+        refused)."""
+        EngineShape.from_model_config(model.cfg)
+
+        def bf(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=device, dtype=torch.bfloat16).contiguous()
+
+        bb = model.model
+        w = cls(bf(bb.embed_tokens.weight), bf(model.lm_head.weight), bf(bb.norm.weight))
+        for layer in bb.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            ex = mlp.experts
+            _, i, h = ex.gate_proj.shape
+            w.layers.append(
+                LayerWeights(
+                    bf(layer.input_layernorm.weight),
+                    bf(layer.post_attention_layernorm.weight),
+                    bf(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])),
+                    bf(at.o_proj.weight),
+                    bf(torch.stack([at.q_norm.weight, at.k_norm.weight])),
+                    bf(mlp.gate.weight),
+                    moe.ExpertWeights(
+                        n=2 * i, k=h, bf16=bf(torch.cat([ex.gate_proj, ex.up_proj], dim=1))
+                    ),
+                    moe.ExpertWeights(n=h, k=i, bf16=bf(ex.down_proj)),
                 )
             )
         return w
