@@ -487,3 +487,51 @@ def test_engine_graph_replay_equals_eager(fp4, gemm, attn_impl, monkeypatch):
     assert torch.isfinite(logits_graph.float()).all()
     assert torch.equal(eng.logits, logits_graph), "graph replay and eager step differ"
     assert torch.equal(eng.tokens, tok_graph)
+
+
+def test_engine_bf16_decode_matches_the_policy():
+    """The BF16 engine on a policy's weights (`EngineWeights.from_model`) and the policy's
+    prefill KV cache computes the next decode step's logits as the policy does (bf16 rounding
+    differs: fused kernels vs PyTorch ops): SQNR > 25 dB (a mis-stacked projection or another
+    RoPE convention gives ~0 dB) and the same greedy token wherever the policy's top-2 margin
+    exceeds twice the largest logit difference. Written in session 9 without a GPU: its first
+    run is pending (docs/benchmarks.md, session 9)."""
+    from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
+    from trace_common.model.config import ModelConfig
+    from trace_common.model.kv_cache import KVCache
+    from trace_common.model.model import MoECausalLM
+
+    cfg = ModelConfig(vocab_size=4096, hidden_size=512, num_layers=2, num_heads=32,
+                      num_kv_heads=4, head_dim=128, num_experts=32, top_k=8,
+                      moe_intermediate_size=256)  # fmt: skip
+    model = MoECausalLM(cfg).init_weights(seed=5).to(device=DEV, dtype=torch.bfloat16)
+    b, t, cap = 2, 7, 16
+    ids = torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(num_layers=cfg.num_layers, batch=b, max_len=cap, num_kv_heads=4,
+                    head_dim=128, dtype=torch.bfloat16, device=DEV)  # fmt: skip
+    ones = dict(dtype=torch.bool, device=DEV)
+    with torch.no_grad():
+        pos = torch.arange(t, device=DEV).expand(b, t)
+        prefill = model(ids.to(DEV), pos, cache.key_valid(torch.ones(b, t, **ones)), cache=cache)
+        nxt = prefill[:, -1].argmax(-1)
+        want = model(nxt[:, None], torch.full((b, 1), t, device=DEV),
+                     cache.key_valid(torch.ones(b, 1, **ones)), cache=cache)[:, 0].float()  # fmt: skip
+
+    shape = EngineShape.from_model_config(cfg)
+    eng = DecodeEngine(shape, EngineWeights.from_model(model, DEV), batch=b, capacity=cap,
+                       context=t, small_batch=False, device=DEV)  # fmt: skip
+    for li, c in enumerate(eng.caches):  # the policy's cache: [B, S, Hkv, D] per layer
+        assert c.values is not None
+        c.values.zero_()
+        c.values[0, :, :, :t] = cache.k[li][:, :t].transpose(1, 2)
+        c.values[1, :, :, :t] = cache.v[li][:, :t].transpose(1, 2)
+    eng.tokens.copy_(nxt)
+    eng.step()
+    torch.cuda.synchronize()
+    got = eng.logits.float()
+    db = sqnr_db(want, got)
+    assert db > 25, f"engine vs policy logits: {db:.1f} dB <= 25"
+    err = float((got - want).abs().max())
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * err
+    assert torch.equal(eng.tokens[clear], want.argmax(-1)[clear])
