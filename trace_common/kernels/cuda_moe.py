@@ -408,7 +408,7 @@ def row_multiplier(a_div: int, n_pairs: int) -> int:
     if a_div < 1:
         raise ValueError(f"a_div={a_div}: must be >= 1")
     if n_pairs * a_div > 1 << 32:
-        raise ValueError(f"a_div={a_div} with {n_pairs} pairs: pair * a_div must stay below 2**32")
+        raise ValueError(f"a_div={a_div} with {n_pairs} pairs: n_pairs * a_div exceeds 2**32")
     return -(-(1 << 32) // a_div)
 
 

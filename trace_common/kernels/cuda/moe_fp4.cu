@@ -564,7 +564,7 @@ __device__ __forceinline__ void issue_item(const u32* wq, const u32* ws, long e,
 // What a warp keeps in registers while its CTA's items stay in one expert block (no global
 // load per item, which would stall warp 0 before every item): the block's B fragments over the
 // warp's K slice, the epilogue gain, and for threads < BT their slot's pair, row scale and
-// routing weight (copied into each item's epilogue buffers by `put`).
+// routing weight (`slot`; copied into each item's epilogue buffers by its `put`).
 template <int NT, int KGW, int KT>
 struct BlockRegs {
   u32 b[KGW * 4][NT][2];
@@ -582,10 +582,6 @@ struct BlockRegs {
     wgain = w_g[block_expert[block]] * FP16_GAIN_SQ;
     slot.load<NT * 8>(sorted_pair, x_g, route_w, block, n_pairs, a_mul, mul_route_w);
     blk = block;
-  }
-
-  __device__ __forceinline__ void put(int* pair_s, float* xg_s, float* rw_s) const {
-    slot.put<NT * 8>(pair_s, xg_s, rw_s);
   }
 };
 
@@ -669,7 +665,7 @@ __global__ void __launch_bounds__(WK * 32, 1) moe_fp4_tma(
     const int h = j & 1;  // double buffers: partial sums and epilogue scalars
     regs.load_if_new(blk, x_dq, sorted_pair, w_g, block_expert, x_g, route_w, warp * KGW, g, t,
                      n_pairs, a_mul, mul_route_w);
-    regs.put(pair_s[h], xg_s[h], rw_s[h]);
+    regs.slot.put<BT>(pair_s[h], xg_s[h], rw_s[h]);
     mbar_wait(bar0 + 8 * (j % S), (j / S) & 1);
     float* r = red + h * I::RED;
     item_partials<NT, RW, WK, KGW, GATED>(buf0 + (j % S) * I::ITEM, r, regs.b, warp, lane, g);
