@@ -435,7 +435,10 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
 def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
              y: torch.Tensor, *, pdl: bool = False) -> None:  # fmt: skip
     """y [T, H] = sum_j bf16(topk_w[t, j] * act[t k + j] @ w[topk_ids[t, j]]^T) (fp32 sum in
-    order j, then bf16): the down projection, routing weights and top-k sum of each token."""
+    order j, then bf16): the down projection, routing weights and top-k sum of each token.
+    With `pdl` it reads topk_ids and streams its weights before it waits: launch it right after
+    `moe_gate_up` (whose CTAs wait for the routing before they let it start), or after a
+    kernel that has the routing complete by then."""
     import numpy as np
 
     t, k = topk_ids.shape

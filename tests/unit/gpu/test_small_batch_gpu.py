@@ -119,11 +119,16 @@ def test_qkv_rope(h, t, nsum, pro):
     assert int(counters.abs().sum()) == 0, "head counters not reset"
 
 
-@pytest.mark.parametrize("t,e,k,bm", [(1, 128, 8, 8), (5, 128, 8, 16), (8, 128, 8, 8),
-                                      (4, 32, 8, 8), (8, 64, 4, 16)])  # fmt: skip
-def test_router_topk(t, e, k, bm):
+# warps: the router CTA's warps (8 by default); fewer threads than experts make each thread
+# count and scan a run of experts in the block layout (256 experts over 64 or 32 threads)
+@pytest.mark.parametrize("t,e,k,bm,warps", [(1, 128, 8, 8, 8), (5, 128, 8, 16, 8),
+                                            (8, 128, 8, 8, 8), (4, 32, 8, 8, 8),
+                                            (8, 64, 4, 16, 8), (8, 256, 8, 8, 2),
+                                            (3, 256, 8, 16, 1)])  # fmt: skip
+def test_router_topk(t, e, k, bm, warps, monkeypatch):
     from trace_common.kernels import cuda_small, moe
 
+    monkeypatch.setitem(cuda_small.WARPS, "router", warps)
     h, eps = 2048, 1e-6
     resid, delta = _rand(t, h, seed=11), _rand(t, h, std=0.5, seed=12)
     ln_w = (1 + 0.1 * _rand(h, seed=13).float()).bfloat16()

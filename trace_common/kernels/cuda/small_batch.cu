@@ -31,8 +31,9 @@
 // Programmatic dependent launch (cuda_launch.launch_ex, TRACE_PDL=on): every kernel here calls
 // pdl_wait() before it reads an activation or writes anything, and pdl_launch_dependents()
 // right after it. The projections issue their first weight stages before the wait (no kernel
-// writes weights), so their prefetch overlaps the previous kernel's tail; the expert kernels
-// wait first (the routing picks their weights). Launched without the attribute, both are no-ops.
+// writes weights), so their prefetch overlaps the previous kernel's tail; gate_up waits first
+// (the routing picks its weights), down streams its weights before the wait (the routing is
+// complete when it starts: see moe_down_bf16). Launched without the attribute, both are no-ops.
 //
 // No system headers: compiled by NVRTC (CuPy RawModule, -I on this folder) or nvcc alike.
 
@@ -239,13 +240,29 @@ __device__ __forceinline__ void store_tile(u16* out, int n_out, int row0, const 
   }
 }
 
+// The RMSNorm weight's 8-value chunks c = threadIdx.x + i WK 32 of one thread, in registers:
+// loaded before the PDL wait (no kernel writes weights), so the prologue's only global round
+// trip after the wait is the one for its input rows.
+template <int K, int WK>
+struct NormW {
+  static constexpr int N = (K / 8 + WK * 32 - 1) / (WK * 32);
+  uint4 v[N];
+  __device__ __forceinline__ void load(const u16* __restrict__ w) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int c = threadIdx.x + i * WK * 32;
+      v[i] = c < K / 8 ? *reinterpret_cast<const uint4*>(w + 8 * c) : u32x4(0u, 0u, 0u, 0u);
+    }
+  }
+};
+
 // Prologue, whole CTA: x = resid_in + bf16(sum of nsum delta rows) (bf16), y = RMSNorm(x) * w
 // into xs [NT][XS] (bf16); CTA 0 writes x to resid_out and (if given) y to xn_out. red: >=
 // WK * NT floats. Same roundings as add_rmsnorm_kernel.
 template <int NT, int K, int XS, int WK>
 __device__ void add_rmsnorm_to_smem(const u16* __restrict__ resid_in,
                                     const u16* __restrict__ delta, int nsum,
-                                    const u16* __restrict__ w, float eps,
+                                    const NormW<K, WK>& nw, float eps,
                                     u16* __restrict__ resid_out, u16* __restrict__ xn_out,
                                     u16* xs, float* red) {
   const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
@@ -253,7 +270,10 @@ __device__ void add_rmsnorm_to_smem(const u16* __restrict__ resid_in,
   float ss[NT];
 #pragma unroll
   for (int tk = 0; tk < NT; ++tk) ss[tk] = 0.f;
-  for (int c = threadIdx.x; c < K / 8; c += WK * 32) {
+#pragma unroll
+  for (int i = 0; i < NormW<K, WK>::N; ++i) {
+    const int c = threadIdx.x + i * WK * 32;
+    if (c >= K / 8) break;
 #pragma unroll
     for (int tk = 0; tk < NT; ++tk) {
       const uint4 r = *reinterpret_cast<const uint4*>(resid_in + (long)tk * K + 8 * c);
@@ -304,8 +324,11 @@ __device__ void add_rmsnorm_to_smem(const u16* __restrict__ resid_in,
     for (int ww = 0; ww < WK; ++ww) s += red[ww * NT + tk];
     rs[tk] = rsqrtf(s / (float)K + eps);
   }
-  for (int c = threadIdx.x; c < K / 8; c += WK * 32) {
-    const uint4 wq = *reinterpret_cast<const uint4*>(w + 8 * c);
+#pragma unroll
+  for (int i = 0; i < NormW<K, WK>::N; ++i) {
+    const int c = threadIdx.x + i * WK * 32;
+    if (c >= K / 8) break;
+    const uint4 wq = nw.v[i];
     const u32 wv[4] = {wq.x, wq.y, wq.z, wq.w};
 #pragma unroll
     for (int tk = 0; tk < NT; ++tk) {
@@ -381,9 +404,11 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
   const u16* wt[1] = {w + (long)row0 * K};
   WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
   gv.start();  // weight copies in flight during the prologue
+  NormW<K, WK> nw;
+  if (PRO) nw.load(ln_w);
   pdl_wait();
   pdl_launch_dependents();
-  if (PRO) add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out,
+  if (PRO) add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, nw, eps, resid_out,
                                               nullptr, xs, red);
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   gv.run(g < NT ? (PRO ? xs + g * XS : xn + (long)g * K) : nullptr, acc);
@@ -518,7 +543,7 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   __shared__ int is_last;
   __shared__ int s_ids[MAX_PAIRS], s_rank[MAX_PAIRS];
   __shared__ float s_w[MAX_PAIRS];
-  __shared__ int s_nblk[MAX_EXPERTS], s_start[MAX_EXPERTS];
+  __shared__ int s_nblk[MAX_EXPERTS], s_start[MAX_EXPERTS], s_wsum[WK];
   __shared__ int s_slots[MAX_SLOTS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   if (CL) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
@@ -533,9 +558,11 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   WarpGemv<1, KCW, U, NS, true> gv(wt, K, warp * KCW * 32,
                                    dyn_ring + warp * Ring<1, U, NS>::UINT4);
   if (!quant_cta) gv.start();  // weight copies in flight during the prologue
+  NormW<K, WK> nw;
+  nw.load(ln_w);
   pdl_wait();
   pdl_launch_dependents();
-  add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, ln_w, eps, resid_out, xn_out, xs,
+  add_rmsnorm_to_smem<NT, K, XS, WK>(resid_in, delta, nsum, nw, eps, resid_out, xn_out, xs,
                                      red);
   // the experts' NVFP4 input, from the normalized rows in xs (the extra CTA, or CL's last)
   auto xq_load = [&](int tk, int e, float (&x)[4]) {
@@ -656,17 +683,32 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
     for (int q2 = 0; q2 < q; ++q2) rank += s_ids[(q2 % NT) * top_k + q2 / NT] == e;
     s_rank[p] = rank;
   }
-  for (int e = threadIdx.x; e < n_exp; e += WK * 32) {
+  // blocks per expert (s_nblk) and their exclusive prefix sum (s_start): each thread counts a
+  // run of experts, then one scan over the threads (a serial sum per expert took up to E
+  // dependent shared-memory reads)
+  const int per = (n_exp + WK * 32 - 1) / (WK * 32), e0 = threadIdx.x * per;
+  const int e1 = min(e0 + per, n_exp);
+  int mine = 0;
+  for (int e = e0; e < e1; ++e) {
     int c = 0;
     for (int p = 0; p < n_pairs; ++p) c += s_ids[p] == e;
     s_nblk[e] = (c + bm - 1) / bm;
+    mine += s_nblk[e];
   }
+  int inc = mine;  // inclusive scan over the warp's lanes
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, inc, o);
+    if (lane >= o) inc += v;
+  }
+  if (lane == 31) s_wsum[warp] = inc;
   for (int s = threadIdx.x; s < maxb * bm; s += WK * 32) s_slots[s] = n_pairs;
   __syncthreads();
-  for (int e = threadIdx.x; e < n_exp; e += WK * 32) {
-    int st = 0;
-    for (int e2 = 0; e2 < e; ++e2) st += s_nblk[e2];
+  int st = inc - mine;
+  for (int w = 0; w < warp; ++w) st += s_wsum[w];
+  for (int e = e0; e < e1; ++e) {
     s_start[e] = st;
+    st += s_nblk[e];
   }
   __syncthreads();
   const int total = s_start[n_exp - 1] + s_nblk[n_exp - 1];
@@ -718,6 +760,10 @@ __global__ void __launch_bounds__(WK * 32) moe_gate_up_bf16(
 // = sum_j bf16(w_j * act[t top_k + j] @ W_down[e_j]^T) in fp32, in order j, then bf16 -- the
 // per-pair outputs and the top-k sum the next residual add would make. w [E, H, K], act
 // [T top_k, K]. Grid (T, H / 16), TOPK warps.
+// The expert ids come from the router, two kernels back: launched after moe_gate_up_bf16,
+// whose every CTA waits for the router before it lets dependents launch, this kernel starts
+// only once the router has completed, so it reads topk_ids (from L2) and streams its weights
+// before its own wait, while gate_up drains; act and topk_w are read after the wait.
 template <int TOPK, int KCW, int U, int NS>
 __global__ void __launch_bounds__(TOPK * 32) moe_down_bf16(
     const u16* __restrict__ w, const u16* __restrict__ act, const int* __restrict__ topk_ids,
@@ -726,15 +772,15 @@ __global__ void __launch_bounds__(TOPK * 32) moe_down_bf16(
   __shared__ float part[TOPK][TILE_ROWS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int tok = blockIdx.x, p = tok * TOPK + warp;
-  pdl_wait();  // topk_ids / act: the router and gate_up
-  pdl_launch_dependents();
-  const int e = topk_ids[p];
-  const float rw = topk_w[p];
+  const int e = ld_cg_s32(topk_ids + p);  // the router's, complete (above)
   const int h0 = blockIdx.y * TILE_ROWS;
   const u16* wt[1] = {w + ((long)e * hidden + h0) * K};
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   WarpGemv<1, KCW, U, NS, true> gv(wt, K, 0, dyn_ring + warp * Ring<1, U, NS>::UINT4);
   gv.start();
+  pdl_wait();  // act: gate_up's
+  pdl_launch_dependents();
+  const float rw = topk_w[p];
   gv.run(g == 0 ? act + (long)p * K : nullptr, acc);
   if (t == 0) {  // column 0 = this pair
     part[warp][g] = round_bf16(acc[0][0] * rw);
