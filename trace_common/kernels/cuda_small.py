@@ -68,8 +68,10 @@ DEFAULT_SMALL_BATCH = "auto"
 # (BF16 261 -> 284 tok/s), slower at batch 8 (889 -> 822): the expert GEMVs re-read an expert
 # per token that chose it, and the fused prologues give way to add_rmsnorm launches there.
 # Rechecked with PDL and the FP4 fusions (2026-12-03, 1K): batch 4 BF16 631 -> 597, FP4 925 ->
-# 879; batch 8 BF16 891 -> 841, FP4 1496 -> 1278 (docs/benchmarks.md, session 5).
-AUTO_MAX_BATCH = 1
+# 879; batch 8 BF16 891 -> 841, FP4 1496 -> 1278 (docs/benchmarks.md, session 5). With the
+# down GEMV streaming before its wait (session 10, 2 rounds): batch 2 BF16 431.7 -> 462.5,
+# FP4 547.0 -> 558.0; batch 4 BF16 630.6 -> 619.8, FP4 951.9 -> 896.6.
+AUTO_MAX_BATCH = 2
 
 
 # The FP4 expert path's fusions on the small-batch step (engine._step_small), each measured
@@ -80,9 +82,11 @@ AUTO_MAX_BATCH = 1
 # the k (v) heads. All bit-exact. H200, batch 1, 1K context, 48 layers (bench/
 # small_fp4_fusions.py, median of 3 x 20 replays): none 2.996 ms/step, pdl,xq 2.765 (-7.7%);
 # on top of pdl,xq: act +0.3%, kv +0.3%, all +1.2% (a last-CTA tail costs about what the
-# quantize launch it replaces did), so those two are off by default.
+# quantize launch it replaces did). Rechecked on session 10's step (cluster router, reordered
+# expert GEMM; bench/env_ab.py, 3 interleaved rounds): act +3.1% at batch 1 and +1.5% at
+# batch 2, all +2.0% / +2.8%, so act is on by default and kv stays off.
 FP4_FUSE_PARTS = ("pdl", "xq", "act", "kv")
-DEFAULT_FP4_FUSE = "pdl,xq"
+DEFAULT_FP4_FUSE = "pdl,xq,act"
 
 
 # router_topk as one thread-block cluster (E / 16 <= 8 CTAs): the logits meet in CTA 0's shared
