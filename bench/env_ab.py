@@ -9,8 +9,16 @@ median tokens/s per setting and its change against the first setting.
         --setting "TRACE_ATTN_FUSED=all"
 
 A setting is space-separated VAR=value assignments ("" = the defaults). Each engine takes the
-path the engine itself picks under its setting (the small-batch kernels with PDL at batch 1 by
-default), as bench/rollout_gpu.py does.
+path the engine itself picks under its setting (the small-batch kernels with PDL at batch <= 2 by
+default), as bench/rollout_gpu.py does. TRACE_SMALL_CONFIG is applied per setting (the module
+reads it only at import). Two variables exist for A/Bs of kernel sources:
+TRACE_AB_SMALL_SOURCE=<file> and TRACE_AB_MOE_SOURCE=<file> compile the small-batch kernels
+(cuda/small_batch.cu) or the CUDA expert GEMMs (cuda/moe_fp4.cu) from <file>, e.g. an older
+revision saved beside them (its #includes resolve there):
+
+    git show HEAD~:trace_common/kernels/cuda/small_batch.cu > trace_common/kernels/cuda/small_old.cu
+    python bench/env_ab.py --engines bf16 --batches 1 \
+        --setting "TRACE_AB_SMALL_SOURCE=trace_common/kernels/cuda/small_old.cu" --setting ""
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from rollout_gpu import copy_bandwidth, fits, time_engine
 
+from trace_common.kernels import cuda_moe, cuda_small
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.cuda_small import small_batch_enabled
 from trace_common.kernels.engine import EngineShape, EngineWeights, small_batch_supported
@@ -41,11 +50,26 @@ def parse_setting(text: str) -> dict[str, str]:
     return out
 
 
+# VAR=<file>: that module's kernels compiled from <file> (compiled_function caches per file name)
+SOURCES = {"TRACE_AB_SMALL_SOURCE": cuda_small, "TRACE_AB_MOE_SOURCE": cuda_moe}
+_DEFAULT_SOURCES = {name: mod.SOURCE for name, mod in SOURCES.items()}
+_SMALL_CONFIG = cuda_small.configure({})  # the launch shapes in force at start
+
+
 def apply(setting: dict[str, str], names: set[str]) -> None:
-    """The environment for one setting: its variables set, the others' unset."""
+    """The environment for one setting: its variables set, the others' unset; then the kernel
+    sources and small-batch launch shapes it names (the defaults where it names none)."""
     for name in names:
         os.environ.pop(name, None)
     os.environ.update(setting)
+    for name, mod in SOURCES.items():
+        path = os.environ.get(name)
+        if path and not pathlib.Path(path).is_file():
+            raise ValueError(f"{name}={path}: no such file")
+        mod.SOURCE = pathlib.Path(path).resolve() if path else _DEFAULT_SOURCES[name]
+    cuda_small.configure(_SMALL_CONFIG)
+    if os.environ.get("TRACE_SMALL_CONFIG"):
+        cuda_small.configure(os.environ["TRACE_SMALL_CONFIG"])
 
 
 def main() -> None:
