@@ -44,6 +44,8 @@ def layer_timeline(kernels: list[tuple[float, float, str]], replays: int, layers
     [(name, start, end, end - previous end)] in us from the layer's first start. A layer is
     the kernels from one launch of the first kernel name launched `layers` times per step to
     the next."""
+    if not 0 <= layer < layers:
+        raise ValueError(f"--timeline {layer}: the model has layers 0..{layers - 1}")
     kernels = sorted(kernels)
     per_step = len(kernels) // replays
     step = kernels[(replays // 2) * per_step : (replays // 2 + 1) * per_step]
@@ -54,8 +56,6 @@ def layer_timeline(kernels: list[tuple[float, float, str]], replays: int, layers
     if first is None:
         raise ValueError(f"no kernel is launched {layers} times per step")
     marks = [i for i, (_, _, n) in enumerate(step) if n == first] + [len(step)]
-    if not 0 <= layer < layers:
-        raise ValueError(f"--timeline {layer}: the model has layers 0..{layers - 1}")
     rows = step[marks[layer] : marks[layer + 1]]
     t0, prev_end, out = rows[0][0], rows[0][0], []
     for s, e, n in rows:
@@ -64,10 +64,10 @@ def layer_timeline(kernels: list[tuple[float, float, str]], replays: int, layers
     return out
 
 
-def profile_step(eng: DecodeEngine, replays: int, timeline: list | None = None
-                 ) -> tuple[dict[str, tuple[int, float]], float]:  # fmt: skip
-    """({kernel: (launches per step, us per step)}, union of kernel busy time per step, us).
-    `timeline`, if given, receives (start, end, name) of every kernel (us)."""
+def profile_step(eng: DecodeEngine, replays: int
+                 ) -> tuple[dict[str, tuple[int, float]], float, list[tuple[float, float, str]]]:  # fmt: skip
+    """({kernel: (launches per step, us per step)}, union of kernel busy time per step in us,
+    (start, end, name) of every profiled kernel in us)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -82,17 +82,15 @@ def profile_step(eng: DecodeEngine, replays: int, timeline: list | None = None
         p = per[short(ev.name)]
         p[0] += 1
         p[1] += ev.time_range.elapsed_us()
-        spans.append((ev.time_range.start, ev.time_range.end))
-        if timeline is not None:
-            timeline.append((ev.time_range.start, ev.time_range.end, short(ev.name)))
+        spans.append((ev.time_range.start, ev.time_range.end, short(ev.name)))
     spans.sort()
     busy, end = 0.0, float("-inf")
-    for s, e in spans:  # union of the kernels' intervals (PDL kernels overlap)
+    for s, e, _ in spans:  # union of the kernels' intervals (PDL kernels overlap)
         if e > end:
             busy += e - max(s, end)
             end = e
     table = {k: (round(n / replays), us / replays) for k, (n, us) in per.items()}
-    return table, busy / replays
+    return table, busy / replays, spans
 
 
 def main() -> None:
@@ -120,8 +118,7 @@ def main() -> None:
             eng.tokens.random_(0, shape.vocab)
             eng.capture(warmup=2)
             step_us = seconds_per_replay(eng.replay, 10) * 1e6
-            spans: list = []
-            table, busy = profile_step(eng, args.replays, spans)
+            table, busy, spans = profile_step(eng, args.replays)
             kern = sum(us for _, us in table.values())
             print(f"\n{engine} batch {b} ctx {args.context} small {int(eng.small)}: step "
                   f"{step_us:.0f} us, kernels {kern:.0f} us summed, {busy:.0f} us busy "

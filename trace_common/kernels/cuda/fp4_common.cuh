@@ -215,13 +215,6 @@ __device__ __forceinline__ NVFP4RowOut nvfp4_row_out(u8* codes, u8* scales, floa
 
 // 4 bf16 values at p (8-byte aligned) -> fp32, read from L2 (.cg: written by other CTAs of this
 // grid before a fence + counter)
-// coherent (L2) load of an int another grid wrote (the routing, read before a PDL wait)
-__device__ __forceinline__ int ld_cg_s32(const int* p) {
-  int v;
-  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ void load_bf16x4_cg(const u16* p, float (&x)[4]) {
   u32 v0, v1;
   asm volatile("ld.global.cg.v2.u32 {%0,%1}, [%2];" : "=r"(v0), "=r"(v1) : "l"(p) : "memory");

@@ -52,6 +52,12 @@ __device__ __forceinline__ u16 ld_cg_u16(const u16* p) {
   asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
   return v;
 }
+// ... or that another grid wrote (the routing, read by moe_down_bf16 before its PDL wait)
+__device__ __forceinline__ int ld_cg_s32(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
 // ---- thread-block clusters (sm_90): the router's logits exchange -----------------------------
 // barrier.cluster phases: every thread arrives once and waits once per phase, in order.
@@ -243,14 +249,16 @@ __device__ __forceinline__ void store_tile(u16* out, int n_out, int row0, const 
 // The RMSNorm weight's 8-value chunks c = threadIdx.x + i WK 32 of one thread, in registers:
 // loaded before the PDL wait (no kernel writes weights), so the prologue's only global round
 // trip after the wait is the one for its input rows.
+// chunk(i) is the prologue's i-th chunk of this thread (>= K / 8: none).
 template <int K, int WK>
 struct NormW {
   static constexpr int N = (K / 8 + WK * 32 - 1) / (WK * 32);
   uint4 v[N];
+  static __device__ __forceinline__ int chunk(int i) { return threadIdx.x + i * WK * 32; }
   __device__ __forceinline__ void load(const u16* __restrict__ w) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const int c = threadIdx.x + i * WK * 32;
+      const int c = chunk(i);
       v[i] = c < K / 8 ? *reinterpret_cast<const uint4*>(w + 8 * c) : u32x4(0u, 0u, 0u, 0u);
     }
   }
@@ -272,7 +280,7 @@ __device__ void add_rmsnorm_to_smem(const u16* __restrict__ resid_in,
   for (int tk = 0; tk < NT; ++tk) ss[tk] = 0.f;
 #pragma unroll
   for (int i = 0; i < NormW<K, WK>::N; ++i) {
-    const int c = threadIdx.x + i * WK * 32;
+    const int c = NormW<K, WK>::chunk(i);
     if (c >= K / 8) break;
 #pragma unroll
     for (int tk = 0; tk < NT; ++tk) {
@@ -326,7 +334,7 @@ __device__ void add_rmsnorm_to_smem(const u16* __restrict__ resid_in,
   }
 #pragma unroll
   for (int i = 0; i < NormW<K, WK>::N; ++i) {
-    const int c = threadIdx.x + i * WK * 32;
+    const int c = NormW<K, WK>::chunk(i);
     if (c >= K / 8) break;
     const uint4 wq = nw.v[i];
     const u32 wv[4] = {wq.x, wq.y, wq.z, wq.w};
