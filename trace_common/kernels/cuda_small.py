@@ -98,12 +98,26 @@ DEFAULT_FP4_FUSE = "pdl,xq,act"
 ROUTER_CLUSTER_MODES = ("on", "off")
 DEFAULT_ROUTER_CLUSTER = "on"
 
+# The BF16 gate_up by pairs (one expert per CTA row, from topk_ids) instead of by the router's
+# block layout, which the router then skips (TRACE_SMALL_GATE_UP=pairs|blocks|auto; auto:
+# pairs up to PAIRS_MAX_BATCH tokens, where two tokens rarely share an expert).
+GATE_UP_MODES = ("auto", "pairs", "blocks")
+DEFAULT_GATE_UP = "auto"
+PAIRS_MAX_BATCH = 1
+
 
 def router_cluster_enabled(mode: str | None = None) -> bool:
     """Whether router_topk runs as one cluster: `mode`, else TRACE_ROUTER_CLUSTER, else
     DEFAULT_ROUTER_CLUSTER (where the expert count allows, `router_topk`)."""
     return env_choice("TRACE_ROUTER_CLUSTER", mode, ROUTER_CLUSTER_MODES,
                       DEFAULT_ROUTER_CLUSTER) == "on"  # fmt: skip
+
+
+def gate_up_by_pairs(batch: int, mode: str | None = None) -> bool:
+    """Whether the BF16 small-batch step runs gate_up by pairs at `batch` tokens: `mode`, else
+    TRACE_SMALL_GATE_UP, else DEFAULT_GATE_UP ("auto": batch <= PAIRS_MAX_BATCH)."""
+    mode = env_choice("TRACE_SMALL_GATE_UP", mode, GATE_UP_MODES, DEFAULT_GATE_UP)
+    return mode == "pairs" or (mode == "auto" and batch <= PAIRS_MAX_BATCH)
 
 
 def fp4_fuse_parts(spec: str | None = None) -> frozenset[str]:
@@ -343,8 +357,8 @@ def router_topk(
     counter: torch.Tensor,  # int32 [>= 1], zero
     topk_ids: torch.Tensor,  # int32 [T, k]
     topk_w: torch.Tensor,  # fp32 [T, k]
-    sorted_pair: torch.Tensor,  # int32 [maxb * bm]
-    block_expert: torch.Tensor,  # int32 [maxb]
+    sorted_pair: torch.Tensor | None,  # int32 [maxb * bm]; None: no block layout
+    block_expert: torch.Tensor | None,  # int32 [maxb]
     block_m: int,
     pdl: bool = False,
     xq: FP4Rows | None = None,  # NVFP4 rows of xn: codes [T, H/2], scales [T, H/16], g [T]
@@ -352,8 +366,9 @@ def router_topk(
     cluster: bool | None = None,
 ) -> None:
     """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
-    logits, softmax top-k (renormalized) and the grouped GEMMs' block layout (moe.RoutePlan,
-    pairs of each expert in (j, t) order as moe.align_reference). With `xq`, one more CTA
+    logits, softmax top-k (renormalized) and, unless sorted_pair and block_expert are None,
+    the grouped GEMMs' block layout (moe.RoutePlan, pairs of each expert in (j, t) order as
+    moe.align_reference). With `xq`, one more CTA
     also writes xn's NVFP4 rows (and xq.dq16, and the compact record into `capture`), equal
     to quant.quantize_rows(xn, scale_2=None, capture=capture, dq16=xq.dq16). `cluster`
     (default: router_cluster_enabled()): the E / 16 CTAs as one cluster (E <= 128; more
@@ -364,13 +379,16 @@ def router_topk(
     e = w_router.shape[0]
     k = topk_ids.shape[1]
     _tokens(t)
-    maxb = block_expert.numel()
+    if (sorted_pair is None) != (block_expert is None):
+        raise ValueError("sorted_pair and block_expert: both tensors or both None (no layout)")
+    maxb = 0 if block_expert is None else block_expert.numel()
     if e % TILE_ROWS or e > MAX_EXPERTS or not 0 < k <= MAX_TOP_K:
         raise ValueError(f"E={e} (multiple of {TILE_ROWS}, <= {MAX_EXPERTS}), top_k={k} "
                          f"(<= {MAX_TOP_K})")  # fmt: skip
     if (h + 32) * 2 < e * 4:  # the logits take the normalized rows' shared memory
         raise ValueError(f"H={h} too small for {e} experts' logits in shared memory")
-    if maxb * block_m > MAX_SLOTS or sorted_pair.numel() != maxb * block_m:
+    if sorted_pair is not None and (maxb * block_m > MAX_SLOTS
+                                    or sorted_pair.numel() != maxb * block_m):  # fmt: skip
         raise ValueError(f"block layout of {maxb} x {block_m} slots (<= {MAX_SLOTS}) does not "
                          f"match sorted_pair [{sorted_pair.numel()}]")  # fmt: skip
     pargs = _prologue_args(resid_in, delta, nsum, ln_w, resid_out)
@@ -410,29 +428,42 @@ def _quant_args(xq: FP4Rows | None, capture: CompactRecordBuffers | None, t: int
     return pointers(xq.codes, xq.scales, xq.scale_2, xq.dq16, *rec)
 
 
-def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor,
-                block_expert: torch.Tensor, act: torch.Tensor, *, top_k: int,
-                pdl: bool = False) -> None:  # fmt: skip
-    """act [P, I] = silu(x W_gate^T) * (x W_up^T) per pair p (token p // top_k, expert of its
-    block); w [E, 2I, H] (gate rows then up rows); blocks of 8 pair slots (plan block_m 8)."""
+def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor | None,
+                block_expert: torch.Tensor | None, act: torch.Tensor, *, top_k: int,
+                topk_ids: torch.Tensor | None = None, pdl: bool = False) -> None:  # fmt: skip
+    """act [P, I] = silu(x W_gate^T) * (x W_up^T) per pair p (token p // top_k); w [E, 2I, H]
+    (gate rows then up rows). The expert of a pair: its block's in the plan's layout (blocks of
+    8 pair slots, block_m 8), or with `topk_ids` [T, top_k] (sorted_pair and block_expert
+    None) topk_ids[p], one pair per CTA (`gate_up_by_pairs`)."""
     import numpy as np
 
     t, h = x.shape
     e, two_i, _ = w.shape
     inter = two_i // 2
     n_pairs = act.shape[0]
-    maxb = block_expert.numel()
-    if inter % TILE_ROWS or sorted_pair.numel() != maxb * 8 or n_pairs != t * top_k:
-        raise ValueError(f"gate_up: I={inter} (multiple of {TILE_ROWS}), {maxb} blocks of 8 "
-                         f"slots vs sorted_pair [{sorted_pair.numel()}], {n_pairs} pairs")  # fmt: skip
+    if topk_ids is not None:
+        if sorted_pair is not None or block_expert is not None:
+            raise ValueError("gate_up: topk_ids (by pairs) or sorted_pair/block_expert, not both")
+        _check("topk_ids", topk_ids, torch.int32, (t, top_k))
+        blocks = n_pairs
+    elif sorted_pair is None or block_expert is None:
+        raise ValueError("gate_up: needs sorted_pair and block_expert, or topk_ids")
+    else:
+        blocks = block_expert.numel()
+        if sorted_pair.numel() != blocks * 8:
+            raise ValueError(f"gate_up: {blocks} blocks of 8 slots vs sorted_pair "
+                             f"[{sorted_pair.numel()}]")  # fmt: skip
+    if inter % TILE_ROWS or n_pairs != t * top_k:
+        raise ValueError(f"gate_up: I={inter} (multiple of {TILE_ROWS}), {n_pairs} act rows "
+                         f"for {t} tokens x top_k {top_k}")  # fmt: skip
     _check("w", w, torch.bfloat16, (e, two_i, h))
     _check("x", x, torch.bfloat16, (t, h))
     _check("act", act, torch.bfloat16, (n_pairs, inter))
     sp = split_k(h, WARPS["gate_up"], rt=2)
     fn = compiled_function(SOURCE, f"moe_gate_up_bf16<{sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
-    args = (*pointers(w, x, sorted_pair, block_expert, act), np.int32(inter), np.int32(n_pairs),
-            np.int32(top_k))  # fmt: skip
-    launch_on_torch_stream(fn, (maxb, inter // TILE_ROWS), (sp.wk * 32,), args, act.device,
+    args = (*pointers(w, x, sorted_pair, block_expert, topk_ids, act), np.int32(inter),
+            np.int32(n_pairs), np.int32(top_k))  # fmt: skip
+    launch_on_torch_stream(fn, (blocks, inter // TILE_ROWS), (sp.wk * 32,), args, act.device,
                            sp.smem, pdl)  # fmt: skip
 
 
@@ -468,6 +499,7 @@ __all__ = [
     "Split",
     "configure",
     "fp4_fuse_parts",
+    "gate_up_by_pairs",
     "gemv",
     "moe_down",
     "moe_gate_up",

@@ -243,6 +243,8 @@ class DecodeEngine:
         # (fused.fused_parts, TRACE_FUSED_STEP)
         self.small_fuse = cuda_small.fp4_fuse_parts() if small_batch and self.cuda_gemm else (
             frozenset())  # fmt: skip
+        # BF16 small step: gate_up by pairs (no block layout in the router), cuda_small
+        self.gate_up_pairs = small_batch and not self.fp4 and cuda_small.gate_up_by_pairs(batch)
         parts = frozenset() if small_batch else fused.fused_parts()
         self.qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
         self.norm_quant = (
@@ -464,7 +466,8 @@ class DecodeEngine:
                 resid_in=cur, delta=self.o, nsum=1, ln_w=lw.ln2, eps=s.eps, resid_out=other,
                 xn_out=self.xn, w_router=lw.router, logits=self.rlogits,
                 counter=self.router_counter, topk_ids=plan.topk_ids, topk_w=plan.topk_w,
-                sorted_pair=plan.sorted_pair, block_expert=plan.block_expert,
+                sorted_pair=None if self.gate_up_pairs else plan.sorted_pair,
+                block_expert=None if self.gate_up_pairs else plan.block_expert,
                 block_m=plan.block_m, pdl=self.pdl,
                 xq=self.xq if "xq" in fuse else None,
                 capture=None if rec is None or "xq" not in fuse else rec[0],
@@ -476,9 +479,14 @@ class DecodeEngine:
                 delta, nsum = self.y, s.top_k
             else:
                 assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None
-                cuda_small.moe_gate_up(self.xn, lw.gate_up.bf16, plan.sorted_pair,
-                                       plan.block_expert, self.act, top_k=s.top_k,
-                                       pdl=self.pdl)  # fmt: skip
+                if self.gate_up_pairs:
+                    cuda_small.moe_gate_up(self.xn, lw.gate_up.bf16, None, None, self.act,
+                                           top_k=s.top_k, topk_ids=plan.topk_ids,
+                                           pdl=self.pdl)  # fmt: skip
+                else:
+                    cuda_small.moe_gate_up(self.xn, lw.gate_up.bf16, plan.sorted_pair,
+                                           plan.block_expert, self.act, top_k=s.top_k,
+                                           pdl=self.pdl)  # fmt: skip
                 cuda_small.moe_down(self.act, lw.down.bf16, plan.topk_ids, plan.topk_w,
                                     self.y_sum, pdl=self.pdl)  # fmt: skip
                 delta, nsum = self.y_sum, 1

@@ -167,6 +167,43 @@ def test_router_topk(t, e, k, bm, warps, monkeypatch):
     assert int(counter) == 0, "counter not reset"
 
 
+@pytest.mark.parametrize("t,e,cluster", [(1, 128, True), (2, 128, False), (8, 64, True),
+                                         (3, 256, False)])  # fmt: skip
+def test_router_topk_ties_and_no_layout(t, e, cluster):
+    """Experts whose router rows equal the top expert's tie with it: the picks are ordered by
+    logit, then by the lower index (a stable descending sort of the kernel's own logits), the
+    weights are the reference's; without sorted_pair / block_expert the plan's layout is left
+    untouched."""
+    from trace_common.kernels import cuda_small, moe
+
+    h, k, eps = 2048, 8, 1e-6
+    resid, delta = _rand(t, h, seed=31), _rand(t, h, std=0.5, seed=32)
+    ln_w = (1 + 0.1 * _rand(h, seed=33).float()).bfloat16()
+    w = _rand(e, h, std=0.02, seed=34)
+    _, xn_ref = ref_add_rmsnorm(resid, delta, 1, ln_w, eps)
+    top = int((xn_ref[0].float() @ w.float().t()).argmax())
+    for j in (0, top // 2, e - 1, (top + 5) % e):  # below and above the top expert's index
+        w[j] = w[top]
+    plan = moe.RoutePlan.allocate(t, e, k, 8, DEV)
+    plan.sorted_pair.fill_(-7)
+    plan.block_expert.fill_(-7)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    logits = _nan(t, e)
+    cuda_small.router_topk(resid_in=resid, delta=delta, nsum=1, ln_w=ln_w, eps=eps,
+                           resid_out=_nan(t, h), xn_out=_nan(t, h), w_router=w, logits=logits,
+                           counter=counter, topk_ids=plan.topk_ids, topk_w=plan.topk_w,
+                           sorted_pair=None, block_expert=None, block_m=8,
+                           cluster=cluster)  # fmt: skip
+    order = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(plan.topk_ids, order.int()), "picks: by logit, ties by lower index"
+    ties = [j for j in range(e) if torch.equal(w[j], w[top])]
+    assert len(ties) > 1 and all(j in plan.topk_ids[0].tolist() for j in ties)
+    _, wts = moe.route_reference(logits, k)
+    torch.testing.assert_close(plan.topk_w, wts, rtol=1e-5, atol=1e-6)
+    assert int((plan.sorted_pair != -7).sum() + (plan.block_expert != -7).sum()) == 0
+    assert int(counter) == 0, "counter not reset"
+
+
 @pytest.mark.parametrize("t,e,h,inter,k", [(1, 16, 512, 256, 8), (4, 16, 512, 256, 8),
                                            (8, 32, 2048, 768, 8), (1, 32, 2048, 768, 8),
                                            (3, 16, 512, 256, 4)])  # fmt: skip
@@ -182,6 +219,9 @@ def test_moe_experts(t, e, h, inter, k):
     act = _nan(t * k, inter)
     cuda_small.moe_gate_up(x, wgu, sp, be, act, top_k=k)
     assert torch.isfinite(act.float()).all(), "unwritten act rows"
+    by_pairs = _nan(t * k, inter)  # one pair per CTA: the same MMA column, the same bits
+    cuda_small.moe_gate_up(x, wgu, None, None, by_pairs, top_k=k, topk_ids=ids)
+    assert torch.equal(by_pairs, act), "gate_up by pairs differs from by blocks"
     e_of = ids.reshape(-1).long()
     rows = x.float().repeat_interleave(k, 0)
     gu = torch.einsum("ph,pnh->pn", rows, wgu[e_of].float())
@@ -567,4 +607,25 @@ def test_engine_small_router_cluster_equals_counter_path(fp4, gemm, batch, monke
         results[mode] = out
     assert torch.isfinite(results["on"][0].float()).all()
     for i, (a, b) in enumerate(zip(results["off"], results["on"], strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_engine_small_gate_up_pairs_equals_blocks(batch, monkeypatch):
+    """The BF16 small-batch step with gate_up by pairs (the router lays out no blocks) equals
+    the step by blocks (logits, tokens, KV cache), eager and replayed with PDL."""
+    results = {}
+    for mode in ("blocks", "pairs"):
+        monkeypatch.setenv("TRACE_SMALL_GATE_UP", mode)
+        eng, _, _ = _engine(False, None, batch, small=True)
+        assert eng.gate_up_pairs == (mode == "pairs")
+        eng.pdl = True
+        eng.step()
+        eng.capture(warmup=1)
+        eng.replay()
+        eng.replay()
+        torch.cuda.synchronize()
+        results[mode] = [eng.logits, eng.tokens] + [c.values for c in eng.caches]
+    assert torch.isfinite(results["pairs"][0].float()).all()
+    for i, (a, b) in enumerate(zip(results["blocks"], results["pairs"], strict=True)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"

@@ -55,3 +55,31 @@ def test_router_cluster_switch(monkeypatch):
     monkeypatch.setenv("TRACE_ROUTER_CLUSTER", "maybe")
     with pytest.raises(ValueError, match="TRACE_ROUTER_CLUSTER='maybe'"):
         cuda_small.router_cluster_enabled()
+
+
+def test_gate_up_mode_switch(monkeypatch):
+    monkeypatch.delenv("TRACE_SMALL_GATE_UP", raising=False)
+    limit = cuda_small.PAIRS_MAX_BATCH
+    assert cuda_small.gate_up_by_pairs(limit) and not cuda_small.gate_up_by_pairs(limit + 1)
+    monkeypatch.setenv("TRACE_SMALL_GATE_UP", "blocks")
+    assert not cuda_small.gate_up_by_pairs(1)
+    assert cuda_small.gate_up_by_pairs(8, "pairs")
+    monkeypatch.setenv("TRACE_SMALL_GATE_UP", "pair")
+    with pytest.raises(ValueError, match="TRACE_SMALL_GATE_UP='pair'"):
+        cuda_small.gate_up_by_pairs(1)
+
+
+def test_gate_up_rejects_mixed_or_missing_routing():
+    import torch
+
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(4, 32, 64, dtype=torch.bfloat16)
+    act = torch.zeros(2, 16, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 2, dtype=torch.int32)
+    sp, be = torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="not both"):
+        cuda_small.moe_gate_up(x, w, sp, be, act, top_k=2, topk_ids=ids)
+    with pytest.raises(ValueError, match="needs sorted_pair and block_expert, or topk_ids"):
+        cuda_small.moe_gate_up(x, w, None, be, act, top_k=2)
+    with pytest.raises(ValueError, match="topk_ids"):
+        cuda_small.moe_gate_up(x, w, None, None, act, top_k=2, topk_ids=ids.view(2, 1))

@@ -122,6 +122,27 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+  u32 r;
+  asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+// Router top-k key of logit bits x (bf16) of expert e < 2**16: the bits made monotonic in the
+// value (negative: inverted, the rest above them; -0 counts as +0) above 0xFFFF - e, so keys
+// are unique, a larger key is a larger logit or, between equal logits, the lower expert, and
+// any key is > 0 (0: no expert). The picks' order is the reference's (ties: lowest index).
+__device__ __forceinline__ u32 topk_key(u16 x, int e) {
+  if (x == 0x8000u) x = 0;
+  const u32 m = (x & 0x8000u) ? (~(u32)x & 0xFFFFu) : ((u32)x | 0x8000u);
+  return (m << 16) | (0xFFFFu - (u32)e);
+}
+__device__ __forceinline__ int topk_key_expert(u32 k) { return (int)(0xFFFFu - (k & 0xFFFFu)); }
+__device__ __forceinline__ float topk_key_logit(u32 k) {
+  const u32 m = k >> 16;
+  return bf16_to_f32((u16)((m & 0x8000u) ? (m & 0x7FFFu) : (~m & 0xFFFFu)));
+}
+
 // Shared-memory ring of one warp: NS stages of U chunks x RT tiles x (rows g, g + 8) x 32 lanes.
 template <int RT, int U, int NS>
 struct Ring {
@@ -524,7 +545,10 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
 // resid_out and xn_out), logits [NT, E] (bf16) = xn @ w [E, K]^T, then the last CTA: softmax,
 // top-k (ties: lowest index; weights renormalized), and the block layout of the grouped expert
 // GEMMs exactly as moe.align_reference (pairs of an expert in (j, t) order, padded to bm,
-// experts ascending; pad = n_pairs; block_expert -1 past the end). counter: zero before/after.
+// experts ascending; pad = n_pairs; block_expert -1 past the end; sorted_pair null: no layout,
+// for gate_up by pairs). counter: zero before/after. The top-k picks one expert per warp-wide
+// max of unique keys (topk_key); H200 batch 1: 2.9 -> about 0.6 us from the logits to the picks
+// (the old argmax took two shuffle trees per pick).
 // QX: one more CTA (the grid's last, no weight tile) NVFP4-quantizes the normalized rows it
 // computed like the others (the FP4 experts' input, as quant.quantize_rows with per-row
 // scale_2): codes q_codes [NT, K/2], e4m3 scales q_scales [NT, K/16], scale_2 q_g [NT], the
@@ -550,7 +574,6 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   __shared__ float red[WK * 4 * 32];
   __shared__ int is_last;
   __shared__ int s_ids[MAX_PAIRS], s_rank[MAX_PAIRS];
-  __shared__ float s_w[MAX_PAIRS];
   __shared__ int s_nblk[MAX_EXPERTS], s_start[MAX_EXPERTS], s_wsum[WK];
   __shared__ int s_slots[MAX_SLOTS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
@@ -631,11 +654,14 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   const float neg_inf = __int_as_float(0xFF800000);
   for (int b = warp; b < NT; b += WK) {  // softmax + top-k of token b, one warp
     float v[MAX_EXPERTS / 32];
+    u32 key[MAX_EXPERTS / 32];  // topk_key: unique, ordered as the picks (0: no expert)
 #pragma unroll
     for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
       const int e = lane + 32 * i;
-      v[i] = e >= n_exp ? neg_inf
-             : bf16_to_f32(CL ? s_lg[b * n_exp + e] : ld_cg_u16(logits + (long)b * n_exp + e));
+      const u16 x = e >= n_exp ? (u16)0
+                    : CL ? s_lg[b * n_exp + e] : ld_cg_u16(logits + (long)b * n_exp + e);
+      v[i] = e >= n_exp ? neg_inf : bf16_to_f32(x);
+      key[i] = e >= n_exp ? 0u : topk_key(x, e);
     }
     float mx = neg_inf;
 #pragma unroll
@@ -646,43 +672,34 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
     for (int i = 0; i < MAX_EXPERTS / 32; ++i)
       if (lane + 32 * i < n_exp) den += expf(v[i] - mx);
     den = warp_sum(den);
-    u32 taken = 0;
-    float wsum = 0.f;
+    // pick kk: the largest key not yet taken (one redux per pick); lane kk keeps it
+    u32 taken = 0, mine = 0;
     for (int kk = 0; kk < top_k; ++kk) {
-      float best = neg_inf;
-      int bidx = 0x7FFFFFFF;
+      u32 best = 0;
 #pragma unroll
-      for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
-        const int e = lane + 32 * i;
-        if (e < n_exp && !((taken >> i) & 1u) && (v[i] > best || bidx == 0x7FFFFFFF)) {
-          best = v[i];
-          bidx = e;
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-        const int oi = __shfl_xor_sync(0xFFFFFFFFu, bidx, o);
-        if (ov > best || (ov == best && oi < bidx)) {
-          best = ov;
-          bidx = oi;
-        }
-      }
-      if ((bidx & 31) == lane) taken |= 1u << (bidx >> 5);
-      const float p = expf(best - mx) / den;
-      wsum += p;
-      if (lane == 0) {
-        s_ids[b * top_k + kk] = bidx;
-        s_w[b * top_k + kk] = p;
-      }
+      for (int i = 0; i < MAX_EXPERTS / 32; ++i)
+        if (!((taken >> i) & 1u)) best = max(best, key[i]);
+      best = warp_max_u32(best);
+      const int e = topk_key_expert(best);
+      if ((e & 31) == lane) taken |= 1u << (e >> 5);
+      if (lane == kk) mine = best;
     }
-    __syncwarp();
+    // the picks' probabilities (lane kk), renormalized by their sum taken in pick order
+    const float p = lane < top_k ? expf(topk_key_logit(mine) - mx) / den : 0.f;
+    float wsum = 0.f;
+    for (int kk = 0; kk < top_k; ++kk) wsum += __shfl_sync(0xFFFFFFFFu, p, kk);
     if (lane < top_k) {
-      topk_w[b * top_k + lane] = s_w[b * top_k + lane] / wsum;
-      topk_ids[b * top_k + lane] = s_ids[b * top_k + lane];
+      const int e = topk_key_expert(mine);
+      topk_w[b * top_k + lane] = p / wsum;
+      topk_ids[b * top_k + lane] = e;
+      s_ids[b * top_k + lane] = e;
     }
   }
   __syncthreads();
+  if (!sorted_pair) {  // no block layout (gate_up by pairs)
+    if (!CL && threadIdx.x == 0) *counter = 0;
+    return;
+  }
   // block layout: rank of each pair within its expert in (j, t) order, blocks per expert
   const int n_pairs = NT * top_k;
   for (int q = threadIdx.x; q < n_pairs; q += WK * 32) {
@@ -732,19 +749,23 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
 // Routed experts' gate_up, grouped by expert block of 8 pair slots (sorted_pair/block_expert of
 // a plan with bm = 8): act [n_pairs, inter] = silu(x W_gate^T) * (x W_up^T), x row = pair /
 // top_k of x [T, K]; w [E, 2 inter, K] (gate rows, then up rows). Grid (maxb, inter / 16).
+// topk_ids (not null): by pairs instead, block = pair (expert topk_ids[pair], one MMA column),
+// grid (n_pairs, inter / 16): no block layout to wait for, one dependent read fewer; an expert
+// two pairs chose is read twice (none at batch 1).
 template <int WK, int KCW, int U, int NS>
 __global__ void __launch_bounds__(WK * 32) moe_gate_up_bf16(
     const u16* __restrict__ w, const u16* __restrict__ x, const int* __restrict__ sorted_pair,
-    const int* __restrict__ block_expert, u16* __restrict__ act, int inter, int n_pairs,
-    int top_k) {
+    const int* __restrict__ block_expert, const int* __restrict__ topk_ids,
+    u16* __restrict__ act, int inter, int n_pairs, int top_k) {
   constexpr int K = WK * KCW * 32;
   __shared__ float red[WK * 2 * 4 * 32];
   pdl_wait();  // the expert (and so the weights) comes from the router
   pdl_launch_dependents();
-  const int e = block_expert[blockIdx.x];
+  const int e = topk_ids ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
   if (e < 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int pg = sorted_pair[blockIdx.x * 8 + g];
+  // column g's pair (n_pairs: none)
+  const int pg = topk_ids ? (g == 0 ? (int)blockIdx.x : n_pairs) : sorted_pair[blockIdx.x * 8 + g];
   const u16* xrow = pg < n_pairs ? x + (long)(pg / top_k) * K : nullptr;
   const int i0 = blockIdx.y * TILE_ROWS;
   const u16* gate = w + ((long)e * 2 * inter + i0) * K;
@@ -757,7 +778,9 @@ __global__ void __launch_bounds__(WK * 32) moe_gate_up_bf16(
   if (warp != 0) return;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // (row g + 8 (i >> 1), slot 2t + (i & 1))
-    const int p = sorted_pair[blockIdx.x * 8 + 2 * t + (i & 1)];
+    const int slot = 2 * t + (i & 1);
+    const int p = topk_ids ? (slot == 0 ? (int)blockIdx.x : n_pairs)
+                           : sorted_pair[blockIdx.x * 8 + slot];
     if (p >= n_pairs) continue;
     const float gt = acc[0][i], up = acc[1][i];
     act[(long)p * inter + i0 + g + 8 * (i >> 1)] = f32_to_bf16_rn(gt / (1.0f + expf(-gt)) * up);
@@ -778,6 +801,7 @@ __global__ void __launch_bounds__(TOPK * 32) moe_down_bf16(
     const float* __restrict__ topk_w, u16* __restrict__ y, int hidden) {
   constexpr int K = KCW * 32;
   __shared__ float part[TOPK][TILE_ROWS];
+  __shared__ __align__(16) u16 s_act[TOPK][K];  // each warp's act row, one load round
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int tok = blockIdx.x, p = tok * TOPK + warp;
   const int e = ld_cg_s32(topk_ids + p);  // the router's, complete (above)
@@ -789,7 +813,13 @@ __global__ void __launch_bounds__(TOPK * 32) moe_down_bf16(
   pdl_wait();  // act: gate_up's
   pdl_launch_dependents();
   const float rw = topk_w[p];
-  gv.run(g == 0 ? act + (long)p * K : nullptr, acc);
+  // the pair's act row into shared memory in one round of loads: read from global in the ring
+  // loop, each of its KCW / U rounds waited for an L2 round trip of its own
+  const uint4* arow = reinterpret_cast<const uint4*>(act + (long)p * K);
+  uint4* srow = reinterpret_cast<uint4*>(s_act[warp]);
+  for (int i = lane; i < K / 8; i += 32) srow[i] = arow[i];
+  __syncwarp();
+  gv.run(g == 0 ? s_act[warp] : nullptr, acc);
   if (t == 0) {  // column 0 = this pair
     part[warp][g] = round_bf16(acc[0][0] * rw);
     part[warp][g + 8] = round_bf16(acc[0][2] * rw);
