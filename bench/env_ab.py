@@ -53,7 +53,6 @@ def parse_setting(text: str) -> dict[str, str]:
 # VAR=<file>: that module's kernels compiled from <file> (compiled_function caches per file name)
 SOURCES = {"TRACE_AB_SMALL_SOURCE": cuda_small, "TRACE_AB_MOE_SOURCE": cuda_moe}
 _DEFAULT_SOURCES = {name: mod.SOURCE for name, mod in SOURCES.items()}
-_SMALL_CONFIG = cuda_small.configure({})  # the launch shapes in force at start
 
 
 def apply(setting: dict[str, str], names: set[str]) -> None:
@@ -67,9 +66,7 @@ def apply(setting: dict[str, str], names: set[str]) -> None:
         if path and not pathlib.Path(path).is_file():
             raise ValueError(f"{name}={path}: no such file")
         mod.SOURCE = pathlib.Path(path).resolve() if path else _DEFAULT_SOURCES[name]
-    cuda_small.configure(_SMALL_CONFIG)
-    if os.environ.get("TRACE_SMALL_CONFIG"):
-        cuda_small.configure(os.environ["TRACE_SMALL_CONFIG"])
+    cuda_small.configure()  # the defaults, with this setting's TRACE_SMALL_CONFIG on top
 
 
 def main() -> None:

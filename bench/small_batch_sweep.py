@@ -41,7 +41,7 @@ KNOBS: dict[str, tuple[int, ...]] = {
 
 
 def current() -> dict[str, int]:
-    return {k: v for k, v in cuda_small.configure({}).items() if k in KNOBS}
+    return {k: v for k, v in cuda_small.config().items() if k in KNOBS}
 
 
 def main() -> None:
@@ -101,7 +101,7 @@ def main() -> None:
     weights.quantize_experts_("cuda")
     torch.cuda.empty_cache()
     ab("FP4", ctx0)
-    cuda_small.configure(default)
+    cuda_small.configure()  # back to TRACE_SMALL_CONFIG / the defaults
     if args.best_out:
         args.best_out.write_text(json.dumps(best))
 

@@ -58,7 +58,7 @@ RING_BYTES_PER_TILE_CHUNK = 2 * 32 * 16  # rows g and g + 8, 32 lanes, 16 bytes
 # Loads per ring stage (chunks per warp per stage) and stages: 4 chunks x 2 rows x 512 bytes
 # = 4 KB per warp per stage (RT = 1), 3 stages in flight. Warps per CTA per call site below.
 RING_STAGE_CHUNKS = 4
-RING_STAGES = 3
+RING_STAGES = 3  # both set by configure() below (DEFAULT_RING, TRACE_SMALL_CONFIG)
 # The add + RMSNorm prologue is recomputed by every CTA of the qkv GEMV: worth it while the rows
 # it sums are few (tokens x (delta rows + residual)); else one add_rmsnorm launch before it.
 PROLOGUE_MAX_ROWS = 9
@@ -166,8 +166,9 @@ def supports(batch: int, *, hidden: int, head_dim: int, moe_inter: int, num_expe
     )
 
 
-def split_k(k: int, warps: int, rt: int = 1) -> Split:
-    """Split K over `warps` warps (fewer if K is too short) for tiles of `rt` x 16 rows."""
+def split_k(k: int, warps: int, rt: int = 1, stages: int | None = None) -> Split:
+    """Split K over `warps` warps (fewer if K is too short) for tiles of `rt` x 16 rows, with
+    `stages` ring stages (default RING_STAGES; at most one per round)."""
     if k % CHUNK:
         raise ValueError(f"K={k} must be a multiple of {CHUNK}")
     wk = warps
@@ -175,37 +176,74 @@ def split_k(k: int, warps: int, rt: int = 1) -> Split:
         wk //= 2
     kcw = k // (CHUNK * wk)
     u = max(d for d in range(1, max(1, RING_STAGE_CHUNKS // rt) + 1) if kcw % d == 0)
-    ns = min(RING_STAGES, kcw // u)
+    ns = min(stages or RING_STAGES, kcw // u)
     return Split(wk, kcw, u, ns, wk * ns * u * rt * RING_BYTES_PER_TILE_CHUNK)
 
 
 # warps per CTA of each call site (tuned by hand for the Qwen3-30B-A3B shape on an H200: each
 # CTA's rings fit 2-4 CTAs per SM; docs in the module docstring of the .cu)
-WARPS = {"qkv": 8, "o": 8, "router": 8, "lm_head": 4, "gate_up": 4}
-RING_KNOBS = ("RING_STAGES", "RING_STAGE_CHUNKS")
+DEFAULT_WARPS = {"qkv": 8, "o": 8, "router": 8, "lm_head": 4, "gate_up": 4}
+DEFAULT_RING = {"RING_STAGES": 3, "RING_STAGE_CHUNKS": 4}
+RING_KNOBS = tuple(DEFAULT_RING)
+# Ring stages of one call site instead of RING_STAGES ("<site>_stages" in TRACE_SMALL_CONFIG).
+STAGE_SITES = ("qkv", "router", "gate_up", "down")
+# Launch shapes by token count where the best differs, used unless TRACE_SMALL_CONFIG names
+# the key (H200, 1K, bench/env_ab.py, 3 interleaved rounds): down's ring 5 deep at batch 1
+# (one CTA per SM, whose stages stream while gate_up runs: 3 -> 4 +2.8%, 5 +4.0%; 6 in
+# another run +1.7% where 4 gave +2.3%: it no longer fits beside a gate_up CTA), 3 at batch 2
+# (two CTAs per SM: 4 was 1.6% slower); gate_up on 8 warps at batch 2.
+BY_TOKENS: dict[tuple[str, int], int] = {("down_stages", 1): 5, ("down_stages", 2): 3,
+                                         ("gate_up", 2): 8}  # fmt: skip
+WARPS = dict(DEFAULT_WARPS)
+STAGES: dict[str, int] = {}
+_NAMED: set[str] = set()  # the keys the configuration in force names
+
+
+def stages_of(site: str, tokens: int) -> int | None:
+    """Ring stages of call site `site` for `tokens` tokens (None: RING_STAGES)."""
+    key = f"{site}_stages"
+    return STAGES[site] if key in _NAMED else BY_TOKENS.get((key, tokens))
+
+
+def warps_of(site: str, tokens: int) -> int:
+    """Warps per CTA of call site `site` for `tokens` tokens."""
+    return WARPS[site] if site in _NAMED else BY_TOKENS.get((site, tokens), WARPS[site])
+
+
+def config() -> dict[str, int]:
+    """The launch shapes in force: every site's warps, the ring knobs, site stages where set."""
+    return {**WARPS, "RING_STAGES": RING_STAGES, "RING_STAGE_CHUNKS": RING_STAGE_CHUNKS,
+            **{f"{k}_stages": v for k, v in STAGES.items()}}  # fmt: skip
 
 
 def configure(spec: str | dict[str, int] | None = None) -> dict[str, int]:
-    """Override launch shapes: `spec` (a dict or its JSON text), else TRACE_SMALL_CONFIG if
-    set, e.g. '{"qkv": 16, "RING_STAGES": 4}': keys of WARPS (warps per CTA of a call site)
-    or RING_KNOBS, positive integers (bench/small_batch_sweep.py searches them). Returns the
-    whole configuration now in force; a bad key or value raises ValueError naming it."""
+    """Set the launch shapes: the defaults, with `spec` (a dict or its JSON text; None:
+    TRACE_SMALL_CONFIG if set) on top, e.g. '{"qkv": 16, "RING_STAGES": 4, "down_stages": 4}':
+    keys of WARPS (warps per CTA of a call site), RING_KNOBS or "<site>_stages" (a STAGE_SITES
+    site's ring stages), positive integers (bench/small_batch_sweep.py searches them). A key
+    it names also replaces that key's BY_TOKENS values; `configure({})` restores the
+    defaults. Returns config(); a bad key or value raises ValueError naming it and changes
+    nothing."""
     global RING_STAGES, RING_STAGE_CHUNKS
     if spec is None:
         spec = os.environ.get("TRACE_SMALL_CONFIG") or {}
     cfg = json.loads(spec) if isinstance(spec, str) else dict(spec)
+    stage_keys = tuple(f"{site}_stages" for site in STAGE_SITES)
     for key, val in cfg.items():
-        if key not in WARPS and key not in RING_KNOBS:
+        if key not in DEFAULT_WARPS and key not in RING_KNOBS and key not in stage_keys:
             raise ValueError(f"TRACE_SMALL_CONFIG key {key!r}: expected one of "
-                             f"{(*WARPS, *RING_KNOBS)}")  # fmt: skip
+                             f"{(*DEFAULT_WARPS, *RING_KNOBS, *stage_keys)}")  # fmt: skip
         if type(val) is not int or val < 1:
             raise ValueError(f"TRACE_SMALL_CONFIG {key}={val!r}: expected a positive integer")
-    for key, val in cfg.items():
-        if key in WARPS:
-            WARPS[key] = val
-    RING_STAGES = cfg.get("RING_STAGES", RING_STAGES)
-    RING_STAGE_CHUNKS = cfg.get("RING_STAGE_CHUNKS", RING_STAGE_CHUNKS)
-    return {**WARPS, "RING_STAGES": RING_STAGES, "RING_STAGE_CHUNKS": RING_STAGE_CHUNKS}
+    WARPS.clear()
+    WARPS.update({k: cfg.get(k, v) for k, v in DEFAULT_WARPS.items()})
+    _NAMED.clear()
+    _NAMED.update(cfg)
+    STAGES.clear()
+    STAGES.update({k.removesuffix("_stages"): v for k, v in cfg.items() if k in stage_keys})
+    RING_STAGES = cfg.get("RING_STAGES", DEFAULT_RING["RING_STAGES"])
+    RING_STAGE_CHUNKS = cfg.get("RING_STAGE_CHUNKS", DEFAULT_RING["RING_STAGE_CHUNKS"])
+    return config()
 
 
 configure()
@@ -334,7 +372,7 @@ def qkv_rope(
         raise ValueError("kv_capture needs fp4_cache")
     else:
         kvargs = pointers(*(None,) * 7)
-    sp = split_k(h, WARPS["qkv"])
+    sp = split_k(h, warps_of("qkv", t), stages=stages_of("qkv", t))
     name = (f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}, "
             f"{str(kvq).lower()}>")  # fmt: skip
     fn = compiled_function(SOURCE, name, sp.smem)
@@ -400,7 +438,7 @@ def router_topk(
     _check("topk_ids", topk_ids, torch.int32, (t, k))
     _check("topk_w", topk_w, torch.float32, (t, k))
     qargs = _quant_args(xq, capture, t, h)
-    sp = split_k(h, WARPS["router"])
+    sp = split_k(h, warps_of("router", t), stages=stages_of("router", t))
     qx = str(xq is not None).lower()
     use_cluster = router_cluster_enabled() if cluster is None else cluster
     cl = e // TILE_ROWS if use_cluster and e // TILE_ROWS <= MAX_PORTABLE_CLUSTER else 0
@@ -461,7 +499,7 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor | No
     _check("w", w, torch.bfloat16, (e, two_i, h))
     _check("x", x, torch.bfloat16, (t, h))
     _check("act", act, torch.bfloat16, (n_pairs, inter))
-    sp = split_k(h, WARPS["gate_up"], rt=2)
+    sp = split_k(h, warps_of("gate_up", t), rt=2, stages=stages_of("gate_up", t))
     fn = compiled_function(SOURCE, f"moe_gate_up_bf16<{sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
     args = (*pointers(w, x, sorted_pair, block_expert, topk_ids, act), np.int32(inter),
             np.int32(n_pairs), np.int32(top_k))  # fmt: skip
@@ -487,7 +525,7 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
     _check("act", act, torch.bfloat16, (t * k, inter))
     _check("topk_w", topk_w, torch.float32, (t, k))
     _check("y", y, torch.bfloat16, (t, h))
-    sp = split_k(inter, 1)  # one warp per expert, all of K
+    sp = split_k(inter, 1, stages=stages_of("down", t))  # one warp per expert, all of K
     fn = compiled_function(SOURCE, f"moe_down_bf16<{k}, {sp.kcw}, {sp.u}, {sp.ns}>", k * sp.smem)
     args = (*pointers(w, act, topk_ids, topk_w, y), np.int32(h))
     launch_on_torch_stream(fn, (t, h // TILE_ROWS), (k * 32,), args, y.device, k * sp.smem, pdl)

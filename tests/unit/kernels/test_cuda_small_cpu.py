@@ -9,9 +9,8 @@ from trace_common.kernels import cuda_small
 
 @pytest.fixture
 def restore():
-    saved = cuda_small.configure({})
     yield
-    cuda_small.configure(saved)
+    cuda_small.configure()
 
 
 def test_configure_overrides_warps_and_ring(restore):
@@ -20,8 +19,24 @@ def test_configure_overrides_warps_and_ring(restore):
     assert cuda_small.RING_STAGES == 4 and cfg["RING_STAGES"] == 4
     # split_k reads the ring depth at call time: 2048 / (32 x 8 warps) = 8 chunks, 4 per stage
     assert cuda_small.split_k(2048, 8).ns == 2
-    cuda_small.configure({"RING_STAGE_CHUNKS": 2})
+    cuda_small.configure({"RING_STAGE_CHUNKS": 2, "RING_STAGES": 4})
     assert cuda_small.split_k(2048, 8).ns == 4
+    cfg = cuda_small.configure({"RING_STAGE_CHUNKS": 2})  # each call starts from the defaults
+    assert cuda_small.split_k(2048, 8).ns == cuda_small.DEFAULT_RING["RING_STAGES"]
+    assert cfg == cuda_small.config() and cfg["qkv"] == cuda_small.DEFAULT_WARPS["qkv"]
+
+
+def test_by_tokens_defaults_yield_to_named_keys(restore):
+    cuda_small.configure({})
+    for (key, tokens), val in cuda_small.BY_TOKENS.items():
+        site = key.removesuffix("_stages")
+        got = cuda_small.stages_of(site, tokens) if key.endswith("_stages") else (
+            cuda_small.warps_of(site, tokens))  # fmt: skip
+        assert got == val, (key, tokens)
+    assert cuda_small.warps_of("gate_up", 7) == cuda_small.DEFAULT_WARPS["gate_up"]
+    assert cuda_small.stages_of("down", 7) is None, "RING_STAGES where no default is set"
+    cuda_small.configure({"gate_up": 2, "down_stages": 2})
+    assert cuda_small.warps_of("gate_up", 2) == 2 and cuda_small.stages_of("down", 1) == 2
 
 
 def test_configure_reads_the_environment(restore, monkeypatch):
@@ -40,10 +55,10 @@ def test_configure_reads_the_environment(restore, monkeypatch):
     ],
 )
 def test_configure_rejects_bad_settings(restore, spec, message):
-    before = cuda_small.configure({})
+    before = cuda_small.configure({"qkv": 4})
     with pytest.raises(ValueError, match=message):
         cuda_small.configure(spec)
-    assert cuda_small.configure({}) == before, "a refused setting changed nothing"
+    assert cuda_small.config() == before, "a refused setting changed nothing"
 
 
 def test_router_cluster_switch(monkeypatch):
@@ -83,3 +98,15 @@ def test_gate_up_rejects_mixed_or_missing_routing():
         cuda_small.moe_gate_up(x, w, None, be, act, top_k=2)
     with pytest.raises(ValueError, match="topk_ids"):
         cuda_small.moe_gate_up(x, w, None, None, act, top_k=2, topk_ids=ids.view(2, 1))
+
+
+def test_configure_site_stages(restore):
+    cfg = cuda_small.configure({"down_stages": 6, "gate_up_stages": 4})
+    assert cfg["down_stages"] == 6 and cuda_small.STAGES == {"down": 6, "gate_up": 4}
+    # down: K = 768 on one warp, 24 chunks in stages of 4: up to 6 stages
+    assert cuda_small.split_k(768, 1, stages=cuda_small.STAGES["down"]).ns == 6
+    assert cuda_small.split_k(768, 1, stages=8).ns == 6, "at most one stage per round"
+    cuda_small.configure({})
+    assert cuda_small.STAGES == {}, "each call replaces the site stages"
+    with pytest.raises(ValueError, match="key 'o_stages'"):
+        cuda_small.configure({"o_stages": 2})

@@ -169,11 +169,12 @@ struct WarpGemv {
   const u16* wa[RT];
   long half;
   uint4* ring;
-  int kbeg;
+  int kbeg, cstride;
 
+  // cstride: k from one of this warp's chunks to its next (32: a contiguous K slice)
   __device__ __forceinline__ WarpGemv(const u16* const (&wtile)[RT], int k_row, int kbeg_,
-                                      uint4* ring_)
-      : half(8L * k_row), ring(ring_), kbeg(kbeg_) {
+                                      uint4* ring_, int cstride_ = 32)
+      : half(8L * k_row), ring(ring_), kbeg(kbeg_), cstride(cstride_) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < RT; ++r) wa[r] = wtile[r] + (long)g * k_row + kbeg + 8 * t;
@@ -187,7 +188,7 @@ struct WarpGemv {
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
-          const u16* src = wa[r] + 32 * (round * U + u);
+          const u16* src = wa[r] + cstride * (round * U + u);
           cp_async16(smem_addr(st + ((u * RT + r) * 2) * 32 + lane), src);
           cp_async16(smem_addr(st + ((u * RT + r) * 2 + 1) * 32 + lane), src + half);
         }
@@ -209,7 +210,7 @@ struct WarpGemv {
       uint4 xv[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        xv[u] = xp ? *reinterpret_cast<const uint4*>(xp + 32 * (i * U + u))
+        xv[u] = xp ? *reinterpret_cast<const uint4*>(xp + cstride * (i * U + u))
                    : u32x4(0u, 0u, 0u, 0u);
       cp_async_wait<NS - 1>();
       const uint4* st = ring + (i % NS) * STAGE;
@@ -771,7 +772,9 @@ __global__ void __launch_bounds__(WK * 32) moe_gate_up_bf16(
   const u16* gate = w + ((long)e * 2 * inter + i0) * K;
   const u16* wt[2] = {gate, gate + (long)inter * K};
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  WarpGemv<2, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<2, U, NS>::UINT4);
+  // the warps' chunks interleaved (warp w: chunks w, w + WK, ...): at a time a CTA reads
+  // WK U 64 contiguous bytes of each row, not WK pieces a K slice apart (H200 batch 1: +1.9%)
+  WarpGemv<2, KCW, U, NS> gv(wt, K, warp * 32, dyn_ring + warp * Ring<2, U, NS>::UINT4, WK * 32);
   gv.start();
   gv.run(xrow, acc);
   cta_reduce<2, WK>(acc, red);
