@@ -519,6 +519,60 @@ def test_qkv_rope_fp4_kv_append(t, hkv, pro, capture):
     assert int(counters.abs().sum()) == 0 and int(kv_counters.abs().sum()) == 0, "counters"
 
 
+@pytest.mark.parametrize("t,h,pro,fp4", [(1, 2048, True, False), (2, 2048, True, True),
+                                          (8, 512, False, False), (5, 512, True, True)])  # fmt: skip
+def test_qkv_rope_cluster_equals_counter_path(t, h, pro, fp4):
+    """qkv_rope with each head's CTAs as one cluster (rows met in CTA 0's shared memory) equals
+    the last-CTA path bit for bit: q, kv_new, the BF16 cache or the FP4 cache and k/v records;
+    the counters left at zero (unused by the cluster path)."""
+    from trace_common.kernels import cuda_small
+    from trace_common.kernels.attention import KVCacheGPU
+    from trace_common.kernels.quant import CompactRecordBuffers
+
+    hq, hkv, cap, eps = 16, 4, 64, 1e-6
+    n = (hq + 2 * hkv) * D
+    w = _rand(n, h, std=0.02, seed=61)
+    resid, delta = _rand(t, h, seed=62), _rand(t, h, std=0.5, seed=63)
+    ln_w = (1 + 0.1 * _rand(h, seed=64).float()).bfloat16()
+    norm_w = (1 + 0.1 * _rand(2, D, seed=65).float()).bfloat16()
+    pos = torch.randperm(cap, device=DEV)[:t].int()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))
+    _, xn = ref_add_rmsnorm(resid, delta, 1, ln_w, eps)
+    counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device=DEV)
+    kv_counters = torch.zeros(2, dtype=torch.int32, device=DEV)
+    outs = {}
+    for cluster in (False, True):
+        q, kv, qkv = _nan(t, hq, D), _nan(2, t, hkv * D), _nan(t, n)
+        common = dict(w_qkv=w, qkv=qkv, counters=counters, norm_w=norm_w, pos=pos,
+                      inv_freq=inv_freq, q_out=q, kv_new=kv, q_heads=hq, kv_heads=hkv,
+                      eps=eps, pdl=True, cluster=cluster)  # fmt: skip
+        out = [q, kv]
+        if fp4:
+            c = KVCacheGPU.allocate(fp4=True, batch=t, kv_heads=hkv, capacity=cap, head_dim=D,
+                                    device=DEV)  # fmt: skip
+            c.fill_random_(torch.Generator(device=DEV).manual_seed(66))
+            rec = CompactRecordBuffers.allocate(2 * t, hkv * D, DEV)
+            common.update(cache=None, fp4_cache=c, kv_counters=kv_counters, kv_capture=rec)
+            out += [c.codes, c.scales, c.row_scales, rec.mbits, rec.block_scales, rec.row_scales]
+        else:
+            cache = _rand(2, t, hkv, cap, D, seed=67)
+            common.update(cache=cache)
+            out.append(cache)
+        if pro:
+            r_out = _nan(t, h)
+            cuda_small.qkv_rope(**common, resid_in=resid, delta=delta, nsum=1, ln_w=ln_w,
+                                resid_out=r_out)  # fmt: skip
+            out.append(r_out)
+        else:
+            cuda_small.qkv_rope(**common, xn=xn)
+        torch.cuda.synchronize()
+        outs[cluster] = out
+    assert torch.isfinite(outs[True][0].float()).all(), "unwritten q"
+    for i, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
+    assert int(counters.abs().sum()) == 0 and int(kv_counters.abs().sum()) == 0, "counters"
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_engine_small_fp4_fusions_equal_unfused(batch, monkeypatch):
     """The FP4 small-batch step with its fusions (quantizes folded into router_topk and
@@ -584,14 +638,15 @@ def test_router_topk_cluster_equals_counter_path(t, e, h, quant):
     assert int(counter) == 0, "counter not reset"
 
 
+@pytest.mark.parametrize("env", ["TRACE_ROUTER_CLUSTER", "TRACE_QKV_CLUSTER"])
 @pytest.mark.parametrize("fp4,gemm,batch", [(False, None, 1), (True, "cuda", 1),
                                             (True, "cuda", 4)])  # fmt: skip
-def test_engine_small_router_cluster_equals_counter_path(fp4, gemm, batch, monkeypatch):
-    """The small-batch step with the cluster router equals the step with the counter router
-    (logits, tokens, KV cache, guidance records), eager and replayed with PDL."""
+def test_engine_small_cluster_equals_counter_path(fp4, gemm, batch, env, monkeypatch):
+    """The small-batch step with the cluster router (qkv) equals the step with the counter
+    path there (logits, tokens, KV cache, guidance records), eager and replayed with PDL."""
     results = {}
     for mode in ("off", "on"):
-        monkeypatch.setenv("TRACE_ROUTER_CLUSTER", mode)
+        monkeypatch.setenv(env, mode)
         eng, _, _ = _engine(fp4, gemm, batch, small=True)
         eng.pdl = True
         eng.step()

@@ -110,3 +110,13 @@ def test_configure_site_stages(restore):
     assert cuda_small.STAGES == {}, "each call replaces the site stages"
     with pytest.raises(ValueError, match="key 'o_stages'"):
         cuda_small.configure({"o_stages": 2})
+
+
+def test_qkv_cluster_switch(monkeypatch):
+    monkeypatch.delenv("TRACE_QKV_CLUSTER", raising=False)
+    assert cuda_small.qkv_cluster_enabled() is (cuda_small.DEFAULT_QKV_CLUSTER == "on")
+    monkeypatch.setenv("TRACE_QKV_CLUSTER", "off")
+    assert cuda_small.qkv_cluster_enabled() is False and cuda_small.qkv_cluster_enabled("on")
+    monkeypatch.setenv("TRACE_QKV_CLUSTER", "1")
+    with pytest.raises(ValueError, match="TRACE_QKV_CLUSTER='1'"):
+        cuda_small.qkv_cluster_enabled()

@@ -15,8 +15,10 @@
 //  - add + RMSNorm prologue: every CTA recomputes resid + sum(delta rows) and the RMSNorm of
 //    its (<= 8) tokens into shared memory (cheap next to its weight tile, and no launch); CTA 0
 //    writes the new residual to a second buffer (ping-pong: others still read the old one).
-//  - q/k RMSNorm + RoPE + BF16 KV append after the qkv GEMV: the last CTA to finish a head
-//    (atomic counter per head, reset by that CTA) normalizes, rotates and appends it.
+//  - q/k RMSNorm + RoPE + BF16 KV append after the qkv GEMV: CTA 0 of the head's thread-block
+//    cluster, from the rows the others stored into its shared memory (or, without the
+//    cluster, the last CTA to finish the head: atomic counter per head, reset by that CTA)
+//    normalizes, rotates and appends it.
 //  - router softmax + top-k + block alignment after the router GEMV: CTA 0 of the router's one
 //    thread-block cluster does them from the logits the others stored into its shared memory
 //    (or, without the cluster, the last CTA to finish, through L2).
@@ -413,7 +415,11 @@ __global__ void __launch_bounds__(WK * 32) gemv_bf16(const u16* __restrict__ w,
 // r_scales [2 NT, hkv 8], r_g [2 NT]).
 // KVQ asks ptxas for 5 CTAs per SM (<= 51 registers, the 48 it uses without; 0 = no bound):
 // the 640 CTAs of the Qwen3-30B-A3B shape stay one wave on an H200.
-template <int NT, int WK, int KCW, int U, int NS, bool PRO, bool KVQ>
+// CL (= 128 / 16 = 8): launched in clusters of CL CTAs, one cluster per head: each CTA also
+// stores its tile into the cluster's CTA 0's shared memory (st.shared::cluster), one cluster
+// barrier replaces the fence + counter + L2 reads of the last-CTA path, and CTA 0 finishes
+// the head (counters unused).
+template <int NT, int WK, int KCW, int U, int NS, bool PRO, bool KVQ, int CL = 0>
 __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
     const u16* __restrict__ resid_in, const u16* __restrict__ delta, int nsum,
     const u16* __restrict__ ln_w, float eps, u16* __restrict__ resid_out,
@@ -428,6 +434,8 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
   __shared__ __align__(16) u16 xs[PRO ? NT * XS : 8];
   __shared__ float red[WK * 4 * 32];
   __shared__ int is_last;
+  __shared__ u16 s_head[CL ? NT * HEAD_DIM : 1];  // CL: the head's rows (CTA 0's)
+  if (CL) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
   const int n = (hq + 2 * hkv) * HEAD_DIM;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int row0 = blockIdx.x * TILE_ROWS;
@@ -444,19 +452,39 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
   gv.run(g < NT ? (PRO ? xs + g * XS : xn + (long)g * K) : nullptr, acc);
   cta_reduce<1, WK>(acc, red);
   if (warp == 0) store_tile<NT>(qkv, n, row0, acc[0]);
-  __threadfence();
-  __syncthreads();
   const int head = row0 / HEAD_DIM;
-  if (threadIdx.x == 0)
-    is_last = atomicAdd(counters + head, 1) == HEAD_DIM / TILE_ROWS - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (CL) {
+    cluster_wait_acquire();  // phase 0: CTA 0 runs
+    if (warp == 0) {  // the same bf16 values into CTA 0's s_head
+      const int t = lane & 3, t0 = 2 * t, t1 = 2 * t + 1, r = row0 % HEAD_DIM + g;
+      const u32 base = cluster_map(s_head, 0);
+      if (t0 < NT) {
+        st_cluster_u16(base + 2u * (t0 * HEAD_DIM + r), f32_to_bf16_rn(acc[0][0]));
+        st_cluster_u16(base + 2u * (t0 * HEAD_DIM + r + 8), f32_to_bf16_rn(acc[0][2]));
+      }
+      if (t1 < NT) {
+        st_cluster_u16(base + 2u * (t1 * HEAD_DIM + r), f32_to_bf16_rn(acc[0][1]));
+        st_cluster_u16(base + 2u * (t1 * HEAD_DIM + r + 8), f32_to_bf16_rn(acc[0][3]));
+      }
+    }
+    cluster_arrive_release();  // phase 1: this CTA's rows are in CTA 0
+    if (cluster_rank() != 0) return;
+    cluster_wait_acquire();  // phase 1: the head's rows are all in s_head
+  } else {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+      is_last = atomicAdd(counters + head, 1) == HEAD_DIM / TILE_ROWS - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+  }
   for (int b = warp; b < NT; b += WK) {
     const u16* src = qkv + (long)b * n + head * HEAD_DIM;
     u16 raw[4];  // d = lane, lane + 32 (first half), 64 + lane, 96 + lane (their partners)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) raw[i] = ld_cg_u16(src + lane + 32 * i);
+    for (int i = 0; i < 4; ++i)
+      raw[i] = CL ? s_head[b * HEAD_DIM + lane + 32 * i] : ld_cg_u16(src + lane + 32 * i);
     const int p = pos[b];
     if (head >= hq + hkv) {  // v: copy
       const int hv = head - hq - hkv;
@@ -509,7 +537,7 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) counters[head] = 0;
+  if (!CL && threadIdx.x == 0) counters[head] = 0;
   if (!KVQ || head < hq) return;
   const int kind = head >= hq + hkv;  // 0: k, 1: v
   __threadfence();  // this head's kv_new rows, before the group counter
