@@ -62,6 +62,11 @@ FUSED_BF16_CTAS_PER_SM = 2
 # 317.5 -> 326.8 FP4; 32K (128-256 splits) 237.8 -> 220.6 BF16, 263.9 -> 227.9 FP4 (then with
 # one load per split in flight). So split + reduce beyond this many splits at the context hint.
 FUSED_MAX_SPLITS = 16
+# ... and at least this many keys per split: fewer splits for the last CTA to combine where the
+# wave rule would cut a short context finer. H200, 1K, 3 interleaved rounds (bench/env_ab.py,
+# TRACE_ATTN_FUSED_CHUNK), 64 (the wave rule's 17 splits) -> 128: BF16 batch 1 +0.3%, batch 2
+# +1.2%; FP4 +1.6% / +1.0%; 96, 176 and 272 were no better (272: -5.2% BF16 batch 1).
+FUSED_MIN_CHUNK = 128
 
 
 def forced_chunk(env: str, multiple: int = TILE) -> int:
@@ -78,8 +83,8 @@ def forced_chunk(env: str, multiple: int = TILE) -> int:
 def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
     """Keys per split of the fused kernels for `heads` (batch x kv heads) sequences of
     `context` tokens: TRACE_ATTN_FUSED_CHUNK if set, else the wave rule for their resident CTAs
-    (`attention.ring_chunk`); 0 (use split + reduce) where that is more than FUSED_MAX_SPLITS
-    splits."""
+    (`attention.ring_chunk`, at least FUSED_MIN_CHUNK); 0 (use split + reduce) where that is
+    more than FUSED_MAX_SPLITS splits."""
     from trace_common.kernels.attention import ring_chunk
 
     forced = forced_chunk("TRACE_ATTN_FUSED_CHUNK")
@@ -88,7 +93,7 @@ def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
     per_sm = ring_ctas_per_sm() if fp4 else FUSED_BF16_CTAS_PER_SM
     if not per_sm:  # the FP4 "regs" kernel: no fused variant
         return 0
-    chunk = ring_chunk(heads, context, per_sm * sms)
+    chunk = max(ring_chunk(heads, context, per_sm * sms), FUSED_MIN_CHUNK)
     return chunk if -(-max(context, 1) // chunk) <= FUSED_MAX_SPLITS else 0
 
 
