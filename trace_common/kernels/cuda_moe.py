@@ -329,12 +329,12 @@ def _resident_kernel(name: str, warps: int, smem: int, device: torch.device
 
 
 def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int,
-            qout: bool = False, pdl: bool = False):  # fmt: skip
+            qout: bool = False, pdl: bool = False, pairs: bool = False):  # fmt: skip
     """The compiled expert-GEMM instance for one launch configuration (`qout`: it also
     quantizes its output, see `moe_gemm_cuda`; `pdl`: launched as a programmatic dependent
-    launch, it waits for the previous grid first)."""
+    launch, it waits for the previous grid first; `pairs`: one block per pair)."""
     name = (f"moe_fp4_mma<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
-            f"{minb}, {str(qout).lower()}, {str(pdl).lower()}>")  # fmt: skip
+            f"{minb}, {str(qout).lower()}, {str(pdl).lower()}, {str(pairs).lower()}>")  # fmt: skip
     return compiled_function(SOURCE, name)
 
 
@@ -354,8 +354,13 @@ def moe_gemm_cuda(
     counter: torch.Tensor | None = None,  # int32 [>= MAXB], zero: quant_out's per-block counters
     stream_waves: int = 1,  # stream kernel: waves of resident CTAs its grid is sized for
     stream_probe: bool = False,  # stream kernel: the bench's timing probe (wrong outputs)
+    by_pairs: bool = False,
 ) -> torch.Tensor:
     """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring).
+
+    `by_pairs` (the `mma` kernel, block_m 8): one block per pair, its expert from
+    plan.topk_ids; the plan's block layout is not read (the router may skip it) and
+    `counter` needs one entry per pair.
 
     `pdl`: the `mma` or `tma` kernel as a programmatic dependent launch (it waits before
     reading anything; the `stream` kernel is launched normally). `quant_out`: also NVFP4-quantize
@@ -372,9 +377,13 @@ def moe_gemm_cuda(
     n_out = w.n // 2 if gated else w.n
     if out is None:
         out = torch.empty(plan.n_pairs, n_out, dtype=torch.bfloat16, device=plan.topk_w.device)
+    blocks = plan.n_pairs if by_pairs else plan.block_expert.numel()
     if quant_out is not None:
-        _check_quant_out(quant_out, counter, plan.n_pairs, n_out, plan.block_expert.numel())
+        _check_quant_out(quant_out, counter, plan.n_pairs, n_out, blocks)
     kern = cuda_kernel(kernel, (w.k, plan.block_m, gated))
+    if by_pairs and (kern != "mma" or plan.block_m != MMA_N):
+        raise ValueError(f"by_pairs needs the mma kernel and block_m {MMA_N} (got {kern!r}, "
+                         f"block_m {plan.block_m})")  # fmt: skip
     if kern != "mma":
         if kern == "stream":
             _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config, stream_waves,
@@ -387,7 +396,8 @@ def moe_gemm_cuda(
             quantize_rows(out, scale_2=None, dq16=quant_out.dq16,
                           out=(quant_out.codes, quant_out.scales, quant_out.scale_2))  # fmt: skip
     else:
-        _launch_mma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl, quant_out, counter)
+        _launch_mma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl, quant_out, counter,
+                    by_pairs)  # fmt: skip
     return out
 
 
@@ -413,8 +423,9 @@ def row_multiplier(a_div: int, n_pairs: int) -> int:
 
 
 def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor, n_out: int,
-          a_div: int, mul_route_w: bool) -> tuple:  # fmt: skip
-    """The kernel arguments every CUDA kernel starts with."""
+          a_div: int, mul_route_w: bool, by_pairs: bool = False) -> tuple:  # fmt: skip
+    """The kernel arguments every CUDA kernel starts with (`by_pairs`: the top-k ids in the
+    block -> expert slot)."""
     import numpy as np
 
     assert w.packed is not None and a.dq16 is not None
@@ -422,7 +433,8 @@ def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor, n_ou
     return (
         ptr(w.packed.words.data_ptr()), ptr(w.packed.scales.data_ptr()),
         ptr(w.scale_2.data_ptr()), ptr(a.dq16.data_ptr()), ptr(a.scale_2.data_ptr()),
-        ptr(plan.sorted_pair.data_ptr()), ptr(plan.block_expert.data_ptr()),
+        ptr(plan.sorted_pair.data_ptr()),
+        ptr((plan.topk_ids if by_pairs else plan.block_expert).data_ptr()),
         ptr(plan.topk_w.data_ptr()), ptr(out.data_ptr()),
         np.int32(plan.n_pairs), np.int32(n_out), np.uint64(row_multiplier(a_div, plan.n_pairs)),
         np.int32(int(mul_route_w)),
@@ -488,7 +500,7 @@ def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
 def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
                 mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
                 pdl: bool = False, quant_out: FP4Rows | None = None,
-                counter: torch.Tensor | None = None) -> None:  # fmt: skip
+                counter: torch.Tensor | None = None, by_pairs: bool = False) -> None:  # fmt: skip
 
     n_out = w.n // 2 if gated else w.n
     cfg = config or default_config(w.k, plan.block_m, gated)
@@ -502,15 +514,15 @@ def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
     ):
         raise ValueError(f"config RW={rw}, WK={wk}, KGW={kgw} does not fit N_out={n_out}, "
                          f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None, pdl)
+    fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None, pdl, by_pairs)
     # (output tiles, expert blocks): blocks as the slow dimension, so the CTAs of the empty ones
     # (past the routing's) come last instead of in every wave
-    grid = (n_out // (MMA_M * rw), plan.block_expert.numel())
+    grid = (n_out // (MMA_M * rw), plan.n_pairs if by_pairs else plan.block_expert.numel())
     q = quant_out
     qargs = pointers(counter, *((None,) * 4 if q is None else (q.codes, q.scales, q.scale_2,
                                                                 q.dq16)))  # fmt: skip
     launch_on_torch_stream(fn, grid, (wk * LANES,),
-                           (*_args(a, w, plan, out, n_out, a_div, mul_route_w), *qargs),
+                           (*_args(a, w, plan, out, n_out, a_div, mul_route_w, by_pairs), *qargs),
                            out.device, pdl=pdl)  # fmt: skip
 
 

@@ -105,11 +105,12 @@ DEFAULT_ROUTER_CLUSTER = "on"
 QKV_CLUSTER_MODES = ("on", "off")
 DEFAULT_QKV_CLUSTER = "on"
 
-# The BF16 gate_up by pairs (one expert per CTA row, from topk_ids) instead of by the router's
-# block layout, which the router then skips (TRACE_SMALL_GATE_UP=pairs|blocks|auto; auto:
+# The small step's expert GEMMs by pairs (one expert per CTA row, from topk_ids) instead of by
+# the router's block layout, which the router then skips: BF16 moe_gate_up here, FP4 the CUDA
+# mma kernel (cuda_moe.moe_gemm_cuda by_pairs) (TRACE_SMALL_GATE_UP=pairs|blocks|auto; auto:
 # pairs up to PAIRS_MAX_BATCH tokens, where tokens rarely share an expert). H200, 1K, 3
-# interleaved rounds (bench/env_ab.py): batch 1 348.4 -> 359.5 tok/s (+3.2%), batch 2 472.8
-# -> 486.2 (+2.8%).
+# interleaved rounds (bench/env_ab.py): BF16 batch 1 348.4 -> 359.5 tok/s (+3.2%), batch 2
+# 472.8 -> 486.2 (+2.8%); FP4 batch 1 418.2 -> 437.2 (+4.5%), batch 2 633.7 -> 653.2 (+3.1%).
 GATE_UP_MODES = ("auto", "pairs", "blocks")
 DEFAULT_GATE_UP = "auto"
 PAIRS_MAX_BATCH = 2

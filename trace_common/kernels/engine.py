@@ -243,8 +243,6 @@ class DecodeEngine:
         # (fused.fused_parts, TRACE_FUSED_STEP)
         self.small_fuse = cuda_small.fp4_fuse_parts() if small_batch and self.cuda_gemm else (
             frozenset())  # fmt: skip
-        # BF16 small step: gate_up by pairs (no block layout in the router), cuda_small
-        self.gate_up_pairs = small_batch and not self.fp4 and cuda_small.gate_up_by_pairs(batch)
         parts = frozenset() if small_batch else fused.fused_parts()
         self.qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
         self.norm_quant = (
@@ -278,6 +276,15 @@ class DecodeEngine:
             self.block_m = 8  # cuda_small.moe_gate_up: one 8-token MMA column block per expert
         else:
             self.block_m = moe.DECODE_BLOCK_M
+        # small step: the expert GEMMs by pairs, the router laying out no blocks (BF16
+        # cuda_small.moe_gate_up; FP4 the CUDA mma kernel with 8-slot blocks, cuda_moe)
+        self.gate_up_pairs = small_batch and cuda_small.gate_up_by_pairs(batch)
+        if self.gate_up_pairs and self.fp4:
+            from trace_common.kernels.cuda_moe import MMA_N, cuda_kernel
+
+            self.gate_up_pairs = self.cuda_gemm and self.block_m == MMA_N and all(
+                cuda_kernel(None, (k, self.block_m, gated)) == "mma"
+                for k, gated in ((s.hidden, True), (s.moe_inter, False)))  # fmt: skip
         if self.small:
             self.resid_b = torch.empty(b, h, **bf)  # residual ping-pong (fused prologues)
             self.y_sum = torch.empty(b, h, **bf)  # BF16 experts: top-k sum per token
@@ -291,8 +298,9 @@ class DecodeEngine:
         ]
         if self.small_fuse & {"kv", "act"}:  # last-CTA counters, zero between launches:
             # qkv_rope's k and v groups, then gate_up's one per expert block
-            self.fp4_counters = torch.zeros(2 + self.plans[0].block_expert.numel(),
-                                            dtype=torch.int32, device=device)  # fmt: skip
+            self.fp4_counters = torch.zeros(
+                2 + max(self.plans[0].block_expert.numel(), b * s.top_k), dtype=torch.int32,
+                device=device)  # fmt: skip
         self.caches = [
             attn.KVCacheGPU.allocate(
                 fp4=self.fp4,
@@ -415,7 +423,7 @@ class DecodeEngine:
         if self.cuda_gemm:
             from trace_common.kernels.cuda_moe import moe_gemm_cuda
 
-            gemm = functools.partial(moe_gemm_cuda, pdl=pdl)
+            gemm = functools.partial(moe_gemm_cuda, pdl=pdl, by_pairs=self.gate_up_pairs)
         else:
             gemm = functools.partial(moe.moe_gemm, impl="triton")
         act_quant = dict(quant_out=self.actq, counter=self.fp4_counters[2:]) if fuse_act else {}

@@ -400,6 +400,39 @@ def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
             assert db > 60, f"tma vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_moe_gemm_fp4_mma_by_pairs(t, pdl):
+    """The mma kernel by pairs (one block per pair from the top-k ids, the block layout unread:
+    poisoned here) equals it by blocks bit for bit, at the model's expert shape, the gate_up
+    with its act quantize fused (codes, scales, scale_2, dq16) and the down."""
+    from trace_common.kernels import cuda_moe, moe
+
+    plan, cases = _model_shape_gemms(t, 8)
+    no_layout = moe.RoutePlan(plan.topk_ids, plan.topk_w, torch.full_like(plan.sorted_pair, -7),
+                              torch.full_like(plan.block_expert, -7), 8)  # fmt: skip
+    for wt, a, gated, a_div, mrw, n_out in cases:
+        outs = []
+        for by_pairs, p in ((False, plan), (True, no_layout)):
+            got = torch.full((p.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
+            r = p.n_pairs
+            q = moe.FP4Rows(torch.zeros(r, n_out // 2, dtype=torch.uint8, device=DEV),
+                            torch.zeros(r, n_out // 16, dtype=torch.uint8, device=DEV),
+                            torch.zeros(r, dtype=torch.float32, device=DEV),
+                            torch.zeros(r, n_out, dtype=torch.float16, device=DEV)) if gated else None  # fmt: skip
+            blocks = max(p.n_pairs, p.block_expert.numel())
+            counter = torch.zeros(blocks, dtype=torch.int32, device=DEV) if gated else None
+            cuda_moe.moe_gemm_cuda(a, wt, p, gated=gated, a_div=a_div, mul_route_w=mrw,
+                                   out=got, kernel="mma", pdl=pdl, quant_out=q,
+                                   counter=counter, by_pairs=by_pairs)  # fmt: skip
+            outs.append([got] + ([q.codes, q.scales, q.scale_2, q.dq16] if q else []))
+            if counter is not None:
+                assert int(counter.abs().sum()) == 0, "block counters not reset"
+        assert torch.isfinite(outs[1][0].float()).all(), "unwritten outputs by pairs"
+        for i, (x, y) in enumerate(zip(*outs, strict=True)):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{gated=}: output {i}"
+
+
 @pytest.mark.parametrize("fp4,decode", [(False, None), (True, "bits"), (True, "ptx")])
 @pytest.mark.parametrize("b,cap,lens", [(3, 5000, [1, 777, 5000]),
                                         (4, 33000, [32769, 100, 20000, 4097])])  # fmt: skip

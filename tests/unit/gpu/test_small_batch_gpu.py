@@ -665,14 +665,16 @@ def test_engine_small_cluster_equals_counter_path(fp4, gemm, batch, env, monkeyp
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
 
 
+@pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "cuda")])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_engine_small_gate_up_pairs_equals_blocks(batch, monkeypatch):
-    """The BF16 small-batch step with gate_up by pairs (the router lays out no blocks) equals
-    the step by blocks (logits, tokens, KV cache), eager and replayed with PDL."""
+def test_engine_small_gate_up_pairs_equals_blocks(batch, fp4, gemm, monkeypatch):
+    """The small-batch step with the expert GEMMs by pairs (the router lays out no blocks)
+    equals the step by blocks (logits, tokens, KV cache, guidance records), eager and replayed
+    with PDL."""
     results = {}
     for mode in ("blocks", "pairs"):
         monkeypatch.setenv("TRACE_SMALL_GATE_UP", mode)
-        eng, _, _ = _engine(False, None, batch, small=True)
+        eng, _, _ = _engine(fp4, gemm, batch, small=True)
         assert eng.gate_up_pairs == (mode == "pairs")
         eng.pdl = True
         eng.step()
@@ -680,7 +682,12 @@ def test_engine_small_gate_up_pairs_equals_blocks(batch, monkeypatch):
         eng.replay()
         eng.replay()
         torch.cuda.synchronize()
-        results[mode] = [eng.logits, eng.tokens] + [c.values for c in eng.caches]
+        out = [eng.logits, eng.tokens]
+        for c in eng.caches:
+            out += [c.codes, c.scales, c.row_scales] if fp4 else [c.values]
+        if fp4:
+            out += [t for r in eng.records[2] for t in (r.mbits, r.block_scales, r.row_scales)]
+        results[mode] = out
     assert torch.isfinite(results["pairs"][0].float()).all()
     for i, (a, b) in enumerate(zip(results["blocks"], results["pairs"], strict=True)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"

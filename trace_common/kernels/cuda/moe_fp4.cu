@@ -126,15 +126,17 @@ struct SlotScalars {
 };
 
 // B fragments of a warp's K slice (KGW k groups from group kg0) for expert block `blk`: token
-// slot nt*8 + g, k-tile kk, lane quad t; padding slots are zero.
-template <int NT, int KGW, int KT>
+// slot nt*8 + g, k-tile kk, lane quad t; padding slots are zero. PAIRS: block blk is pair blk
+// alone (slot 0), sorted_pair unread.
+template <int NT, int KGW, int KT, bool PAIRS = false>
 __device__ __forceinline__ void load_b_fragments(u32 (&b)[KGW * 4][NT][2], const u32* x_dq,
                                                  const int* sorted_pair, int blk, int kg0, int g,
                                                  int t, int n_pairs,
                                                  unsigned long long a_mul) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int pair = sorted_pair[blk * NT * 8 + nt * 8 + g];
+    const int pair = PAIRS ? (nt == 0 && g == 0 ? blk : n_pairs)
+                           : sorted_pair[blk * NT * 8 + nt * 8 + g];
     const bool valid = pair < n_pairs;
     const long row = valid ? pair_row(pair, a_mul) : 0;
     const u32* xp = x_dq + ((row * KT + kg0 * 4) * 4 + t) * 2;
@@ -239,8 +241,11 @@ __device__ __forceinline__ void quantize_block_rows_if_last(const u16* out, cons
 // the previous grid first (the routing picks the weights, so nothing is prefetched before),
 // then lets the next grid start its CTAs. A template flag, not always compiled in: with the
 // griddepcontrol instructions the 64-register gate_up instance spills.
+// PAIRS (NT = 1): one block per pair, without the block layout: block_expert is then the
+// top-k ids ([n_pairs], pair-major as route_w), block blk holds pair blk in slot 0 alone, and
+// sorted_pair is not read (one dependent load fewer; an expert two pairs share is read twice).
 template <int NT, int RW, int WK, int KGW, bool GATED, int MINB, bool QOUT = false,
-          bool PDL = false>
+          bool PDL = false, bool PAIRS = false>
 __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
     const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
@@ -281,10 +286,14 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;
   const int kg0 = warp * KGW;
 
+  static_assert(!PAIRS || NT == 1, "PAIRS: one pair per 8-slot block");
   SlotScalars slot;
-  slot.load_pair<BT>(sorted_pair, blk);
+  if (PAIRS)
+    slot.pair = threadIdx.x == 0 || threadIdx.x >= BT ? blk : n_pairs;
+  else
+    slot.load_pair<BT>(sorted_pair, blk);
   u32 b[KGW * 4][NT][2];
-  load_b_fragments<NT, KGW, KT>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_mul);
+  load_b_fragments<NT, KGW, KT, PAIRS>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_mul);
 
   // A: packed codes and scales of every tile of this warp's K slice.
   u32 a[TILES][KGW][4];
