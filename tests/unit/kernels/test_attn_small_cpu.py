@@ -108,16 +108,17 @@ def test_fused_kernel_names():
 
 
 def test_fused_plan_chunks(monkeypatch):
-    """The fused plan splits by the wave rule for the fused kernels' resident CTAs: at 1K
-    context and batch 1, 64-token splits (16 x 4 kv heads = 64 CTAs); at 32K (more splits than
-    FUSED_MAX_SPLITS) or not asked for: split + reduce (no counters)."""
+    """The fused plan splits by the wave rule for the fused kernels' resident CTAs, at least
+    FUSED_MIN_CHUNK keys: at 1K context and batch 1, 128-token splits (the wave rule's 64
+    raised; 9 x 4 kv heads = 36 CTAs); at 32K (more splits than FUSED_MAX_SPLITS) or not asked
+    for: split + reduce (no counters)."""
     from trace_common.kernels import attention as attn
 
     kw = dict(batch=1, q_heads=32, kv_heads=4, capacity=1100, head_dim=128, context_hint=1024,
               device="cpu")  # fmt: skip
     for fp4 in (False, True):
         plan = attn.DecodeAttnPlan.make(**kw, cuda_fp4=fp4, fused=True)
-        assert plan.chunk == 64 and plan.counters is not None
+        assert plan.chunk == 128 and plan.counters is not None
         assert plan.counters.shape == (4,) and plan.counters.dtype == torch.int32
     long = dict(kw, capacity=33000, context_hint=32768)  # > FUSED_MAX_SPLITS: split + reduce
     assert attn.DecodeAttnPlan.make(**long, fused=True).counters is None
