@@ -638,6 +638,31 @@ def test_router_topk_cluster_equals_counter_path(t, e, h, quant):
     assert int(counter) == 0, "counter not reset"
 
 
+def _replayed_outputs(fp4: bool, gemm: str | None, batch: int) -> tuple:
+    """(engine, [logits, tokens, KV caches, layer 2's guidance records (FP4)]) of a small-batch
+    engine built under the current environment: one eager step, then captured and replayed
+    twice with PDL."""
+    eng, _, _ = _engine(fp4, gemm, batch, small=True)
+    eng.pdl = True
+    eng.step()
+    eng.capture(warmup=1)
+    eng.replay()
+    eng.replay()
+    torch.cuda.synchronize()
+    out = [eng.logits, eng.tokens]
+    for c in eng.caches:
+        out += [c.codes, c.scales, c.row_scales] if fp4 else [c.values]
+    if fp4:
+        out += [t for r in eng.records[2] for t in (r.mbits, r.block_scales, r.row_scales)]
+    return eng, out
+
+
+def _assert_same_bytes(ref: list, got: list) -> None:
+    assert torch.isfinite(got[0].float()).all(), "non-finite logits"
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
+
+
 @pytest.mark.parametrize("env", ["TRACE_ROUTER_CLUSTER", "TRACE_QKV_CLUSTER"])
 @pytest.mark.parametrize("fp4,gemm,batch", [(False, None, 1), (True, "cuda", 1),
                                             (True, "cuda", 4)])  # fmt: skip
@@ -647,22 +672,8 @@ def test_engine_small_cluster_equals_counter_path(fp4, gemm, batch, env, monkeyp
     results = {}
     for mode in ("off", "on"):
         monkeypatch.setenv(env, mode)
-        eng, _, _ = _engine(fp4, gemm, batch, small=True)
-        eng.pdl = True
-        eng.step()
-        eng.capture(warmup=1)
-        eng.replay()
-        eng.replay()
-        torch.cuda.synchronize()
-        out = [eng.logits, eng.tokens]
-        for c in eng.caches:
-            out += [c.codes, c.scales, c.row_scales] if fp4 else [c.values]
-        if fp4:
-            out += [t for r in eng.records[2] for t in (r.mbits, r.block_scales, r.row_scales)]
-        results[mode] = out
-    assert torch.isfinite(results["on"][0].float()).all()
-    for i, (a, b) in enumerate(zip(results["off"], results["on"], strict=True)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
+        results[mode] = _replayed_outputs(fp4, gemm, batch)[1]
+    _assert_same_bytes(results["off"], results["on"])
 
 
 @pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "cuda")])
@@ -674,20 +685,6 @@ def test_engine_small_gate_up_pairs_equals_blocks(batch, fp4, gemm, monkeypatch)
     results = {}
     for mode in ("blocks", "pairs"):
         monkeypatch.setenv("TRACE_SMALL_GATE_UP", mode)
-        eng, _, _ = _engine(fp4, gemm, batch, small=True)
+        eng, results[mode] = _replayed_outputs(fp4, gemm, batch)
         assert eng.gate_up_pairs == (mode == "pairs")
-        eng.pdl = True
-        eng.step()
-        eng.capture(warmup=1)
-        eng.replay()
-        eng.replay()
-        torch.cuda.synchronize()
-        out = [eng.logits, eng.tokens]
-        for c in eng.caches:
-            out += [c.codes, c.scales, c.row_scales] if fp4 else [c.values]
-        if fp4:
-            out += [t for r in eng.records[2] for t in (r.mbits, r.block_scales, r.row_scales)]
-        results[mode] = out
-    assert torch.isfinite(results["pairs"][0].float()).all()
-    for i, (a, b) in enumerate(zip(results["blocks"], results["pairs"], strict=True)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
+    _assert_same_bytes(results["blocks"], results["pairs"])
