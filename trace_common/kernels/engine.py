@@ -278,11 +278,11 @@ class DecodeEngine:
             self.block_m = moe.DECODE_BLOCK_M
         # small step: the expert GEMMs by pairs, the router laying out no blocks (BF16
         # cuda_small.moe_gate_up; FP4 the CUDA mma kernel with 8-slot blocks, cuda_moe)
-        self.gate_up_pairs = small_batch and cuda_small.gate_up_by_pairs(batch)
-        if self.gate_up_pairs and self.fp4:
+        self.experts_by_pairs = small_batch and cuda_small.gate_up_by_pairs(batch)
+        if self.experts_by_pairs and self.fp4:
             from trace_common.kernels.cuda_moe import MMA_N, cuda_kernel
 
-            self.gate_up_pairs = self.cuda_gemm and self.block_m == MMA_N and all(
+            self.experts_by_pairs = self.cuda_gemm and self.block_m == MMA_N and all(
                 cuda_kernel(None, (k, self.block_m, gated)) == "mma"
                 for k, gated in ((s.hidden, True), (s.moe_inter, False)))  # fmt: skip
         if self.small:
@@ -423,7 +423,7 @@ class DecodeEngine:
         if self.cuda_gemm:
             from trace_common.kernels.cuda_moe import moe_gemm_cuda
 
-            gemm = functools.partial(moe_gemm_cuda, pdl=pdl, by_pairs=self.gate_up_pairs)
+            gemm = functools.partial(moe_gemm_cuda, pdl=pdl, by_pairs=self.experts_by_pairs)
         else:
             gemm = functools.partial(moe.moe_gemm, impl="triton")
         act_quant = dict(quant_out=self.actq, counter=self.fp4_counters[2:]) if fuse_act else {}
@@ -474,8 +474,8 @@ class DecodeEngine:
                 resid_in=cur, delta=self.o, nsum=1, ln_w=lw.ln2, eps=s.eps, resid_out=other,
                 xn_out=self.xn, w_router=lw.router, logits=self.rlogits,
                 counter=self.router_counter, topk_ids=plan.topk_ids, topk_w=plan.topk_w,
-                sorted_pair=None if self.gate_up_pairs else plan.sorted_pair,
-                block_expert=None if self.gate_up_pairs else plan.block_expert,
+                sorted_pair=None if self.experts_by_pairs else plan.sorted_pair,
+                block_expert=None if self.experts_by_pairs else plan.block_expert,
                 block_m=plan.block_m, pdl=self.pdl,
                 xq=self.xq if "xq" in fuse else None,
                 capture=None if rec is None or "xq" not in fuse else rec[0],
@@ -487,14 +487,11 @@ class DecodeEngine:
                 delta, nsum = self.y, s.top_k
             else:
                 assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None
-                if self.gate_up_pairs:
-                    cuda_small.moe_gate_up(self.xn, lw.gate_up.bf16, None, None, self.act,
-                                           top_k=s.top_k, topk_ids=plan.topk_ids,
-                                           pdl=self.pdl)  # fmt: skip
-                else:
-                    cuda_small.moe_gate_up(self.xn, lw.gate_up.bf16, plan.sorted_pair,
-                                           plan.block_expert, self.act, top_k=s.top_k,
-                                           pdl=self.pdl)  # fmt: skip
+                pairs = self.experts_by_pairs
+                layout = (None, None) if pairs else (plan.sorted_pair, plan.block_expert)
+                cuda_small.moe_gate_up(self.xn, lw.gate_up.bf16, *layout, self.act,
+                                       top_k=s.top_k, topk_ids=plan.topk_ids if pairs else None,
+                                       pdl=self.pdl)  # fmt: skip
                 cuda_small.moe_down(self.act, lw.down.bf16, plan.topk_ids, plan.topk_w,
                                     self.y_sum, pdl=self.pdl)  # fmt: skip
                 delta, nsum = self.y_sum, 1

@@ -678,7 +678,7 @@ def test_engine_small_cluster_equals_counter_path(fp4, gemm, batch, env, monkeyp
 
 @pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "cuda")])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_engine_small_gate_up_pairs_equals_blocks(batch, fp4, gemm, monkeypatch):
+def test_engine_small_experts_by_pairs_equals_blocks(batch, fp4, gemm, monkeypatch):
     """The small-batch step with the expert GEMMs by pairs (the router lays out no blocks)
     equals the step by blocks (logits, tokens, KV cache, guidance records), eager and replayed
     with PDL."""
@@ -686,5 +686,5 @@ def test_engine_small_gate_up_pairs_equals_blocks(batch, fp4, gemm, monkeypatch)
     for mode in ("blocks", "pairs"):
         monkeypatch.setenv("TRACE_SMALL_GATE_UP", mode)
         eng, results[mode] = _replayed_outputs(fp4, gemm, batch)
-        assert eng.gate_up_pairs == (mode == "pairs")
+        assert eng.experts_by_pairs == (mode == "pairs")
     _assert_same_bytes(results["blocks"], results["pairs"])
