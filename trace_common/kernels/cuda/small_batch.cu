@@ -270,6 +270,23 @@ __device__ __forceinline__ void store_tile(u16* out, int n_out, int row0, const 
   }
 }
 
+// store_tile into the shared memory of a cluster CTA: `base` its shared::cluster address of a
+// bf16 [NT][n_out] array.
+template <int NT>
+__device__ __forceinline__ void store_tile_cluster(u32 base, int n_out, int row0,
+                                                   const float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int t0 = 2 * t, t1 = 2 * t + 1;
+  if (t0 < NT) {
+    st_cluster_u16(base + 2u * (t0 * n_out + row0 + g), f32_to_bf16_rn(acc[0]));
+    st_cluster_u16(base + 2u * (t0 * n_out + row0 + g + 8), f32_to_bf16_rn(acc[2]));
+  }
+  if (t1 < NT) {
+    st_cluster_u16(base + 2u * (t1 * n_out + row0 + g), f32_to_bf16_rn(acc[1]));
+    st_cluster_u16(base + 2u * (t1 * n_out + row0 + g + 8), f32_to_bf16_rn(acc[3]));
+  }
+}
+
 // The RMSNorm weight's 8-value chunks c = threadIdx.x + i WK 32 of one thread, in registers:
 // loaded before the PDL wait (no kernel writes weights), so the prologue's only global round
 // trip after the wait is the one for its input rows.
@@ -455,18 +472,8 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
   const int head = row0 / HEAD_DIM;
   if (CL) {
     cluster_wait_acquire();  // phase 0: CTA 0 runs
-    if (warp == 0) {  // the same bf16 values into CTA 0's s_head
-      const int t = lane & 3, t0 = 2 * t, t1 = 2 * t + 1, r = row0 % HEAD_DIM + g;
-      const u32 base = cluster_map(s_head, 0);
-      if (t0 < NT) {
-        st_cluster_u16(base + 2u * (t0 * HEAD_DIM + r), f32_to_bf16_rn(acc[0][0]));
-        st_cluster_u16(base + 2u * (t0 * HEAD_DIM + r + 8), f32_to_bf16_rn(acc[0][2]));
-      }
-      if (t1 < NT) {
-        st_cluster_u16(base + 2u * (t1 * HEAD_DIM + r), f32_to_bf16_rn(acc[0][1]));
-        st_cluster_u16(base + 2u * (t1 * HEAD_DIM + r + 8), f32_to_bf16_rn(acc[0][3]));
-      }
-    }
+    if (warp == 0)  // the same bf16 values into CTA 0's s_head
+      store_tile_cluster<NT>(cluster_map(s_head, 0), HEAD_DIM, row0 % HEAD_DIM, acc[0]);
     cluster_arrive_release();  // phase 1: this CTA's rows are in CTA 0
     if (cluster_rank() != 0) return;
     cluster_wait_acquire();  // phase 1: the head's rows are all in s_head
@@ -652,18 +659,8 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
     if (warp == 0) store_tile<NT>(logits, n_exp, row0, acc[0]);
     if (CL) {
       cluster_wait_acquire();  // phase 0: CTA 0 runs
-      if (warp == 0) {  // the same bf16 values into CTA 0's s_lg
-        const int t = lane & 3, t0 = 2 * t, t1 = 2 * t + 1;
-        const u32 base = cluster_map(s_lg, 0);
-        if (t0 < NT) {
-          st_cluster_u16(base + 2u * (t0 * n_exp + row0 + g), f32_to_bf16_rn(acc[0][0]));
-          st_cluster_u16(base + 2u * (t0 * n_exp + row0 + g + 8), f32_to_bf16_rn(acc[0][2]));
-        }
-        if (t1 < NT) {
-          st_cluster_u16(base + 2u * (t1 * n_exp + row0 + g), f32_to_bf16_rn(acc[0][1]));
-          st_cluster_u16(base + 2u * (t1 * n_exp + row0 + g + 8), f32_to_bf16_rn(acc[0][3]));
-        }
-      }
+      if (warp == 0)  // the same bf16 values into CTA 0's s_lg
+        store_tile_cluster<NT>(cluster_map(s_lg, 0), n_exp, row0, acc[0]);
       cluster_arrive_release();  // phase 1: this CTA's logits are in CTA 0
     }
   }
