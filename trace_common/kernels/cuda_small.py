@@ -57,8 +57,10 @@ MAX_SLOTS = 1536  # sorted_pair entries the router lays out in shared memory (.c
 RING_BYTES_PER_TILE_CHUNK = 2 * 32 * 16  # rows g and g + 8, 32 lanes, 16 bytes
 # Loads per ring stage (chunks per warp per stage) and stages: 4 chunks x 2 rows x 512 bytes
 # = 4 KB per warp per stage (RT = 1), 3 stages in flight. Warps per CTA per call site below.
-RING_STAGE_CHUNKS = 4
-RING_STAGES = 3  # both set by configure() below (DEFAULT_RING, TRACE_SMALL_CONFIG)
+DEFAULT_RING = {"RING_STAGES": 3, "RING_STAGE_CHUNKS": 4}
+RING_KNOBS = tuple(DEFAULT_RING)
+# in force: DEFAULT_RING with TRACE_SMALL_CONFIG on top (configure() below)
+RING_STAGES, RING_STAGE_CHUNKS = DEFAULT_RING["RING_STAGES"], DEFAULT_RING["RING_STAGE_CHUNKS"]
 # The add + RMSNorm prologue is recomputed by every CTA of the qkv GEMV: worth it while the rows
 # it sums are few (tokens x (delta rows + residual)); else one add_rmsnorm launch before it.
 PROLOGUE_MAX_ROWS = 9
@@ -129,9 +131,9 @@ def qkv_cluster_enabled(mode: str | None = None) -> bool:
     return env_choice("TRACE_QKV_CLUSTER", mode, QKV_CLUSTER_MODES, DEFAULT_QKV_CLUSTER) == "on"
 
 
-def gate_up_by_pairs(batch: int, mode: str | None = None) -> bool:
-    """Whether the BF16 small-batch step runs gate_up by pairs at `batch` tokens: `mode`, else
-    TRACE_SMALL_GATE_UP, else DEFAULT_GATE_UP ("auto": batch <= PAIRS_MAX_BATCH)."""
+def experts_by_pairs(batch: int, mode: str | None = None) -> bool:
+    """Whether the small-batch step runs its expert GEMMs by pairs at `batch` tokens: `mode`,
+    else TRACE_SMALL_GATE_UP, else DEFAULT_GATE_UP ("auto": batch <= PAIRS_MAX_BATCH)."""
     mode = env_choice("TRACE_SMALL_GATE_UP", mode, GATE_UP_MODES, DEFAULT_GATE_UP)
     return mode == "pairs" or (mode == "auto" and batch <= PAIRS_MAX_BATCH)
 
@@ -197,8 +199,6 @@ def split_k(k: int, warps: int, rt: int = 1, stages: int | None = None) -> Split
 # warps per CTA of each call site (tuned by hand for the Qwen3-30B-A3B shape on an H200: each
 # CTA's rings fit 2-4 CTAs per SM; docs in the module docstring of the .cu)
 DEFAULT_WARPS = {"qkv": 8, "o": 8, "router": 8, "lm_head": 4, "gate_up": 4}
-DEFAULT_RING = {"RING_STAGES": 3, "RING_STAGE_CHUNKS": 4}
-RING_KNOBS = tuple(DEFAULT_RING)
 # Ring stages of one call site instead of RING_STAGES ("<site>_stages" in TRACE_SMALL_CONFIG).
 STAGE_SITES = ("qkv", "router", "gate_up", "down")
 # Launch shapes by token count where the best differs, used unless TRACE_SMALL_CONFIG names
@@ -426,9 +426,9 @@ def router_topk(
     """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
     logits, softmax top-k (renormalized) and, unless sorted_pair and block_expert are None,
     the grouped GEMMs' block layout (moe.RoutePlan, pairs of each expert in (j, t) order as
-    moe.align_reference). With `xq`, one more CTA
-    also writes xn's NVFP4 rows (and xq.dq16, and the compact record into `capture`), equal
-    to quant.quantize_rows(xn, scale_2=None, capture=capture, dq16=xq.dq16). `cluster`
+    moe.align_reference). With `xq`, one more CTA also writes xn's NVFP4 rows (and xq.dq16,
+    and the compact record into `capture`), equal to quant.quantize_rows(xn, scale_2=None,
+    capture=capture, dq16=xq.dq16). `cluster`
     (default: router_cluster_enabled()): the E / 16 CTAs as one cluster (E <= 128; more
     experts take the counter path), the same results; `counter` is then unused."""
     import numpy as np
@@ -492,7 +492,7 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, sorted_pair: torch.Tensor | No
     """act [P, I] = silu(x W_gate^T) * (x W_up^T) per pair p (token p // top_k); w [E, 2I, H]
     (gate rows then up rows). The expert of a pair: its block's in the plan's layout (blocks of
     8 pair slots, block_m 8), or with `topk_ids` [T, top_k] (sorted_pair and block_expert
-    None) topk_ids[p], one pair per CTA (`gate_up_by_pairs`)."""
+    None) topk_ids[p], one pair per CTA (`experts_by_pairs`)."""
     import numpy as np
 
     t, h = x.shape
@@ -556,8 +556,8 @@ __all__ = [
     "PROLOGUE_MAX_ROWS",
     "Split",
     "configure",
+    "experts_by_pairs",
     "fp4_fuse_parts",
-    "gate_up_by_pairs",
     "gemv",
     "moe_down",
     "moe_gate_up",

@@ -278,7 +278,7 @@ class DecodeEngine:
             self.block_m = moe.DECODE_BLOCK_M
         # small step: the expert GEMMs by pairs, the router laying out no blocks (BF16
         # cuda_small.moe_gate_up; FP4 the CUDA mma kernel with 8-slot blocks, cuda_moe)
-        self.experts_by_pairs = small_batch and cuda_small.gate_up_by_pairs(batch)
+        self.experts_by_pairs = small_batch and cuda_small.experts_by_pairs(batch)
         if self.experts_by_pairs and self.fp4:
             from trace_common.kernels.cuda_moe import MMA_N, cuda_kernel
 

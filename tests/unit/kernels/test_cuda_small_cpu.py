@@ -75,13 +75,13 @@ def test_router_cluster_switch(monkeypatch):
 def test_gate_up_mode_switch(monkeypatch):
     monkeypatch.delenv("TRACE_SMALL_GATE_UP", raising=False)
     limit = cuda_small.PAIRS_MAX_BATCH
-    assert cuda_small.gate_up_by_pairs(limit) and not cuda_small.gate_up_by_pairs(limit + 1)
+    assert cuda_small.experts_by_pairs(limit) and not cuda_small.experts_by_pairs(limit + 1)
     monkeypatch.setenv("TRACE_SMALL_GATE_UP", "blocks")
-    assert not cuda_small.gate_up_by_pairs(1)
-    assert cuda_small.gate_up_by_pairs(8, "pairs")
+    assert not cuda_small.experts_by_pairs(1)
+    assert cuda_small.experts_by_pairs(8, "pairs")
     monkeypatch.setenv("TRACE_SMALL_GATE_UP", "pair")
     with pytest.raises(ValueError, match="TRACE_SMALL_GATE_UP='pair'"):
-        cuda_small.gate_up_by_pairs(1)
+        cuda_small.experts_by_pairs(1)
 
 
 def test_gate_up_rejects_mixed_or_missing_routing():
