@@ -175,17 +175,24 @@ def decode_attention(
     decode: str | None = None,  # FP4 cache, Triton: "ptx" | "bits" (default: TRACE_FP4_DECODE)
     impl: str | None = None,  # FP4 cache: "cuda" | "triton" (default: TRACE_FP4_ATTN)
     pdl: bool = False,  # fused plan: launch as a programmatic dependent launch
+    kv_new: torch.Tensor | None = None,  # bf16 [2, B, Hkv * D]: append it first (see below)
+    kv_capture: object | None = None,  # with kv_new: its guidance record (kv_append's)
 ) -> torch.Tensor:
     """Softmax attention of one new query per sequence over its cached keys/values. With an
     FP4 cache the split kernel is the CUDA one (`cuda_attn`) where chosen and the shape fits,
     else Triton; the splits are combined by the Triton reduce kernel either way. With a fused
     plan (`plan.counters`) and a shape the CUDA kernels handle: one launch that also combines
-    (BF16 cache, or FP4 with the CUDA kernel)."""
+    (BF16 cache, or FP4 with the CUDA kernel). `kv_new`: the new token's K/V rows, appended at
+    position lens[b] - 1 first, as kv_append(cache, kv_new, lens - 1, kv_capture): inside the
+    CUDA FP4 attention kernel where it can (`cuda_attn.append_supported`), else by kv_append."""
     b, hq, d = q.shape
     qk_scale = d**-0.5 * LOG2E
     if out is None:
         out = torch.empty(b, hq * d, dtype=torch.bfloat16, device=q.device)
-    how = _attention_cuda(q, cache, lens, plan, out, qk_scale, impl, pdl)
+    if kv_new is not None and not _append_in_kernel(q, cache, plan, impl):
+        kv_append(cache, kv_new, lens - 1, kv_capture)
+        kv_new = None
+    how = _attention_cuda(q, cache, lens, plan, out, qk_scale, impl, pdl, kv_new, kv_capture)
     if how == "fused":
         return out
     k_mod = load_kernels("_tl_attn")
@@ -213,12 +220,27 @@ def decode_attention(
     return out
 
 
+def _append_in_kernel(q: torch.Tensor, cache: KVCacheGPU, plan: DecodeAttnPlan,
+                      impl: str | None) -> bool:  # fmt: skip
+    """Whether `decode_attention` runs the CUDA FP4 kernel that can append the new token."""
+    if not (cache.fp4 and fp4_attn_impl(impl) == "cuda"):
+        return False
+    from trace_common.kernels import cuda_attn
+
+    assert cache.codes is not None
+    hkv = cache.codes.shape[2]
+    return cuda_attn.supports(q.shape[1], hkv, q.shape[2], plan.chunk) and (
+        cuda_attn.append_supported(hkv))  # fmt: skip
+
+
 def _attention_cuda(
     q: torch.Tensor, cache: KVCacheGPU, lens: torch.Tensor, plan: DecodeAttnPlan,
     out: torch.Tensor, qk_scale: float, impl: str | None, pdl: bool,
+    kv_new: torch.Tensor | None = None, kv_capture: object | None = None,
 ) -> str:  # fmt: skip
     """The CUDA kernels' part of `decode_attention`, where they handle the case: "fused" (one
-    launch wrote `out`), "split" (the FP4 split kernel wrote the partials), else ""."""
+    launch wrote `out`), "split" (the FP4 split kernel wrote the partials), else "". `kv_new`
+    (only where _append_in_kernel): the FP4 kernel appends it first."""
     fp4_cuda = cache.fp4 and fp4_attn_impl(impl) == "cuda"
     if plan.counters is None and not fp4_cuda:
         return ""
@@ -238,7 +260,8 @@ def _attention_cuda(
     cuda_attn.decode_attn_split_cuda(
         q, kv, cache.scales, cache.row_scales, lens, plan.part_o, plan.part_ml,  # type: ignore[arg-type]
         chunk=plan.chunk, qk_scale=qk_scale, counters=plan.counters if fused else None,
-        out=out if fused else None, pdl=pdl and fused,
+        out=out if fused else None, pdl=pdl and fused, kv_new=kv_new,
+        kv_capture=kv_capture,  # type: ignore[arg-type]
     )  # fmt: skip
     return "fused" if fused else "split"
 

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from trace_common.kernels import cupy_available, env_choice
 from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream, pointers
+
+if TYPE_CHECKING:
+    from trace_common.kernels.quant import CompactRecordBuffers
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_fp4.cu"
 SMALL_SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_small.cu"
@@ -109,17 +113,19 @@ def fused_enabled(mode: str | None = None, *, small_batch: bool = True) -> bool:
     return (m == "all" or (m == "on" and small_batch)) and cupy_available()
 
 
-def kernel_name(config: tuple, fused: bool = False) -> tuple[str, int]:
+def kernel_name(config: tuple, fused: bool = False, append: bool = False) -> tuple[str, int]:
     """(template instance to compile, warps per CTA) of a launch configuration; `fused`: the
-    ring kernel's one-launch variant (combine in the last CTA)."""
+    ring kernel's one-launch variant (combine in the last CTA); `append`: the ring kernel that
+    also appends the newest token to the cache (`decode_attn_split_cuda`'s kv_new)."""
     kind, *p = config
     if kind == "ring" and len(p) == 3 and p[2] >= 2:
-        return f"attn_fp4_ring<{p[0]}, {p[1]}, {p[2]}{', true' if fused else ''}>", p[0]
-    if kind == "regs" and len(p) == 2 and not fused:
+        flags = f", {str(fused).lower()}, true" if append else (", true" if fused else "")
+        return f"attn_fp4_ring<{p[0]}, {p[1]}, {p[2]}{flags}>", p[0]
+    if kind == "regs" and len(p) == 2 and not (fused or append):
         return f"attn_fp4_split<{p[0]}, {p[1]}>", p[0]
     raise ValueError(f"CUDA FP4 attention config {config!r}: expected ('ring', warps, "
-                     f"CTAs per SM, stages >= 2) or ('regs', warps, CTAs per SM); fused={fused} "
-                     f"(the fused variant is the ring kernel's only)")  # fmt: skip
+                     f"CTAs per SM, stages >= 2) or ('regs', warps, CTAs per SM); fused={fused}, "
+                     f"append={append} (the ring kernel's variants only)")  # fmt: skip
 
 
 def parse_config(text: str) -> tuple:
@@ -168,11 +174,16 @@ def decode_attn_split_cuda(
     counters: torch.Tensor | None = None,  # int32 [B * HKV], zero: the fused variant
     out: torch.Tensor | None = None,  # bf16 [B, HQ * 128]: its output
     pdl: bool = False,
+    kv_new: torch.Tensor | None = None,  # bf16 [2, B, HKV * 128]: append the newest token
+    kv_capture: CompactRecordBuffers | None = None,  # with kv_new: its record, rows [2 B, ...]
 ) -> None:
     """Split kernel of FP4 decode attention: writes part_o / part_ml for splits of `chunk`
     tokens (splits starting at or past lens[b] are left untouched, as the reduce skips them).
     With `counters` and `out` (ring kernel only): the fused variant, which also combines the
-    splits into `out`; `pdl`: launched as a programmatic dependent launch."""
+    splits into `out`; `pdl`: launched as a programmatic dependent launch. With `kv_new` (ring
+    kernel, HKV <= its warps): the CTAs of the split holding position lens[b] - 1 first append
+    that token's K/V rows there, as quant.kv_append_fp4(kv_new, ..., pos=lens - 1, kv_capture)
+    bit for bit, instead of an append launch before."""
     import numpy as np
 
     b, hq, d = q.shape
@@ -191,7 +202,9 @@ def decode_attn_split_cuda(
     if fused:
         _check_fused(counters, out, b, hq, hkv)
     config = config or default_config()
-    name, warps = kernel_name(config, fused)
+    name, warps = kernel_name(config, fused, kv_new is not None)
+    if kv_new is not None:
+        _check_append(kv_new, kv_capture, b, hkv, warps)
     fn = compiled_function(SOURCE, name)
     ptr = np.uint64
     args = (
@@ -200,9 +213,33 @@ def decode_attn_split_cuda(
         ptr(part_ml.data_ptr()), np.int32(b), np.int32(hkv), np.int32(s), np.int32(chunk),
         np.int32(nsplit), np.float32(qk_scale),
     )  # fmt: skip
-    if config[0] == "ring":  # its FUSED arguments (unused, null, when not fused)
-        args += pointers(counters, out if fused else None)
+    if config[0] == "ring":  # its FUSED and KVQ arguments (unused, null, when off)
+        rec = kv_capture
+        args += pointers(counters, out if fused else None, kv_new,
+                         *((None,) * 3 if rec is None else (rec.mbits, rec.block_scales,
+                                                            rec.row_scales)))  # fmt: skip
     launch_on_torch_stream(fn, (nsplit, hkv, b), (warps * 32,), args, q.device, pdl=pdl)
+
+
+def append_supported(hkv: int, config: tuple | None = None) -> bool:
+    """Whether the FP4 attention kernel of `config` (default: default_config()) can append the
+    newest token itself: the ring kernel, one warp per kv head at least."""
+    config = config or default_config()
+    return config[0] == "ring" and hkv <= config[1]
+
+
+def _check_append(kv_new: torch.Tensor, rec: CompactRecordBuffers | None, b: int, hkv: int,
+                  warps: int) -> None:  # fmt: skip
+    if hkv > warps:
+        raise ValueError(f"appending in the attention kernel needs a warp per kv head: "
+                         f"HKV={hkv} > {warps} warps")  # fmt: skip
+    width = hkv * HEAD_DIM
+    if (kv_new.dtype != torch.bfloat16 or tuple(kv_new.shape) != (2, b, width)
+            or not kv_new.is_contiguous()):  # fmt: skip
+        raise ValueError(f"kv_new must be contiguous bf16 [2, {b}, {width}]; got {kv_new.dtype} "
+                         f"{tuple(kv_new.shape)}")  # fmt: skip
+    if rec is not None:
+        rec.check(2 * b, width, "kv_capture")
 
 
 def _check_fused(counters: torch.Tensor, out: torch.Tensor | None, b: int, hq: int,
@@ -264,6 +301,7 @@ def decode_attn_fused_bf16(
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "append_supported",
     "decode_attn_fused_bf16",
     "decode_attn_split_cuda",
     "default_config",

@@ -86,8 +86,12 @@ AUTO_MAX_BATCH = 2
 # on top of pdl,xq: act +0.3%, kv +0.3%, all +1.2% (a last-CTA tail costs about what the
 # quantize launch it replaces did). Rechecked on session 10's step (cluster router, reordered
 # expert GEMM; bench/env_ab.py, 3 interleaved rounds): act +3.1% at batch 1 and +1.5% at
-# batch 2, all +2.0% / +2.8%, so act is on by default and kv stays off.
-FP4_FUSE_PARTS = ("pdl", "xq", "act", "kv")
+# batch 2, all +2.0% / +2.8%, so act is on by default and kv stays off. "act_in_down": the
+# down GEMM's CTAs quantize act's rows themselves (no tail in gate_up, no launch); it replaces
+# "act" when both are chosen. "kv_attn": the FP4 KV append inside the attention kernel (the
+# CTAs of the split holding the new token, attention.decode_attention's kv_new); it replaces
+# "kv" when both are chosen.
+FP4_FUSE_PARTS = ("pdl", "xq", "act", "kv", "act_in_down", "kv_attn")
 DEFAULT_FP4_FUSE = "pdl,xq,act"
 
 

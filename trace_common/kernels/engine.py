@@ -285,6 +285,17 @@ class DecodeEngine:
             self.experts_by_pairs = self.cuda_gemm and self.block_m == MMA_N and all(
                 cuda_kernel(None, (k, self.block_m, gated)) == "mma"
                 for k, gated in ((s.hidden, True), (s.moe_inter, False)))  # fmt: skip
+        # the FP4 down GEMM quantizes its bf16 input rows itself (cuda_moe.moe_gemm_cuda with
+        # `a` bf16): part "act_in_down" of small_fuse (it then replaces "act") or of
+        # TRACE_FUSED_STEP; only where the down GEMM is the mma kernel
+        self.act_in_down = "act_in_down" in (self.small_fuse if small_batch else parts) and (
+            self.cuda_gemm and self._down_kernel() == "mma")  # fmt: skip
+        # where the small FP4 step appends the new token to the KV cache: "attention" (part
+        # "kv_attn": inside the attention kernel, which falls back to a launch where it
+        # cannot), "qkv" (part "kv": qkv_rope's last CTAs), else "launch" (quant.kv_append_fp4)
+        fuse = self.small_fuse
+        self.kv_append_site = ("attention" if "kv_attn" in fuse else "qkv" if "kv" in fuse
+                               else "launch")  # fmt: skip
         if self.small:
             self.resid_b = torch.empty(b, h, **bf)  # residual ping-pong (fused prologues)
             self.y_sum = torch.empty(b, h, **bf)  # BF16 experts: top-k sum per token
@@ -342,6 +353,12 @@ class DecodeEngine:
             }
         self.graph: torch.cuda.CUDAGraph | None = None
 
+    def _down_kernel(self) -> str:
+        """The CUDA expert-GEMM kernel that runs the down projection (cuda_moe.cuda_kernel)."""
+        from trace_common.kernels.cuda_moe import cuda_kernel
+
+        return cuda_kernel(None, (self.shape.moe_inter, self.block_m, False))
+
     def fill_context_(self, seed: int = 0) -> None:
         """Random cache contents standing for `context` tokens already decoded."""
         g = torch.Generator(device=self.tokens.device).manual_seed(seed)
@@ -384,7 +401,8 @@ class DecodeEngine:
             plan = self.plans[li]
             moe.route_align_into(self.rlogits, plan)
             if self.fp4:
-                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant)
+                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant,
+                                  act_in_down=self.act_in_down)  # fmt: skip
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
                              mul_route_w=False, out=self.act)  # fmt: skip
@@ -406,16 +424,19 @@ class DecodeEngine:
 
     def _experts_fp4(self, lw: LayerWeights, plan: moe.RoutePlan, rec: tuple | None, *,
                      x_quantized: bool = False, fuse_act: bool = False,
-                     pdl: bool = False) -> None:  # fmt: skip
+                     act_in_down: bool = False, pdl: bool = False) -> None:  # fmt: skip
         """FP4 routed experts of self.xn into self.y (per pair): quantize, gate_up, quantize,
         down (the guidance record of `moe_in` written by the first quantize). `x_quantized`:
         self.xq already holds xn's NVFP4 rows and record (written by cuda_small.router_topk
         or fused.add_rmsnorm_quant). CUDA expert GEMM only: `fuse_act` (gate_up's last CTA of
-        each expert block quantizes act), `pdl` (both GEMMs as programmatic dependent
-        launches)."""
+        each expert block quantizes act), `act_in_down` (the down GEMM's CTAs quantize act's
+        rows themselves; no act record exists, so nothing else needs them), `pdl` (both GEMMs
+        as programmatic dependent launches)."""
         s = self.shape
-        if (fuse_act or pdl) and not self.cuda_gemm:
-            raise ValueError("fuse_act / pdl need the CUDA expert GEMM")
+        if (fuse_act or act_in_down or pdl) and not self.cuda_gemm:
+            raise ValueError("fuse_act / act_in_down / pdl need the CUDA expert GEMM")
+        if fuse_act and act_in_down:
+            raise ValueError("fuse_act and act_in_down both quantize act: pick one")
         if not x_quantized:
             quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
                           out=(self.xq.codes, self.xq.scales, self.xq.scale_2),
@@ -429,11 +450,12 @@ class DecodeEngine:
         act_quant = dict(quant_out=self.actq, counter=self.fp4_counters[2:]) if fuse_act else {}
         gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k, mul_route_w=False,
              out=self.act, **act_quant)  # fmt: skip
-        if not fuse_act:
+        if not (fuse_act or act_in_down):
             quantize_rows(self.act, scale_2=None,
                           out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
                           dq16=self.actq.dq16)  # fmt: skip
-        gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True, out=self.y)
+        gemm(self.act if act_in_down else self.actq, lw.down, plan, gated=False, a_div=1,
+             mul_route_w=True, out=self.y)  # fmt: skip
 
     def _step_small(self) -> None:
         """`step` on the small-batch kernels. The residual alternates between self.resid and
@@ -453,7 +475,7 @@ class DecodeEngine:
                 cache=None if self.fp4 else cache.values, q_heads=s.q_heads,
                 kv_heads=s.kv_heads, eps=s.eps,
             )  # fmt: skip
-            if "kv" in fuse:  # the FP4 KV append (and k, v records) in qkv_rope
+            if self.kv_append_site == "qkv":  # the FP4 KV append (and k, v records) in qkv_rope
                 qkv_args.update(fp4_cache=cache, kv_counters=self.fp4_counters[:2],
                                 kv_capture=None if rec is None else rec[1])  # fmt: skip
             if b * (nsum + 1) <= cuda_small.PROLOGUE_MAX_ROWS:
@@ -463,10 +485,13 @@ class DecodeEngine:
             else:
                 attn.add_rmsnorm(delta, cur, lw.ln1, self.xn, nsum=nsum, eps=s.eps)
                 cuda_small.qkv_rope(**qkv_args, xn=self.xn, pdl=self.pdl)
-            if self.fp4 and "kv" not in fuse:
-                attn.kv_append(cache, self.kv_new, self.pos, None if rec is None else rec[1])
+            kv_rec = None if rec is None else rec[1]
+            if self.fp4 and self.kv_append_site == "launch":
+                attn.kv_append(cache, self.kv_new, self.pos, kv_rec)
+            in_attn = self.fp4 and self.kv_append_site == "attention"
             attn.decode_attention(self.q, cache, self.lens, self.attn_plan, out=self.attn_out,
-                                  pdl=self.pdl)  # fmt: skip
+                                  pdl=self.pdl, kv_new=self.kv_new if in_attn else None,
+                                  kv_capture=kv_rec if in_attn else None)  # fmt: skip
             cuda_small.gemv(self.attn_out, lw.w_o, self.o, warps=cuda_small.WARPS["o"],
                             pdl=self.pdl)  # fmt: skip
             plan = self.plans[li]
@@ -483,7 +508,8 @@ class DecodeEngine:
             cur, other = other, cur
             if self.fp4:
                 self._experts_fp4(lw, plan, rec, x_quantized="xq" in fuse,
-                                  fuse_act="act" in fuse, pdl=self.pdl and "pdl" in fuse)  # fmt: skip
+                                  fuse_act="act" in fuse and not self.act_in_down,
+                                  act_in_down=self.act_in_down, pdl=self.pdl and "pdl" in fuse)  # fmt: skip
                 delta, nsum = self.y, s.top_k
             else:
                 assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None

@@ -324,10 +324,11 @@ def test_moe_gemm_fp4_cuda(t, block_m, kernel, monkeypatch):
     assert sqnr_db(y_ref, y) > 40, f"CUDA down SQNR {sqnr_db(y_ref, y):.1f} dB <= 40"
 
 
-def _model_shape_gemms(t: int, block_m: int) -> tuple:
+def _model_shape_gemms(t: int, block_m: int, with_bf16: bool = False) -> tuple:
     """(plan, [(weights, activation rows, gated, a_div, mul_route_w, N_out)] for gate_up and
     down) at the model's expert shape: 128 experts, 2048 -> 2 x 768 -> 2048, top-8, `t`
-    tokens routed at random, packed NVFP4 weights, NVFP4 rows with their dq16 operand."""
+    tokens routed at random, packed NVFP4 weights, NVFP4 rows with their dq16 operand
+    (`with_bf16`: and a third item, the bf16 rows they were quantized from)."""
     from trace_common.kernels import moe, quant
 
     torch.manual_seed(t)
@@ -340,13 +341,17 @@ def _model_shape_gemms(t: int, block_m: int) -> tuple:
                               shared_halves=False)  # fmt: skip
     gu.pack_for_cuda_()
     dn.pack_for_cuda_()
-    rows = {}
+    rows, src = {}, []
     for name, r, kk in (("x", t, h), ("act", t * k, inter)):
         dq = torch.empty(r, kk, dtype=torch.float16, device=DEV)
         xin = torch.randn(r, kk, device=DEV).bfloat16()
+        if name == "act":  # a row of zeros and one of one huge value: the scale_2 edge cases
+            xin[0] = 0
+            xin[-1, 5] = 3e4
+        src.append(xin)
         rows[name] = moe.FP4Rows(*quant.quantize_rows(xin, scale_2=None, dq16=dq), dq)
     cases = [(gu, rows["x"], True, k, False, inter), (dn, rows["act"], False, 1, True, h)]
-    return plan, cases
+    return (plan, cases, src) if with_bf16 else (plan, cases)
 
 
 @pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
@@ -433,6 +438,49 @@ def test_moe_gemm_fp4_mma_by_pairs(t, pdl):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{gated=}: output {i}"
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("t,block_m,by_pairs", [(1, 8, True), (2, 8, True), (1, 8, False),
+                                                (8, 8, False), (32, 8, False), (40, 16, False)])  # fmt: skip
+def test_moe_gemm_fp4_mma_quantizes_bf16_rows(t, block_m, by_pairs, pdl):
+    """The mma kernel given bf16 rows (each CTA quantizes its slots' rows into shared memory)
+    equals quant.quantize_rows + the kernel on the NVFP4 rows, bit for bit, at the model's
+    expert shape: the down GEMM by blocks (8 and 16 slots) and by pairs, the gate_up by pairs
+    (by blocks its rows do not fit beside the reduction: refused by name)."""
+    from trace_common.kernels import cuda_moe, moe
+
+    plan, cases, src = _model_shape_gemms(t, block_m, with_bf16=True)
+    if by_pairs:  # the block layout poisoned: by pairs must not read it
+        plan = moe.RoutePlan(plan.topk_ids, plan.topk_w, torch.full_like(plan.sorted_pair, -7),
+                             torch.full_like(plan.block_expert, -7), block_m)  # fmt: skip
+    for (wt, a, gated, a_div, mrw, n_out), x in zip(cases, src, strict=True):
+        kw = dict(gated=gated, a_div=a_div, mul_route_w=mrw, kernel="mma", pdl=pdl,
+                  by_pairs=by_pairs)  # fmt: skip
+        if gated and not by_pairs:
+            with pytest.raises(ValueError, match="does not fit"):
+                cuda_moe.moe_gemm_cuda(x, wt, plan, **kw)
+            continue
+        ref = cuda_moe.moe_gemm_cuda(a, wt, plan, **kw)
+        got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
+        cuda_moe.moe_gemm_cuda(x, wt, plan, out=got, **kw)
+        assert torch.isfinite(got.float()).all(), f"{gated=}: unwritten outputs"
+        assert torch.equal(ref.view(torch.uint8), got.view(torch.uint8)), f"{gated=}: bits differ"
+
+
+def test_moe_gemm_fp4_bf16_rows_checked():
+    """bf16 rows for the in-kernel quantize: wrong dtype, width, row count or a kernel
+    without it are refused by name, before anything runs."""
+    from trace_common.kernels import cuda_moe
+
+    plan, cases, src = _model_shape_gemms(2, 8, with_bf16=True)
+    wt, x = cases[1][0], src[1]
+    kw = dict(gated=False, a_div=1, mul_route_w=True)
+    for bad in (x.float(), x[:, :512], x[:3]):
+        with pytest.raises(ValueError, match="rows to quantize"):
+            cuda_moe.moe_gemm_cuda(bad, wt, plan, kernel="mma", **kw)
+    with pytest.raises(ValueError, match="need the mma kernel"):
+        cuda_moe.moe_gemm_cuda(x, wt, plan, kernel="stream", **kw)
+
+
 @pytest.mark.parametrize("fp4,decode", [(False, None), (True, "bits"), (True, "ptx")])
 @pytest.mark.parametrize("b,cap,lens", [(3, 5000, [1, 777, 5000]),
                                         (4, 33000, [32769, 100, 20000, 4097])])  # fmt: skip
@@ -450,6 +498,51 @@ def test_decode_attention(fp4, decode, b, cap, lens):
     out = attn.decode_attention(q, cache, lens_t, plan, decode=decode)
     ref = attn.attention_reference(q, attn.dequantize_cache(cache), lens_t)
     assert sqnr_db(ref, out) > 35, f"decode attention SQNR {sqnr_db(ref, out):.1f} dB <= 35"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("capture", [False, True])
+@pytest.mark.parametrize("b,cap,lens", [(1, 1100, [1025]), (1, 1100, [1]), (2, 700, [513, 700]),
+                                        (3, 5000, [1, 777, 4097])])  # fmt: skip
+def test_decode_attention_fp4_appends_in_kernel(b, cap, lens, capture, fused):
+    """The CUDA FP4 attention given kv_new (the split holding position lens - 1 appends the
+    new token itself) writes the cache and guidance record that kv_append writes, bit for bit,
+    and the same attention output as kv_append + attention: at a split's first position, at
+    position 0, at the cache's end, fused and split + reduce plans."""
+    pytest.importorskip("cupy", reason="the CUDA attention kernel is launched through CuPy")
+    from trace_common.kernels import attention as attn
+    from trace_common.kernels.quant import CompactRecordBuffers
+
+    hq, hkv, d = 32, 4, 128
+    q = torch.randn(b, hq, d, device=DEV).bfloat16()
+    kv_new = (torch.randn(2, b, hkv * d, device=DEV) * 3).bfloat16()
+    kv_new[1, 0, :d] = 0  # one head of zeros: the token's scale_2 still from the others
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    results = []
+    for in_kernel in (False, True):
+        cache = attn.KVCacheGPU.allocate(fp4=True, batch=b, kv_heads=hkv, capacity=cap,
+                                         head_dim=d, device=DEV)  # fmt: skip
+        cache.fill_random_(torch.Generator(device=DEV).manual_seed(b))
+        plan = attn.DecodeAttnPlan.make(batch=b, q_heads=hq, kv_heads=hkv, capacity=cap,
+                                        head_dim=d, context_hint=max(lens), device=DEV,
+                                        cuda_fp4=True, fused=fused)  # fmt: skip
+        assert (plan.counters is not None) == fused
+        rec = CompactRecordBuffers.allocate(2 * b, hkv * d, DEV) if capture else None
+        if rec is not None:
+            for t in (rec.mbits, rec.block_scales, rec.row_scales):
+                t.fill_(0x5A if t.dtype == torch.uint8 else -1.0)
+        if in_kernel:
+            out = attn.decode_attention(q, cache, lens_t, plan, impl="cuda", kv_new=kv_new,
+                                        kv_capture=rec)  # fmt: skip
+        else:
+            attn.kv_append(cache, kv_new, lens_t - 1, rec)
+            out = attn.decode_attention(q, cache, lens_t, plan, impl="cuda")
+        torch.cuda.synchronize()
+        got = [out, cache.codes, cache.scales, cache.row_scales]
+        results.append(got + ([rec.mbits, rec.block_scales, rec.row_scales] if rec else []))
+    assert torch.isfinite(results[1][0].float()).all()
+    for i, (x, y) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs"
 
 
 def test_decode_attention_fp4_cuda_shape_fallback():

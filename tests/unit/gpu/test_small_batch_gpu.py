@@ -573,13 +573,14 @@ def test_qkv_rope_cluster_equals_counter_path(t, h, pro, fp4):
     assert int(counters.abs().sum()) == 0 and int(kv_counters.abs().sum()) == 0, "counters"
 
 
+@pytest.mark.parametrize("fused", ["all", "pdl,xq,act,kv", "pdl,xq,act_in_down,kv_attn"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_engine_small_fp4_fusions_equal_unfused(batch, monkeypatch):
+def test_engine_small_fp4_fusions_equal_unfused(batch, fused, monkeypatch):
     """The FP4 small-batch step with its fusions (quantizes folded into router_topk and
-    gate_up, PDL expert GEMMs) equals the step without them bit for bit (logits, tokens, FP4
-    KV cache, guidance records), eager and replayed."""
+    gate_up or the down GEMM ("all": act_in_down), PDL expert GEMMs) equals the step without
+    them bit for bit (logits, tokens, FP4 KV cache, guidance records), eager and replayed."""
     results = {}
-    for spec in ("none", "all"):
+    for spec in ("none", fused):
         monkeypatch.setenv("TRACE_SMALL_FP4_FUSE", spec)
         eng, _, _ = _engine(True, "cuda", batch, small=True)
         eng.pdl = True
@@ -591,7 +592,11 @@ def test_engine_small_fp4_fusions_equal_unfused(batch, monkeypatch):
         results[spec] = [eng.logits, eng.tokens,
                          *(t for c in eng.caches for t in (c.codes, c.scales, c.row_scales)),
                          *(t for r in rec for t in (r.mbits, r.block_scales, r.row_scales))]  # fmt: skip
-    for i, (a, b) in enumerate(zip(results["none"], results["all"], strict=True)):
+        assert eng.act_in_down == ("act_in_down" in spec or spec == "all")
+        assert eng.kv_append_site == {"none": "launch", "pdl,xq,act,kv": "qkv"}.get(
+            spec, "attention"
+        )
+    for i, (a, b) in enumerate(zip(results["none"], results[fused], strict=True)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
 
 

@@ -459,12 +459,72 @@ __device__ __forceinline__ void stage_softmax_pv(const u8* st, const float (&s)[
   }
 }
 
+// KVQ: the FP4 KV append of the newest token (position len - 1, as quant.kv_append_fp4, bit for
+// bit) by the CTAs of the split that holds it, one per kv head, before they read the cache:
+// each reads the token's whole K and V rows (kv_new bf16 [2, B, HKV * 128]: the per-token
+// scale_2 is over all kv heads), writes its head's codes and block scales, the token's scale_2
+// (every head's CTA the same value, so none reads another's) and, with r_mbits, its head's part
+// of the compact guidance record (rows k: b, v: B + b; head 0's CTA the rows' scale_2). Warp w
+// holds elements 4 lane .. + 3 of head w, so the warp of head hk quantizes it from registers.
+// The quantized token then reaches the ring through the cache (L2) like every older one.
+// Needs hkv <= WARPS (cuda_attn checks it).
+template <int WARPS>
+__device__ __forceinline__ void append_newest_token(const u16* __restrict__ kv_new, u8* codes,
+                                                    u8* scales, float* rs, u8* r_mbits,
+                                                    u8* r_scales, float* r_g, int n_batch,
+                                                    int b, int hk, int hkv, int cap, int pos) {
+  __shared__ float amax_s[2][WARPS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, width = hkv * HEAD_D;
+  float x[2][4], bamax[2], wmax[2];
+#pragma unroll
+  for (int kind = 0; kind < 2; ++kind) {
+    const int e = 4 * threadIdx.x;
+    if (e < width) {
+      load_bf16x4_cg(kv_new + (long)(kind * n_batch + b) * width + e, x[kind]);
+    } else {
+      x[kind][0] = x[kind][1] = x[kind][2] = x[kind][3] = 0.f;
+    }
+    bamax[kind] = quad_max(fmaxf(fmaxf(fabsf(x[kind][0]), fabsf(x[kind][1])),
+                                 fmaxf(fabsf(x[kind][2]), fabsf(x[kind][3]))));
+    wmax[kind] = bamax[kind];
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1)
+      wmax[kind] = fmaxf(wmax[kind], __shfl_xor_sync(0xffffffffu, wmax[kind], o));
+    if (lane == 0) amax_s[kind][warp] = wmax[kind];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int kind = 0; kind < 2; ++kind) {
+    float amax = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, amax_s[kind][w]);
+    const float g = nvfp4_scale_2(amax);
+    const int r = kind * n_batch + b;  // the record's row
+    const long at = ((long)r * hkv + hk) * cap + pos;  // (kind, b, hk, pos) in the cache
+    if (threadIdx.x == 0) {
+      rs[(long)r * cap + pos] = g;
+      if (r_mbits && hk == 0) r_g[r] = g;
+    }
+    if (warp != hk) continue;
+    NVFP4RowOut o = nvfp4_row_out(codes + at * (HEAD_D / 2), scales + at * (HEAD_D / 16),
+                                  rs + (long)r * cap + pos);
+    if (r_mbits) {  // the head's part of the row: blocks 8 hk ..
+      o.mbits = r_mbits + (long)r * (width / 8) + hk * (HEAD_D / 8);
+      o.rec_scales = r_scales + (long)r * (width / 16) + hk * (HEAD_D / 16);
+    }
+    nvfp4_quantize_quarter(x[kind], bamax[kind], g, lane >> 2, lane & 3, o);
+  }
+  __syncthreads();  // the token's cache entry written before any warp's ring reads it
+}
+
 // FUSED: one launch for the whole attention (the small-batch step): the CTA that finishes a
 // (sequence, kv head) last combines its splits into `out` (attn_common.cuh; counters [B, HKV]
 // zero before and after), and as a programmatic dependent launch it waits (griddepcontrol) for
 // the kernel before it (the KV append) and lets the o projection start at once. Not FUSED:
-// partials only (counters, out unused), combined by the Triton reduce kernel.
-template <int WARPS, int MINB, int NS, bool FUSED = false>
+// partials only (counters, out unused), combined by the Triton reduce kernel. KVQ: the split
+// holding the newest token appends it to the FP4 cache first (append_newest_token; kv_new and
+// the record pointers, else unused).
+template <int WARPS, int MINB, int NS, bool FUSED = false, bool KVQ = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     const u16* __restrict__ q,          // bf16 [B, HQ, 128]
     const u8* __restrict__ codes,       // [2, B, HKV, S, 64]
@@ -475,7 +535,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     float* __restrict__ part_ml,        // [B, HQ, NSPLIT, 2] max (log2 domain), sum
     int n_batch, int hkv, int cap, int chunk, int nsplit, float qk_scale,
     int* __restrict__ counters,         // FUSED: [B, HKV]
-    u16* __restrict__ out) {            // FUSED: bf16 [B, HQ * 128]
+    u16* __restrict__ out,              // FUSED: bf16 [B, HQ * 128]
+    const u16* __restrict__ kv_new,     // KVQ: bf16 [2, B, HKV * 128] the new token's k, v
+    u8* __restrict__ r_mbits, u8* __restrict__ r_scales,  // KVQ: its record (or null), rows
+    float* __restrict__ r_g) {                            // [2 B, HKV * 128]
   static_assert(NS >= 2, "a ring needs two stages");
   static_assert(NS * RING_STAGE >= GROUP * (HEAD_D + 4) * 4, "merge buffer aliases the ring");
   __shared__ alignas(128) u8 ring[WARPS][NS][RING_STAGE];
@@ -489,6 +552,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     pdl_wait();
     pdl_launch_dependents();
   }
+  if (KVQ && sp == (len - 1) / chunk)  // the cache is read by cp.async only: no stale copy
+    append_newest_token<WARPS>(kv_new, const_cast<u8*>(codes), const_cast<u8*>(scales),
+                               const_cast<float*>(rs), r_mbits, r_scales, r_g, n_batch, b, hk,
+                               hkv, cap, len - 1);
   const int end = min(start + chunk, len);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hq = hkv * GROUP;

@@ -244,7 +244,9 @@ __device__ __forceinline__ u32 quad_or(u32 v) {
 }
 
 // Lane q of a quad quantizes elements 4q..4q+3 (x) of block blk of a row whose scale_2 is g
-// and block amax bamax (over the quad) into o (all but scale_2).
+// and block amax bamax (over the quad) into o (all but scale_2). !CODES: codes and scales are
+// not written (o.codes, o.scales unused: a kernel that only needs dq16).
+template <bool CODES = true>
 __device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], float bamax, float g,
                                                        int blk, int q, const NVFP4RowOut& o) {
   float s = div_rn_f32(bamax, NVFP4_E2M1_MAX * g);  // fp32 product first, as the reference
@@ -264,8 +266,10 @@ __device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], floa
   }
   mb = quad_or(mb << (4 * q));
   const int seg = blk / o.seg_blocks, bi = blk - seg * o.seg_blocks;
-  *reinterpret_cast<u16*>(o.codes + seg * o.seg_codes + 8 * bi + 2 * q) = (u16)cw;
-  if (q == 0) o.scales[seg * o.seg_scales + bi] = (u8)sbyte;
+  if (CODES) {
+    *reinterpret_cast<u16*>(o.codes + seg * o.seg_codes + 8 * bi + 2 * q) = (u16)cw;
+    if (q == 0) o.scales[seg * o.seg_scales + bi] = (u8)sbyte;
+  }
   if (o.dq16) {  // B-fragment order: the pair (kk, kk + 1), kk even, is word ((kk % 8) / 2) * 2 + kk / 8
     u32* dq = reinterpret_cast<u32*>(o.dq16 + 16 * blk);
 #pragma unroll
@@ -288,7 +292,8 @@ __device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], floa
 // (lane q: elements 4q..4q+3; short per-thread chains, as the Triton kernel's), quad i of the
 // CTA blocks i, i + NTHREADS / 4, ... of the flattened [rows, k/16] (one each at decode sizes,
 // then kept in registers); the row amax meets in shared memory (atomicMax on the bits: >= 0).
-template <int NTHREADS, class Load, class Out>
+// !CODES: see nvfp4_quantize_quarter. Ends without a barrier: sync before reading the outputs.
+template <int NTHREADS, bool CODES = true, class Load, class Out>
 __device__ __forceinline__ void nvfp4_quantize_rows_cta(int rows, int k, const Load& load,
                                                         const Out& out) {
   static_assert(NTHREADS % 32 == 0, "whole warps");
@@ -316,6 +321,6 @@ __device__ __forceinline__ void nvfp4_quantize_rows_cta(int rows, int k, const L
       *o.scale_2 = g;
       if (o.rec_g) *o.rec_g = g;
     }
-    nvfp4_quantize_quarter(x, bamax, g, blk, q, o);
+    nvfp4_quantize_quarter<CODES>(x, bamax, g, blk, q, o);
   }
 }
