@@ -504,12 +504,13 @@ def test_decode_attention(fp4, decode, b, cap, lens):
 @pytest.mark.parametrize("capture", [False, True])
 @pytest.mark.parametrize("b,cap,lens", [(1, 1100, [1025]), (1, 1100, [1]), (2, 700, [513, 700]),
                                         (3, 5000, [1, 777, 4097])])  # fmt: skip
-def test_decode_attention_fp4_appends_in_kernel(b, cap, lens, capture, fused):
+def test_decode_attention_fp4_appends_in_kernel(b, cap, lens, capture, fused, monkeypatch):
     """The CUDA FP4 attention given kv_new (the split holding position lens - 1 appends the
     new token itself) writes the cache and guidance record that kv_append writes, bit for bit,
-    and the same attention output as kv_append + attention: at a split's first position, at
-    position 0, at the cache's end, fused and split + reduce plans."""
+    and the same attention output as kv_append + attention: at a split's first position (fused:
+    256-key splits), at position 0, at the cache's end, fused and split + reduce plans."""
     pytest.importorskip("cupy", reason="the CUDA attention kernel is launched through CuPy")
+    monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", "256")
     from trace_common.kernels import attention as attn
     from trace_common.kernels.quant import CompactRecordBuffers
 
