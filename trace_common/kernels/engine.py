@@ -285,10 +285,10 @@ class DecodeEngine:
             self.experts_by_pairs = self.cuda_gemm and self.block_m == MMA_N and all(
                 cuda_kernel(None, (k, self.block_m, gated)) == "mma"
                 for k, gated in ((s.hidden, True), (s.moe_inter, False)))  # fmt: skip
-        # the FP4 down GEMM quantizes its bf16 input rows itself (cuda_moe.moe_gemm_cuda with
-        # `a` bf16): part "act_in_down" of small_fuse (it then replaces "act") or of
-        # TRACE_FUSED_STEP; only where the down GEMM is the mma kernel
-        self.act_in_down = "act_in_down" in (self.small_fuse if small_batch else parts) and (
+        # the small FP4 step's down GEMM quantizes its bf16 input rows itself
+        # (cuda_moe.moe_gemm_cuda with `a` bf16): part "act_in_down" of small_fuse (it then
+        # replaces "act"); only where the down GEMM is the mma kernel
+        self.act_in_down = "act_in_down" in self.small_fuse and (
             self.cuda_gemm and self._down_kernel() == "mma")  # fmt: skip
         # where the small FP4 step appends the new token to the KV cache: "attention" (part
         # "kv_attn": inside the attention kernel, which falls back to a launch where it
@@ -401,8 +401,7 @@ class DecodeEngine:
             plan = self.plans[li]
             moe.route_align_into(self.rlogits, plan)
             if self.fp4:
-                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant,
-                                  act_in_down=self.act_in_down)  # fmt: skip
+                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant)
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
                              mul_route_w=False, out=self.act)  # fmt: skip

@@ -17,10 +17,10 @@ the top-k's bit-exact reduction order needs; the experts' act quantize in gate_u
 per expert block (`cuda_moe.moe_gemm_cuda(quant_out=...)`; an option, off, of the small path):
 -8.8% at batch 8, -12.8% at batch 32 (2026-12-03, bench/env_ab.py, 2 rounds).
 
-`fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = DEFAULT_FUSED (default),
-"all", "none", or a comma-separated subset of FUSED_PARTS. "act_in_down" (FP4, where the down
-GEMM is the CUDA mma kernel) lets the down GEMM's CTAs quantize act's rows themselves instead of
-a quantize launch (`cuda_moe.moe_gemm_cuda` with bf16 `a`).
+`fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all" (default), "none",
+or a comma-separated subset of FUSED_PARTS. Not kept either: the act quantize inside every CTA
+of the down GEMM (`cuda_moe.moe_gemm_cuda` with bf16 rows; each CTA quantizes its block's 8
+rows): -51% at batch 8, -58% at batch 32 (2026-12-03, bench/env_ab.py, 2 rounds).
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ from trace_common.kernels.attention import KVCacheGPU
 from trace_common.kernels.moe import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
 
-FUSED_PARTS = ("norm_quant", "qk_kv", "act_in_down")
-DEFAULT_FUSED = "norm_quant,qk_kv"  # act_in_down (the FP4 down GEMM quantizing act): opt-in
+FUSED_PARTS = ("norm_quant", "qk_kv")
 _NORM_WARPS = 4  # add_rmsnorm's launch width: the sum of squares must reduce in the same order
 _HEAD_WARPS = 1  # qk_norm_rope's
 
 
 def fused_parts(value: str | None = None) -> frozenset[str]:
-    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else DEFAULT_FUSED."""
-    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, DEFAULT_FUSED)
+    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else all of them."""
+    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, "all")
 
 
 def add_rmsnorm_quant(

@@ -180,7 +180,6 @@ def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
     plain, fused_eng = make("none"), make("all")
     assert not (plain.qk_kv or plain.norm_quant), "TRACE_FUSED_STEP=none left a fusion on"
     assert fused_eng.qk_kv and fused_eng.norm_quant == fp4, "TRACE_FUSED_STEP=all: fusions off"
-    assert fused_eng.act_in_down == (gemm == "cuda"), "act_in_down: CUDA expert GEMM only"
     start = [t.clone() for t in state(plain)]
     unfused = run(plain, start)
     fused_eager = run(fused_eng, start)

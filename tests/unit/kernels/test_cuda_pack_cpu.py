@@ -112,7 +112,7 @@ def test_in_kernel_quantize_rows_fit_the_down_configs():
     """The rows the mma kernel quantizes itself (bf16 input, `act_in_down`) fit beside the
     reduction for the model's down GEMM at 8 and 16 slots and for its gate_up by pairs (one
     row), not for the gate_up by blocks (moe_gemm_cuda refuses those)."""
-    from trace_common.kernels import cuda_small, fused
+    from trace_common.kernels import cuda_small
 
     lim = cuda_moe.SMEM_LIMIT
     for bm in (8, 16):
@@ -123,10 +123,9 @@ def test_in_kernel_quantize_rows_fit_the_down_configs():
     rw, wk, _, _ = cuda_moe.CONFIGS[(2048, 8, True)]
     assert cuda_moe.smem_bytes(8, rw, wk, True, xq_rows=1, k=2048) <= lim
     assert cuda_moe.smem_bytes(8, 2, 4, False, xq_rows=8, k=768) == 4096 + 8 * (2 * 768 + 32)
-    # opt-in on the standard step, part of "all" on the small one
-    assert "act_in_down" not in fused.fused_parts(fused.DEFAULT_FUSED)
-    assert "act_in_down" in fused.fused_parts("all")
+    # a part of the small step's "all", not of its default
     assert "act_in_down" in cuda_small.fp4_fuse_parts("all")
+    assert "kv_attn" in cuda_small.fp4_fuse_parts(cuda_small.DEFAULT_FP4_FUSE)
     assert "act_in_down" not in cuda_small.fp4_fuse_parts(cuda_small.DEFAULT_FP4_FUSE)
 
 

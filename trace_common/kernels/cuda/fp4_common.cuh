@@ -324,3 +324,53 @@ __device__ __forceinline__ void nvfp4_quantize_rows_cta(int rows, int k, const L
     nvfp4_quantize_quarter<CODES>(x, bamax, g, blk, q, o);
   }
 }
+
+// nvfp4_quantize_rows_cta for at most ITEMS * NTHREADS quarter blocks (rows * k / 4): every
+// thread issues the loads of all its items at once and keeps them in registers, so the CTA
+// waits for one round of loads instead of one per item and pass (the mma kernel's own act
+// quantize, where that chain was its cost). Same outputs; ends without a barrier. It loads
+// before its first barrier: whatever `load` reads from shared memory must be synced before.
+template <int NTHREADS, int ITEMS, bool CODES = true, class Load, class Out>
+__device__ __forceinline__ void nvfp4_quantize_rows_cta_regs(int rows, int k, const Load& load,
+                                                             const Out& out) {
+  static_assert(NTHREADS % 32 == 0, "whole warps");
+  __shared__ float s_amax[NVFP4_CTA_MAX_ROWS];
+  const int nb = k >> 4, total = rows * nb * 4, q = threadIdx.x & 3;
+  for (int r = threadIdx.x; r < rows; r += NTHREADS) s_amax[r] = 0.f;
+  float x[ITEMS][4], bamax[ITEMS];
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int i = threadIdx.x + j * NTHREADS;
+    if (i < total) {
+      const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
+      load(r, 16 * blk + 4 * q, x[j]);
+    }
+  }
+  __syncthreads();  // s_amax zeroed
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int i = threadIdx.x + j * NTHREADS;
+    if (i < total) {  // a quad is active or not as a whole
+      const int r = i / (4 * nb);
+      bamax[j] = quad_max(fmaxf(fmaxf(fabsf(x[j][0]), fabsf(x[j][1])),
+                                fmaxf(fabsf(x[j][2]), fabsf(x[j][3]))));
+      if (q == 0) atomicMax(reinterpret_cast<int*>(s_amax + r), __float_as_int(bamax[j]));
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int i = threadIdx.x + j * NTHREADS;
+    if (i < total) {
+      const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
+      const float g = nvfp4_scale_2(s_amax[r]);
+      const NVFP4RowOut o = out(r);
+      if (blk == 0 && q == 0) {
+        *o.scale_2 = g;
+        if (o.rec_g) *o.rec_g = g;
+      }
+      nvfp4_quantize_quarter<CODES>(x[j], bamax[j], g, blk, q, o);
+    }
+  }
+}
+
