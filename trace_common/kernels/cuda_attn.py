@@ -17,6 +17,10 @@ first tile's older tokens before `griddepcontrol.wait`). Both may be launched as
 dependent launches (`pdl=True`). `TRACE_ATTN_FUSED=on|all|off` (`fused_enabled`) selects them:
 "on" in the small-batch step, "all" in the standard step too.
 
+The ring kernel can also append the newest token to the FP4 cache itself (`kv_new` of
+`decode_attn_split_cuda`, `attention.decode_attention`): the small-batch FP4 step's default
+(`cuda_small` fuse part "kv_attn"), one quantize launch fewer per layer.
+
 Importing this module needs neither CuPy nor a GPU.
 """
 
