@@ -286,6 +286,25 @@ __device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], floa
 
 #define NVFP4_CTA_MAX_ROWS 64  // rows nvfp4_quantize_rows_cta takes (64 = 8 tokens x top-8)
 
+// Quarter q of block blk of row r, once the rows' amax are in s_amax: the row's scale_2 (written
+// by the block-0 quad's lane 0, with the record's) and the quarter's outputs.
+template <bool CODES, class Out>
+__device__ __forceinline__ void nvfp4_store_quarter(const float (&x)[4], float bamax, int r,
+                                                    int blk, int q, const float* s_amax,
+                                                    const Out& out) {
+  const float g = nvfp4_scale_2(s_amax[r]);
+  const NVFP4RowOut o = out(r);
+  if (blk == 0 && q == 0) {
+    *o.scale_2 = g;
+    if (o.rec_g) *o.rec_g = g;
+  }
+  nvfp4_quantize_quarter<CODES>(x, bamax, g, blk, q, o);
+}
+
+__device__ __forceinline__ float quad_block_amax(const float (&x)[4]) {
+  return quad_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
+}
+
 // The whole CTA (every one of its NTHREADS threads calls this) NVFP4-quantizes `rows` (<= 64)
 // rows of k bf16 values (k % 16 == 0): load(r, e, x) puts the 4 values from element e of row r
 // into x (fp32), out(r) says where row r goes (an NVFP4RowOut). A quad of threads takes a block
@@ -293,19 +312,55 @@ __device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], floa
 // CTA blocks i, i + NTHREADS / 4, ... of the flattened [rows, k/16] (one each at decode sizes,
 // then kept in registers); the row amax meets in shared memory (atomicMax on the bits: >= 0).
 // !CODES: see nvfp4_quantize_quarter. Ends without a barrier: sync before reading the outputs.
-template <int NTHREADS, bool CODES = true, class Load, class Out>
+// ITEMS > 0 (the caller guarantees rows * k / 4 <= ITEMS * NTHREADS): every thread issues the
+// loads of all its blocks at once and keeps them in registers, one round of loads instead of
+// one per block and pass (the mma kernel's own act quantize, where that chain was its cost);
+// same outputs. It then loads before its first barrier: whatever `load` reads from shared
+// memory must be synced before the call.
+template <int NTHREADS, bool CODES = true, int ITEMS = 0, class Load, class Out>
 __device__ __forceinline__ void nvfp4_quantize_rows_cta(int rows, int k, const Load& load,
                                                         const Out& out) {
   static_assert(NTHREADS % 32 == 0, "whole warps");
   __shared__ float s_amax[NVFP4_CTA_MAX_ROWS];
   const int nb = k >> 4, total = rows * nb * 4, q = threadIdx.x & 3;
   for (int r = threadIdx.x; r < rows; r += NTHREADS) s_amax[r] = 0.f;
+  if (ITEMS > 0) {
+    constexpr int N = ITEMS > 0 ? ITEMS : 1;
+    float xs[N][4], bm[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int i = threadIdx.x + j * NTHREADS;
+      if (i < total) {
+        const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
+        load(r, 16 * blk + 4 * q, xs[j]);
+      }
+    }
+    __syncthreads();  // s_amax zeroed
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int i = threadIdx.x + j * NTHREADS;
+      if (i < total) {  // a quad is active or not as a whole
+        bm[j] = quad_block_amax(xs[j]);
+        if (q == 0) atomicMax(reinterpret_cast<int*>(s_amax + i / (4 * nb)), __float_as_int(bm[j]));
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int i = threadIdx.x + j * NTHREADS;
+      if (i < total) {
+        const int r = i / (4 * nb);
+        nvfp4_store_quarter<CODES>(xs[j], bm[j], r, (i >> 2) - r * nb, q, s_amax, out);
+      }
+    }
+    return;
+  }
   __syncthreads();
   float x[4], bamax = 0.f;
   for (int i = threadIdx.x; i < total; i += NTHREADS) {  // a quad is active or not as a whole
     const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
     load(r, 16 * blk + 4 * q, x);
-    bamax = quad_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
+    bamax = quad_block_amax(x);
     if (q == 0) atomicMax(reinterpret_cast<int*>(s_amax + r), __float_as_int(bamax));
   }
   __syncthreads();
@@ -313,64 +368,8 @@ __device__ __forceinline__ void nvfp4_quantize_rows_cta(int rows, int k, const L
     const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
     if (total > NTHREADS) {  // else x and bamax still hold this block
       load(r, 16 * blk + 4 * q, x);
-      bamax = quad_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
+      bamax = quad_block_amax(x);
     }
-    const float g = nvfp4_scale_2(s_amax[r]);
-    const NVFP4RowOut o = out(r);
-    if (blk == 0 && q == 0) {
-      *o.scale_2 = g;
-      if (o.rec_g) *o.rec_g = g;
-    }
-    nvfp4_quantize_quarter<CODES>(x, bamax, g, blk, q, o);
+    nvfp4_store_quarter<CODES>(x, bamax, r, blk, q, s_amax, out);
   }
 }
-
-// nvfp4_quantize_rows_cta for at most ITEMS * NTHREADS quarter blocks (rows * k / 4): every
-// thread issues the loads of all its items at once and keeps them in registers, so the CTA
-// waits for one round of loads instead of one per item and pass (the mma kernel's own act
-// quantize, where that chain was its cost). Same outputs; ends without a barrier. It loads
-// before its first barrier: whatever `load` reads from shared memory must be synced before.
-template <int NTHREADS, int ITEMS, bool CODES = true, class Load, class Out>
-__device__ __forceinline__ void nvfp4_quantize_rows_cta_regs(int rows, int k, const Load& load,
-                                                             const Out& out) {
-  static_assert(NTHREADS % 32 == 0, "whole warps");
-  __shared__ float s_amax[NVFP4_CTA_MAX_ROWS];
-  const int nb = k >> 4, total = rows * nb * 4, q = threadIdx.x & 3;
-  for (int r = threadIdx.x; r < rows; r += NTHREADS) s_amax[r] = 0.f;
-  float x[ITEMS][4], bamax[ITEMS];
-#pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    const int i = threadIdx.x + j * NTHREADS;
-    if (i < total) {
-      const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
-      load(r, 16 * blk + 4 * q, x[j]);
-    }
-  }
-  __syncthreads();  // s_amax zeroed
-#pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    const int i = threadIdx.x + j * NTHREADS;
-    if (i < total) {  // a quad is active or not as a whole
-      const int r = i / (4 * nb);
-      bamax[j] = quad_max(fmaxf(fmaxf(fabsf(x[j][0]), fabsf(x[j][1])),
-                                fmaxf(fabsf(x[j][2]), fabsf(x[j][3]))));
-      if (q == 0) atomicMax(reinterpret_cast<int*>(s_amax + r), __float_as_int(bamax[j]));
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    const int i = threadIdx.x + j * NTHREADS;
-    if (i < total) {
-      const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
-      const float g = nvfp4_scale_2(s_amax[r]);
-      const NVFP4RowOut o = out(r);
-      if (blk == 0 && q == 0) {
-        *o.scale_2 = g;
-        if (o.rec_g) *o.rec_g = g;
-      }
-      nvfp4_quantize_quarter<CODES>(x[j], bamax[j], g, blk, q, o);
-    }
-  }
-}
-

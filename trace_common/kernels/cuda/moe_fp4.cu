@@ -186,7 +186,7 @@ __device__ __forceinline__ void quantize_slots_smem(const u16* x_bf, const int* 
   constexpr int ITEMS = (XR * K / 4 + NTHREADS - 1) / NTHREADS;  // quarter blocks per thread
   if (ITEMS <= 2) {  // one round of loads (the down GEMM by pairs: 192 quarters, 128 threads)
     __syncthreads();  // pair_s written (the loads come before the function's first barrier)
-    nvfp4_quantize_rows_cta_regs<NTHREADS, ITEMS <= 2 ? ITEMS : 1, false>(XR, K, load, dst);
+    nvfp4_quantize_rows_cta<NTHREADS, false, ITEMS <= 2 ? ITEMS : 1>(XR, K, load, dst);
   } else {
     nvfp4_quantize_rows_cta<NTHREADS, false>(XR, K, load, dst);
   }
