@@ -460,22 +460,29 @@ __device__ __forceinline__ void stage_softmax_pv(const u8* st, const float (&s)[
 }
 
 // KVQ: the FP4 KV append of the newest token (position len - 1, as quant.kv_append_fp4, bit for
-// bit) by the CTAs of the split that holds it, one per kv head, before they read the cache:
-// each reads the token's whole K and V rows (kv_new bf16 [2, B, HKV * 128]: the per-token
-// scale_2 is over all kv heads), writes its head's codes and block scales, the token's scale_2
-// (every head's CTA the same value, so none reads another's) and, with r_mbits, its head's part
-// of the compact guidance record (rows k: b, v: B + b; head 0's CTA the rows' scale_2). Warp w
-// holds elements 4 lane .. + 3 of head w, so the warp of head hk quantizes it from registers.
-// The quantized token then reaches the ring through the cache (L2) like every older one.
-// Needs hkv <= WARPS (cuda_attn checks it).
+// bit) by the CTAs of the split that holds it, one per kv head: each reads the token's whole K
+// and V rows (kv_new bf16 [2, B, HKV * 128]: the per-token scale_2 is over all kv heads); the
+// warp of its kv head quantizes that head from registers into `tok` (shared memory: per kind
+// 64 code bytes, 8 scale bytes, scale_2), then writes them to the cache, with its head's part of
+// the compact guidance record (rows k: b, v: B + b; head 0's CTA the token's scale_2 in the
+// cache and the record). The CTA's own ring never reads that row from the cache: its loads
+// stop before it (issued before this, so they overlap the append) and `patch_newest_row` puts
+// `tok` into the stage instead. Needs hkv <= WARPS (cuda_attn checks it). Ends with a barrier.
+struct alignas(16) NewestToken {
+  u8 codes[2][64];
+  u8 scales[2][8];
+  float g[2];
+};
+
 template <int WARPS>
 __device__ __forceinline__ void append_newest_token(const u16* __restrict__ kv_new, u8* codes,
                                                     u8* scales, float* rs, u8* r_mbits,
                                                     u8* r_scales, float* r_g, int n_batch,
-                                                    int b, int hk, int hkv, int cap, int pos) {
+                                                    int b, int hk, int hkv, int cap, int pos,
+                                                    NewestToken& tok) {
   __shared__ float amax_s[2][WARPS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, width = hkv * HEAD_D;
-  float x[2][4], bamax[2], wmax[2];
+  float x[2][4], bamax[2];
 #pragma unroll
   for (int kind = 0; kind < 2; ++kind) {
     const int e = 4 * threadIdx.x;
@@ -484,37 +491,70 @@ __device__ __forceinline__ void append_newest_token(const u16* __restrict__ kv_n
     } else {
       x[kind][0] = x[kind][1] = x[kind][2] = x[kind][3] = 0.f;
     }
-    bamax[kind] = quad_max(fmaxf(fmaxf(fabsf(x[kind][0]), fabsf(x[kind][1])),
-                                 fmaxf(fabsf(x[kind][2]), fabsf(x[kind][3]))));
-    wmax[kind] = bamax[kind];
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1)
-      wmax[kind] = fmaxf(wmax[kind], __shfl_xor_sync(0xffffffffu, wmax[kind], o));
-    if (lane == 0) amax_s[kind][warp] = wmax[kind];
   }
-  __syncthreads();
 #pragma unroll
   for (int kind = 0; kind < 2; ++kind) {
-    float amax = 0.f;
+    bamax[kind] = quad_block_amax(x[kind]);
+    float wmax = bamax[kind];
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, amax_s[kind][w]);
-    const float g = nvfp4_scale_2(amax);
-    const int r = kind * n_batch + b;  // the record's row
-    const long at = ((long)r * hkv + hk) * cap + pos;  // (kind, b, hk, pos) in the cache
-    if (threadIdx.x == 0) {
-      rs[(long)r * cap + pos] = g;
-      if (r_mbits && hk == 0) r_g[r] = g;
-    }
-    if (warp != hk) continue;
-    NVFP4RowOut o = nvfp4_row_out(codes + at * (HEAD_D / 2), scales + at * (HEAD_D / 16),
-                                  rs + (long)r * cap + pos);
-    if (r_mbits) {  // the head's part of the row: blocks 8 hk ..
-      o.mbits = r_mbits + (long)r * (width / 8) + hk * (HEAD_D / 8);
-      o.rec_scales = r_scales + (long)r * (width / 16) + hk * (HEAD_D / 16);
-    }
-    nvfp4_quantize_quarter(x[kind], bamax[kind], g, lane >> 2, lane & 3, o);
+    for (int o = 4; o < 32; o <<= 1) wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+    if (lane == 0) amax_s[kind][warp] = wmax;
   }
-  __syncthreads();  // the token's cache entry written before any warp's ring reads it
+  __syncthreads();
+  if (warp == hk) {
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+      float amax = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, amax_s[kind][w]);
+      const float g = nvfp4_scale_2(amax);
+      const int r = kind * n_batch + b;  // the record's row
+      NVFP4RowOut o = nvfp4_row_out(tok.codes[kind], tok.scales[kind], &tok.g[kind]);
+      if (r_mbits) {  // the head's part of the row: blocks 8 hk ..
+        o.mbits = r_mbits + (long)r * (width / 8) + hk * (HEAD_D / 8);
+        o.rec_scales = r_scales + (long)r * (width / 16) + hk * (HEAD_D / 16);
+      }
+      nvfp4_quantize_quarter(x[kind], bamax[kind], g, lane >> 2, lane & 3, o);
+      if (lane == 0) {
+        tok.g[kind] = g;
+        if (hk == 0) {
+          rs[(long)r * cap + pos] = g;
+          if (r_mbits) r_g[r] = g;
+        }
+      }
+    }
+    __syncwarp();
+    if (lane < 10) {  // the head's codes (4 x 16 B per kind) and block scales (8 B) to the cache
+      const int kind = lane < 8 ? lane >> 2 : lane - 8;
+      const long at = ((long)(kind * n_batch + b) * hkv + hk) * cap + pos;  // (kind, b, hk, pos)
+      if (lane < 8) {
+        *reinterpret_cast<uint4*>(codes + at * 64 + (lane & 3) * 16) =
+            *reinterpret_cast<const uint4*>(tok.codes[kind] + (lane & 3) * 16);
+      } else {
+        *reinterpret_cast<uint2*>(scales + at * 8) = *reinterpret_cast<const uint2*>(tok.scales[kind]);
+      }
+    }
+  }
+  __syncthreads();  // tok complete for every warp
+}
+
+// The newest token's row (row rr of stage st, whose cp.async left it zero) from `tok`: lanes
+// 0-7 the code chunks, 8-9 the block scales, 10-11 the row scales. The caller syncs the warp
+// before and after.
+__device__ __forceinline__ void patch_newest_row(u8* st, int rr, const NewestToken& tok,
+                                                 int lane) {
+  if (lane < 8) {
+    const int kind = lane >> 2, c = lane & 3;
+    *reinterpret_cast<uint4*>(st + (kind ? ST_VC : ST_KC) + ring_code_off(rr, c)) =
+        *reinterpret_cast<const uint4*>(tok.codes[kind] + c * 16);
+  } else if (lane < 10) {
+    const int kind = lane - 8;
+    *reinterpret_cast<uint2*>(st + ST_KS + kind * 128 + 8 * rr) =
+        *reinterpret_cast<const uint2*>(tok.scales[kind]);
+  } else if (lane < 12) {
+    const int kind = lane - 10;
+    *reinterpret_cast<float*>(st + ST_KR + kind * 64 + 4 * rr) = tok.g[kind];
+  }
 }
 
 // FUSED: one launch for the whole attention (the small-batch step): the CTA that finishes a
@@ -522,8 +562,9 @@ __device__ __forceinline__ void append_newest_token(const u16* __restrict__ kv_n
 // zero before and after), and as a programmatic dependent launch it waits (griddepcontrol) for
 // the kernel before it (the KV append) and lets the o projection start at once. Not FUSED:
 // partials only (counters, out unused), combined by the Triton reduce kernel. KVQ: the split
-// holding the newest token appends it to the FP4 cache first (append_newest_token; kv_new and
-// the record pointers, else unused).
+// holding the newest token appends it to the FP4 cache while its ring loads the older rows, and
+// takes the new row from shared memory (append_newest_token; kv_new and the record pointers,
+// else unused).
 template <int WARPS, int MINB, int NS, bool FUSED = false, bool KVQ = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     const u16* __restrict__ q,          // bf16 [B, HQ, 128]
@@ -552,11 +593,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     pdl_wait();
     pdl_launch_dependents();
   }
-  if (KVQ && sp == (len - 1) / chunk)  // the cache is read by cp.async only: no stale copy
-    append_newest_token<WARPS>(kv_new, const_cast<u8*>(codes), const_cast<u8*>(scales),
-                               const_cast<float*>(rs), r_mbits, r_scales, r_g, n_batch, b, hk,
-                               hkv, cap, len - 1);
   const int end = min(start + chunk, len);
+  // KVQ: this CTA appends the newest token (position end - 1) and loads only the rows before it
+  const bool append = KVQ && end == len;
+  const int load_end = append ? end - 1 : end;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hq = hkv * GROUP;
 
@@ -583,9 +623,14 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
   for (int s = 0; s < NS - 1; ++s) {
     if (s < nj)
       ring_fill_next<WARPS>(ring0 + s * RING_STAGE, src, dcode, codes, scales, krs, vrs, kbase,
-                            vbase, start + (warp + WARPS * s) * TILE, end, lane);
+                            vbase, start + (warp + WARPS * s) * TILE, load_end, lane);
     cp_async_commit();
   }
+  __shared__ NewestToken tok;
+  if (append)  // while the older rows are in flight
+    append_newest_token<WARPS>(kv_new, const_cast<u8*>(codes), const_cast<u8*>(scales),
+                               const_cast<float*>(rs), r_mbits, r_scales, r_g, n_batch, b, hk,
+                               hkv, cap, len - 1, tok);
 
   // Q of head g as the B fragments (b0, b1) of 8 k-tiles (the same registers as the A
   // fragments above: the k index of both is 2t + (0, 1 | 8, 9))
@@ -612,9 +657,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attn_fp4_ring(
     const int jn = j + NS - 1;
     if (jn < nj)
       ring_fill_next<WARPS>(ring0 + (jn % NS) * RING_STAGE, src, dcode, codes, scales, krs, vrs,
-                            kbase, vbase, t0_of(jn), end, lane);
+                            kbase, vbase, t0_of(jn), load_end, lane);
     cp_async_commit();
-    const u8* st = &ring[warp][j % NS][0];
+    u8* st = &ring[warp][j % NS][0];
+    if (append && t0_of(j) + TILE >= end) {  // the tile holding the newest token
+      patch_newest_row(st, end - 1 - t0_of(j), tok, lane);
+      __syncwarp();
+    }
     float s[2][4];
     stage_scores(st, offk, g, t, qb, s);
     stage_softmax_pv(st, s, offv0, offv1, g, t, t0_of(j), end, kgain, m0, m1, l0, l1, acc);
