@@ -521,8 +521,7 @@ def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_di
 
 
 def _launch_mma(a: FP4Rows | torch.Tensor, w: ExpertWeights, plan: RoutePlan, gated: bool,
-                a_div: int,
-                mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
+                a_div: int, mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
                 pdl: bool = False, quant_out: FP4Rows | None = None,
                 counter: torch.Tensor | None = None, by_pairs: bool = False) -> None:  # fmt: skip
 

@@ -33,6 +33,16 @@ def _nan(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
 
 
+def _norm_weight(*shape: int, seed: int) -> torch.Tensor:
+    """An RMSNorm weight near 1 (bf16)."""
+    return (1 + 0.1 * _rand(*shape, seed=seed).float()).bfloat16()
+
+
+def _rope_inv_freq() -> torch.Tensor:
+    """RoPE inverse frequencies of head_dim D, theta 1e6."""
+    return 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))
+
+
 def ref_add_rmsnorm(resid, delta, nsum, w, eps):
     """(new residual, normalized rows): add_rmsnorm_kernel's roundings, fp32 sum in order j."""
     x = resid.float()
@@ -90,10 +100,10 @@ def test_qkv_rope(h, t, nsum, pro):
     w = _rand(n, h, std=0.02, seed=h)
     resid = _rand(t, h, seed=1)
     delta = _rand(t * nsum, h, std=0.5, seed=2) if nsum else None
-    ln_w = (1 + 0.1 * _rand(h, seed=3).float()).bfloat16()
-    norm_w = (1 + 0.1 * _rand(2, D, seed=4).float()).bfloat16()
+    ln_w = _norm_weight(h, seed=3)
+    norm_w = _norm_weight(2, D, seed=4)
     pos = torch.randint(0, cap, (t,), dtype=torch.int32, device=DEV)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))
+    inv_freq = _rope_inv_freq()
     r_ref, xn_ref = ref_add_rmsnorm(resid, delta, nsum, ln_w, eps)
     cache = _rand(2, t, hkv, cap, D, seed=5)
     cache_before = cache.clone()
@@ -131,7 +141,7 @@ def test_router_topk(t, e, k, bm, warps, monkeypatch):
     monkeypatch.setitem(cuda_small.WARPS, "router", warps)
     h, eps = 2048, 1e-6
     resid, delta = _rand(t, h, seed=11), _rand(t, h, std=0.5, seed=12)
-    ln_w = (1 + 0.1 * _rand(h, seed=13).float()).bfloat16()
+    ln_w = _norm_weight(h, seed=13)
     w = _rand(e, h, std=0.02, seed=14)
     plan = moe.RoutePlan.allocate(t, e, k, bm, DEV)
     counter = torch.zeros(1, dtype=torch.int32, device=DEV)
@@ -178,7 +188,7 @@ def test_router_topk_ties_and_no_layout(t, e, cluster):
 
     h, k, eps = 2048, 8, 1e-6
     resid, delta = _rand(t, h, seed=31), _rand(t, h, std=0.5, seed=32)
-    ln_w = (1 + 0.1 * _rand(h, seed=33).float()).bfloat16()
+    ln_w = _norm_weight(h, seed=33)
     w = _rand(e, h, std=0.02, seed=34)
     _, xn_ref = ref_add_rmsnorm(resid, delta, 1, ln_w, eps)
     top = int((xn_ref[0].float() @ w.float().t()).argmax())
@@ -392,7 +402,7 @@ def test_router_topk_quantizes_xn(t, e, h, capture):
     resid, delta = _rand(t, h, seed=31), _rand(t, h, std=0.5, seed=32)
     resid[0, :16] = 0  # an all-zero block
     delta[0, :16] = 0
-    ln_w = (1 + 0.1 * _rand(h, seed=33).float()).bfloat16()
+    ln_w = _norm_weight(h, seed=33)
     w = _rand(e, h, std=0.02, seed=34)
     counter = torch.zeros(1, dtype=torch.int32, device=DEV)
     outs = {}
@@ -477,10 +487,10 @@ def test_qkv_rope_fp4_kv_append(t, hkv, pro, capture):
     n = (hq + 2 * hkv) * D
     w = _rand(n, h, std=0.02, seed=51)
     resid = _rand(t, h, seed=52)
-    ln_w = (1 + 0.1 * _rand(h, seed=53).float()).bfloat16()
-    norm_w = (1 + 0.1 * _rand(2, D, seed=54).float()).bfloat16()
+    ln_w = _norm_weight(h, seed=53)
+    norm_w = _norm_weight(2, D, seed=54)
     pos = torch.randperm(cap, device=DEV)[:t].int()
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))
+    inv_freq = _rope_inv_freq()
     _, xn = ref_add_rmsnorm(resid, None, 0, ln_w, eps)
     counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device=DEV)
     kv_counters = torch.zeros(2, dtype=torch.int32, device=DEV)
@@ -533,10 +543,10 @@ def test_qkv_rope_cluster_equals_counter_path(t, h, pro, fp4):
     n = (hq + 2 * hkv) * D
     w = _rand(n, h, std=0.02, seed=61)
     resid, delta = _rand(t, h, seed=62), _rand(t, h, std=0.5, seed=63)
-    ln_w = (1 + 0.1 * _rand(h, seed=64).float()).bfloat16()
-    norm_w = (1 + 0.1 * _rand(2, D, seed=65).float()).bfloat16()
+    ln_w = _norm_weight(h, seed=64)
+    norm_w = _norm_weight(2, D, seed=65)
     pos = torch.randperm(cap, device=DEV)[:t].int()
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))
+    inv_freq = _rope_inv_freq()
     _, xn = ref_add_rmsnorm(resid, delta, 1, ln_w, eps)
     counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device=DEV)
     kv_counters = torch.zeros(2, dtype=torch.int32, device=DEV)
@@ -612,7 +622,7 @@ def test_router_topk_cluster_equals_counter_path(t, e, h, quant):
 
     eps, k, bm = 1e-6, 8, 8
     resid, delta = _rand(t, h, seed=41), _rand(t, h, std=0.5, seed=42)
-    ln_w = (1 + 0.1 * _rand(h, seed=43).float()).bfloat16()
+    ln_w = _norm_weight(h, seed=43)
     w = _rand(e, h, std=0.02, seed=44)
     counter = torch.zeros(1, dtype=torch.int32, device=DEV)
     outs = {}
