@@ -11,10 +11,11 @@ median tokens/s per setting and its change against the first setting.
 A setting is space-separated VAR=value assignments ("" = the defaults). Each engine takes the
 path the engine itself picks under its setting (the small-batch kernels with PDL at batch <= 2 by
 default), as bench/rollout_gpu.py does. TRACE_SMALL_CONFIG is applied per setting (the module
-reads it only at import). Two variables exist for A/Bs of kernel sources:
-TRACE_AB_SMALL_SOURCE=<file> and TRACE_AB_MOE_SOURCE=<file> compile the small-batch kernels
-(cuda/small_batch.cu) or the CUDA expert GEMMs (cuda/moe_fp4.cu) from <file>, e.g. an older
-revision saved beside them (its #includes resolve there):
+reads it only at import). Three variables exist for A/Bs of kernel sources:
+TRACE_AB_SMALL_SOURCE=<file>, TRACE_AB_MOE_SOURCE=<file> and TRACE_AB_ATTN_SOURCE=<file> compile
+the small-batch kernels (cuda/small_batch.cu), the CUDA expert GEMMs (cuda/moe_fp4.cu) or the
+CUDA FP4 attention (cuda/attn_fp4.cu) from <file>, e.g. an older revision saved beside them (its
+#includes resolve there):
 
     git show HEAD~:trace_common/kernels/cuda/small_batch.cu > trace_common/kernels/cuda/small_old.cu
     python bench/env_ab.py --engines bf16 --batches 1 \
@@ -33,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from rollout_gpu import copy_bandwidth, fits, time_engine
 
-from trace_common.kernels import cuda_moe, cuda_small
+from trace_common.kernels import cuda_attn, cuda_moe, cuda_small
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.cuda_small import small_batch_enabled
 from trace_common.kernels.engine import EngineShape, EngineWeights, small_batch_supported
@@ -51,7 +52,11 @@ def parse_setting(text: str) -> dict[str, str]:
 
 
 # VAR=<file>: that module's kernels compiled from <file> (compiled_function caches per file name)
-SOURCES = {"TRACE_AB_SMALL_SOURCE": cuda_small, "TRACE_AB_MOE_SOURCE": cuda_moe}
+SOURCES = {
+    "TRACE_AB_SMALL_SOURCE": cuda_small,
+    "TRACE_AB_MOE_SOURCE": cuda_moe,
+    "TRACE_AB_ATTN_SOURCE": cuda_attn,
+}
 _DEFAULT_SOURCES = {name: mod.SOURCE for name, mod in SOURCES.items()}
 
 

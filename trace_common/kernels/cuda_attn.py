@@ -14,8 +14,9 @@ per layer, no reduce kernel: the CTA that finishes a (sequence, kv head) last co
 splits (`cuda/attn_common.cuh`). For the FP4 cache that is the ring kernel compiled with FUSED;
 for the BF16 cache `attn_bf16_fused` (`cuda/attn_small.cu`, registers, swapped MMAs, loads its
 first tile's older tokens before `griddepcontrol.wait`). Both may be launched as programmatic
-dependent launches (`pdl=True`). `TRACE_ATTN_FUSED=on|all|off` (`fused_enabled`) selects them:
-"on" in the small-batch step, "all" in the standard step too.
+dependent launches (`pdl=True`). `TRACE_ATTN_FUSED=auto|on|all|off` (`fused_enabled`) selects
+them: "on" in the small-batch step, "all" in the standard step too, "auto" (the default) the
+small-batch step and the standard step's BF16 cache from FUSED_BF16_MIN_CONTEXT tokens.
 
 The ring kernel can also append the newest token to the FP4 cache itself (`kv_new` of
 `decode_attn_split_cuda`, `attention.decode_attention`): the small-batch FP4 step's default
@@ -54,9 +55,16 @@ DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
 
 
 # TRACE_ATTN_FUSED: "on" the small-batch step's attention is one launch, "all" the standard
-# step's too (where `fused_chunk` takes the context), "off" split + reduce everywhere
-FUSED_MODES = ("on", "off", "all")
-DEFAULT_FUSED = "on"
+# step's too (where `fused_chunk` takes the context), "off" split + reduce everywhere, "auto"
+# as "on" plus the standard step's BF16 cache from FUSED_BF16_MIN_CONTEXT tokens of context
+FUSED_MODES = ("auto", "on", "off", "all")
+DEFAULT_FUSED = "auto"
+# The standard step's BF16 attention, fused (attn_bf16_fused) against split + reduce (Triton),
+# H200, 48 layers, 2 interleaved rounds (bench/env_ab.py, "" vs TRACE_ATTN_FUSED=all;
+# docs/benchmarks.md, session 13): batch 8 / 32 at 2K -1.0% / +0.3%, 4K +0.5% / +0.1%, 8K
+# +1.5% / +0.6%, 16K +2.6% / +1.5%, 32K batch 8 / 16 / 21 +5.9% / +6.9% / +3.6%. The FP4
+# cache's fused ring kernel stays off there (32K batch 8 / 16: -2.4% / -2.2%; 1K batch 32 -1.0%).
+FUSED_BF16_MIN_CONTEXT = 8192
 # attn_bf16_fused: warps per CTA at most (fewer when a split has fewer 16-token tiles), and
 # CTAs per SM its 202 registers x 128 threads allow (nvcc -Xptxas -v, sm_90a, no spills); the
 # plan sizes its splits for that many resident CTAs (attention.ring_chunk)
@@ -110,11 +118,14 @@ def fused_mode(mode: str | None = None) -> str:
     return env_choice("TRACE_ATTN_FUSED", mode, FUSED_MODES, DEFAULT_FUSED)
 
 
-def fused_enabled(mode: str | None = None, *, small_batch: bool = True) -> bool:
+def fused_enabled(mode: str | None = None, *, small_batch: bool = True, fp4: bool = False,
+                  context: int = 0) -> bool:  # fmt: skip
     """Whether a step runs the fused (one-launch) attention: the small-batch step unless the
-    mode is "off", the standard step (`small_batch=False`) only with "all"; both need CuPy."""
+    mode is "off"; the standard step (`small_batch=False`) with "all", and with "auto" for a
+    BF16 cache (`fp4` False) at `context` >= FUSED_BF16_MIN_CONTEXT tokens; all need CuPy."""
     m = fused_mode(mode)
-    return (m == "all" or (m == "on" and small_batch)) and cupy_available()
+    standard = m == "all" or (m == "auto" and not fp4 and context >= FUSED_BF16_MIN_CONTEXT)
+    return (standard or (m != "off" and small_batch)) and cupy_available()
 
 
 def kernel_name(config: tuple, fused: bool = False, append: bool = False) -> tuple[str, int]:

@@ -327,7 +327,7 @@ class DecodeEngine:
             batch=b, q_heads=s.q_heads, kv_heads=s.kv_heads, capacity=capacity, head_dim=d,
             context_hint=context, device=device,
             cuda_fp4=self.fp4 and fp4_attn_impl() == "cuda",
-            fused=cuda_attn.fused_enabled(small_batch=self.small),
+            fused=cuda_attn.fused_enabled(small_batch=self.small, fp4=self.fp4, context=context),
         )  # fmt: skip
         if self.fp4:
             u8 = dict(dtype=torch.uint8, device=device)

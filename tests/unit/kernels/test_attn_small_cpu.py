@@ -130,10 +130,19 @@ def test_fused_plan_chunks(monkeypatch):
 
 def test_fused_enabled_modes(monkeypatch):
     """TRACE_ATTN_FUSED: "on" fuses the small-batch step's attention only, "all" the standard
-    step's too, "off" neither (CuPy present); a bad value is refused, naming it."""
+    step's too, "auto" (default) the small-batch step's and the standard step's BF16 cache from
+    FUSED_BF16_MIN_CONTEXT tokens, "off" neither (CuPy present); a bad value is refused."""
     from trace_common.kernels import cuda_attn
 
     monkeypatch.setattr(cuda_attn, "cupy_available", lambda: True)
+    monkeypatch.delenv("TRACE_ATTN_FUSED", raising=False)
+    long, short = cuda_attn.FUSED_BF16_MIN_CONTEXT, cuda_attn.FUSED_BF16_MIN_CONTEXT - 1
+    assert cuda_attn.fused_mode() == "auto"
+    assert cuda_attn.fused_enabled() and cuda_attn.fused_enabled(fp4=True, context=short)
+    assert cuda_attn.fused_enabled(small_batch=False, context=long)
+    assert not cuda_attn.fused_enabled(small_batch=False, context=short)
+    assert not cuda_attn.fused_enabled(small_batch=False, fp4=True, context=long)
+    assert not cuda_attn.fused_enabled("on", small_batch=False, context=long)
     assert cuda_attn.fused_enabled("on") and not cuda_attn.fused_enabled("on", small_batch=False)
     assert cuda_attn.fused_enabled("all") and cuda_attn.fused_enabled("all", small_batch=False)
     assert not cuda_attn.fused_enabled("off") and not cuda_attn.fused_enabled("off",
