@@ -34,3 +34,15 @@ def test_a_setting_swaps_kernel_sources_and_launch_shapes(env_ab, tmp_path):
 def test_a_missing_source_file_is_refused_by_name(env_ab, tmp_path):
     with pytest.raises(ValueError, match=r"TRACE_AB_MOE_SOURCE=.*nope\.cu: no such file"):
         env_ab.apply({"TRACE_AB_MOE_SOURCE": str(tmp_path / "nope.cu")}, {"TRACE_AB_MOE_SOURCE"})
+
+
+def test_a_setting_swaps_the_fp4_attention_source(env_ab, tmp_path):
+    from trace_common.kernels import cuda_attn
+
+    variant = tmp_path / "attn_variant.cu"
+    variant.write_text("// a variant")
+    attn0 = cuda_attn.SOURCE
+    env_ab.apply({"TRACE_AB_ATTN_SOURCE": str(variant)}, {"TRACE_AB_ATTN_SOURCE"})
+    swapped = cuda_attn.SOURCE
+    env_ab.apply({}, {"TRACE_AB_ATTN_SOURCE"})
+    assert (swapped, cuda_attn.SOURCE) == (variant.resolve(), attn0)
