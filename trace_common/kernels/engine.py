@@ -310,8 +310,8 @@ class DecodeEngine:
         fuse = self.small_fuse
         self.kv_append_site = ("attention" if "kv_attn" in fuse else "qkv" if "kv" in fuse
                                else "launch")  # fmt: skip
-        if self.small or self.fused_router:
-            self.resid_b = torch.empty(b, h, **bf)  # residual ping-pong (fused prologues)
+        # residual ping-pong (the fused prologues read one and write the other)
+        self.resid_b = torch.empty(b, h, **bf) if self.small or self.fused_router else None
         if self.fused_router:
             self.router_counter = torch.zeros(1, dtype=torch.int32, device=device)
         if self.small:
@@ -390,7 +390,7 @@ class DecodeEngine:
         s, w = self.shape, self.w
         # the residual: in place, or alternating with self.resid_b where the fused router
         # writes it (its CTAs read the old one while CTA 0 writes the new)
-        cur, other = self.resid, getattr(self, "resid_b", None)
+        cur, other = self.resid, self.resid_b
         torch.index_select(w.embed, 0, self.tokens, out=cur)
         for li, lw in enumerate(w.layers):
             prev = None if li == 0 else self.y
@@ -415,6 +415,7 @@ class DecodeEngine:
             plan = self.plans[li]
             x_quantized = self.norm_quant
             if self.fused_router:
+                assert other is not None
                 xq = self.xq if self.cuda_gemm else None  # its quantize writes the dq16 operand
                 cuda_small.router_topk(
                     resid_in=cur, delta=self.o, nsum=1, ln_w=lw.ln2, eps=s.eps, resid_out=other,
