@@ -28,15 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import (
-    cuda_attn,
-    cuda_small,
-    cupy_available,
-    fp4_attn_impl,
-    fp4_gemm_impl,
-    fused,
-    moe,
-)
+from trace_common.kernels import cuda_attn, cuda_small, fp4_attn_impl, fp4_gemm_impl, fused, moe
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
@@ -253,15 +245,9 @@ class DecodeEngine:
             frozenset())  # fmt: skip
         parts = frozenset() if small_batch else fused.fused_parts()
         self.qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
-        # ln2 (+ the experts' input quantize), router, top-k and block layout in one launch
-        # (cuda_small.router_topk), where the small-batch kernels take the batch and shape
-        self.fused_router = (
-            "router" in parts and cupy_available() and small_batch_supported(s, batch)
-        )
         self.norm_quant = (
             self.fp4 and "norm_quant" in parts and fused.norm_quant_supported(s.hidden)
-            and not self.fused_router
-        )  # fmt: skip
+        )
         self.batch, self.capacity, self.guided = batch, capacity, frozenset(guided_layers)
         b, h, d = batch, s.hidden, s.head_dim
         bf = dict(dtype=torch.bfloat16, device=device)
@@ -310,11 +296,8 @@ class DecodeEngine:
         fuse = self.small_fuse
         self.kv_append_site = ("attention" if "kv_attn" in fuse else "qkv" if "kv" in fuse
                                else "launch")  # fmt: skip
-        # residual ping-pong (the fused prologues read one and write the other)
-        self.resid_b = torch.empty(b, h, **bf) if self.small or self.fused_router else None
-        if self.fused_router:
-            self.router_counter = torch.zeros(1, dtype=torch.int32, device=device)
         if self.small:
+            self.resid_b = torch.empty(b, h, **bf)  # residual ping-pong (fused prologues)
             self.y_sum = torch.empty(b, h, **bf)  # BF16 experts: top-k sum per token
             heads = s.q_heads + 2 * s.kv_heads
             counters = torch.zeros(heads + 1, dtype=torch.int32, device=device)
@@ -388,13 +371,10 @@ class DecodeEngine:
             self._step_small()
             return
         s, w = self.shape, self.w
-        # the residual: in place, or alternating with self.resid_b where the fused router
-        # writes it (its CTAs read the old one while CTA 0 writes the new)
-        cur, other = self.resid, self.resid_b
-        torch.index_select(w.embed, 0, self.tokens, out=cur)
+        torch.index_select(w.embed, 0, self.tokens, out=self.resid)
         for li, lw in enumerate(w.layers):
             prev = None if li == 0 else self.y
-            attn.add_rmsnorm(prev, cur, lw.ln1, self.xn, nsum=0 if li == 0 else s.top_k,
+            attn.add_rmsnorm(prev, self.resid, lw.ln1, self.xn, nsum=0 if li == 0 else s.top_k,
                              eps=s.eps)  # fmt: skip
             torch.mm(self.xn, lw.w_qkv.t(), out=self.qkv)
             rec = self.records.get(li) if self.fp4 else None
@@ -412,37 +392,22 @@ class DecodeEngine:
             attn.decode_attention(self.q, self.caches[li], self.lens, self.attn_plan,
                                   out=self.attn_out)  # fmt: skip
             torch.mm(self.attn_out, lw.w_o.t(), out=self.o)
-            plan = self.plans[li]
-            x_quantized = self.norm_quant
-            if self.fused_router:
-                assert other is not None
-                xq = self.xq if self.cuda_gemm else None  # its quantize writes the dq16 operand
-                cuda_small.router_topk(
-                    resid_in=cur, delta=self.o, nsum=1, ln_w=lw.ln2, eps=s.eps, resid_out=other,
-                    xn_out=self.xn, w_router=lw.router, logits=self.rlogits,
-                    counter=self.router_counter, topk_ids=plan.topk_ids, topk_w=plan.topk_w,
-                    sorted_pair=plan.sorted_pair, block_expert=plan.block_expert,
-                    block_m=plan.block_m, xq=xq,
-                    capture=None if rec is None or xq is None else rec[0],
-                )  # fmt: skip
-                cur, other = other, cur
-                x_quantized = xq is not None
+            if self.norm_quant:  # ln2 and the experts' input quantization in one launch
+                fused.add_rmsnorm_quant(self.o, self.resid, lw.ln2, self.xn, self.xq, nsum=1,
+                                        eps=s.eps, capture=None if rec is None else rec[0])  # fmt: skip
             else:
-                if self.norm_quant:  # ln2 and the experts' input quantization in one launch
-                    fused.add_rmsnorm_quant(self.o, cur, lw.ln2, self.xn, self.xq, nsum=1,
-                                            eps=s.eps, capture=None if rec is None else rec[0])  # fmt: skip
-                else:
-                    attn.add_rmsnorm(self.o, cur, lw.ln2, self.xn, nsum=1, eps=s.eps)
-                torch.mm(self.xn, lw.router.t(), out=self.rlogits)
-                moe.route_align_into(self.rlogits, plan)
+                attn.add_rmsnorm(self.o, self.resid, lw.ln2, self.xn, nsum=1, eps=s.eps)
+            torch.mm(self.xn, lw.router.t(), out=self.rlogits)
+            plan = self.plans[li]
+            moe.route_align_into(self.rlogits, plan)
             if self.fp4:
-                self._experts_fp4(lw, plan, rec, x_quantized=x_quantized)
+                self._experts_fp4(lw, plan, rec, x_quantized=self.norm_quant)
             else:
                 moe.moe_gemm(self.xn, lw.gate_up, plan, gated=True, a_div=s.top_k,
                              mul_route_w=False, out=self.act)  # fmt: skip
                 moe.moe_gemm(self.act, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
                              out=self.y)  # fmt: skip
-        self._finish(self.y, cur, s.top_k)
+        self._finish(self.y, self.resid, s.top_k)
 
     def _finish(self, delta: torch.Tensor | None, resid: torch.Tensor, nsum: int) -> None:
         """The step's tail on both paths: the last layer's output `delta` (`nsum` rows per

@@ -17,16 +17,14 @@ the top-k's bit-exact reduction order needs; the experts' act quantize in gate_u
 per expert block (`cuda_moe.moe_gemm_cuda(quant_out=...)`; an option, off, of the small path):
 -8.8% at batch 8, -12.8% at batch 32 (2026-12-03, bench/env_ab.py, 2 rounds).
 
-Part "router" is no launch of this module: up to `cuda_small.MAX_TOKENS` tokens the engine
-runs ln2 (add + RMSNorm), the router GEMV, top-k and the block layout (FP4 with the CUDA expert
-GEMM: also the experts' input quantize and its record) as the small-batch step's one
-`cuda_small.router_topk` launch instead of four (five) launches; the router logits then sum in
-another order than cuBLAS's (tests/unit/gpu/test_fused_gpu.py).
-
 `fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all" (default), "none",
 or a comma-separated subset of FUSED_PARTS. Not kept either: the act quantize inside every CTA
 of the down GEMM (`cuda_moe.moe_gemm_cuda` with bf16 rows; each CTA quantizes its block's 8
-rows): -51% at batch 8, -58% at batch 32 (2026-12-03, bench/env_ab.py, 2 rounds).
+rows): -51% at batch 8, -58% at batch 32 (2026-12-03, bench/env_ab.py, 2 rounds). Nor the
+small-batch step's router kernel (`cuda_small.router_topk`: ln2, router GEMV, top-k, block
+layout and the FP4 input quantize in one launch) in place of the standard step's four or five
+launches at batch 8: BF16 -2.3% / -1.1%, FP4 -7.1% / -6.0% at 1K / 32K (2026-12-04,
+bench/env_ab.py, 2 rounds; docs/benchmarks.md, session 13).
 """
 
 from __future__ import annotations
@@ -38,15 +36,14 @@ from trace_common.kernels.attention import KVCacheGPU
 from trace_common.kernels.moe import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
 
-FUSED_PARTS = ("norm_quant", "qk_kv", "router")
-DEFAULT_FUSED_PARTS = "norm_quant,qk_kv"  # "router": opt-in until measured on the GPU
+FUSED_PARTS = ("norm_quant", "qk_kv")
 _NORM_WARPS = 4  # add_rmsnorm's launch width: the sum of squares must reduce in the same order
 _HEAD_WARPS = 1  # qk_norm_rope's
 
 
 def fused_parts(value: str | None = None) -> frozenset[str]:
-    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else DEFAULT_FUSED_PARTS."""
-    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, DEFAULT_FUSED_PARTS)
+    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else all of them."""
+    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, "all")
 
 
 def add_rmsnorm_quant(

@@ -129,9 +129,11 @@ def test_qk_norm_rope_append_equals_unfused(b, hq, hkv, fp4, capture):
             assert _equal(getattr(rec_got, name), getattr(rec_ref, name)), f"record {name}"
 
 
-def _engines(fp4: bool, gemm: str | None, parts: tuple[str, ...], monkeypatch) -> list:
-    """Standard-step engines (batch 6, 3 layers, layers 1 and 2 guided when FP4) on the same
-    weights and state, one per TRACE_FUSED_STEP value in `parts`."""
+@pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "triton"), (True, "cuda")])
+def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
+    """One eager step with every fusion (TRACE_FUSED_STEP=all) and one with none, from the
+    same state: same tokens, logits, KV caches and guidance records, bit for bit; then graph
+    replay of the fused step equals its eager step."""
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
     if gemm == "cuda":
@@ -141,83 +143,50 @@ def _engines(fp4: bool, gemm: str | None, parts: tuple[str, ...], monkeypatch) -
     if fp4:
         w.quantize_experts_(gemm)
     tokens = torch.randint(0, shape.vocab, (6,), device=DEV)
-    out = []
-    for value in parts:  # the engine reads TRACE_FUSED_STEP when built
-        monkeypatch.setenv("TRACE_FUSED_STEP", value)
+
+    def make(parts: str) -> DecodeEngine:  # the engine reads TRACE_FUSED_STEP when built
+        monkeypatch.setenv("TRACE_FUSED_STEP", parts)
         eng = DecodeEngine(shape, w, batch=6, capacity=300, context=250,
                            guided_layers=(1, 2) if fp4 else (), device=DEV,
                            small_batch=False)  # fmt: skip
         eng.fill_context_()
         eng.tokens.copy_(tokens)
-        out.append(eng)
-    return out
+        return eng
 
+    def state(eng: DecodeEngine) -> list[torch.Tensor]:
+        ts = [eng.tokens, eng.pos, eng.lens, eng.logits]
+        for c in eng.caches:
+            ts += _cache_tensors(c)
+        for rec in getattr(eng, "records", {}).values():
+            ts += [r for buf in rec for r in (buf.mbits, buf.block_scales, buf.row_scales)]
+        return ts
 
-def _state(eng) -> list[torch.Tensor]:
-    """tokens, pos, lens, logits, then every layer's cache tensors, then the records."""
-    ts = [eng.tokens, eng.pos, eng.lens, eng.logits]
-    for c in eng.caches:
-        ts += _cache_tensors(c)
-    for rec in getattr(eng, "records", {}).values():
-        ts += [r for buf in rec for r in (buf.mbits, buf.block_scales, buf.row_scales)]
-    return ts
-
-
-def _run(eng, start: list[torch.Tensor], graph: bool = False) -> list[torch.Tensor]:
-    """One step (eager, or captured and replayed) from state `start`; the state after it."""
-    for t, saved in zip(_state(eng), start, strict=True):
-        t.copy_(saved)
-    if graph:
-        eng.capture(warmup=1)
-        for t, saved in zip(_state(eng), start, strict=True):
+    def run(
+        eng: DecodeEngine, start: list[torch.Tensor], graph: bool = False
+    ) -> list[torch.Tensor]:
+        for t, saved in zip(state(eng), start, strict=True):
             t.copy_(saved)
-        eng.replay()
-    else:
-        eng.step()
-    torch.cuda.synchronize()
-    return [t.clone() for t in _state(eng)]
+        if graph:
+            eng.capture(warmup=1)
+            for t, saved in zip(state(eng), start, strict=True):
+                t.copy_(saved)
+            eng.replay()
+        else:
+            eng.step()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        return [t.clone() for t in state(eng)]
 
-
-@pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "triton"), (True, "cuda")])
-def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
-    """One eager step with the bit-exact fusions (TRACE_FUSED_STEP=norm_quant,qk_kv) and one
-    with none, from the same state: same tokens, logits, KV caches and guidance records, bit for
-    bit; then graph replay of the fused step equals its eager step."""
-    plain, fused_eng = _engines(fp4, gemm, ("none", "norm_quant,qk_kv"), monkeypatch)
-    assert not (plain.qk_kv or plain.norm_quant or plain.fused_router), "none left one on"
-    assert fused_eng.qk_kv and fused_eng.norm_quant == fp4, "TRACE_FUSED_STEP: fusions off"
-    start = [t.clone() for t in _state(plain)]
-    unfused = _run(plain, start)
-    fused_eager = _run(fused_eng, start)
+    plain, fused_eng = make("none"), make("all")
+    assert not (plain.qk_kv or plain.norm_quant), "TRACE_FUSED_STEP=none left a fusion on"
+    assert fused_eng.qk_kv and fused_eng.norm_quant == fp4, "TRACE_FUSED_STEP=all: fusions off"
+    start = [t.clone() for t in state(plain)]
+    unfused = run(plain, start)
+    fused_eager = run(fused_eng, start)
     assert torch.isfinite(unfused[3].float()).all()
     for i, (a, b) in enumerate(zip(fused_eager, unfused, strict=True)):
         assert _equal(a, b), f"state tensor {i} differs between fused and unfused steps"
-    fused_graph = _run(fused_eng, start, graph=True)
-    for i, (a, b) in enumerate(zip(fused_graph, fused_eager, strict=True)):
-        assert _equal(a, b), f"state tensor {i}: graph replay differs from eager"
-
-
-@pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "triton"), (True, "cuda")])
-def test_engine_fused_router_matches_unfused(fp4, gemm, monkeypatch):
-    """The standard step with ln2, router, top-k and block layout (FP4 with the CUDA GEMM: and
-    the experts' input quantize) in one launch (TRACE_FUSED_STEP part "router",
-    cuda_small.router_topk) vs the separate launches, from the same state. The same math but
-    the router logits' accumulation order (a routing tie can flip an expert): layer 0's KV
-    cache bit for bit (written before any routing), next-token logits SQNR > 25 dB; its graph
-    replay equals its eager step bit for bit."""
-    pytest.importorskip("cupy", reason="the fused router is a CUDA kernel launched through CuPy")
-    plain, fused_eng = _engines(fp4, gemm, ("norm_quant,qk_kv", "all"), monkeypatch)
-    assert fused_eng.fused_router and not plain.fused_router
-    assert not fused_eng.norm_quant, "the fused router does the ln2 norm (and quantize) itself"
-    start = [t.clone() for t in _state(plain)]
-    ref = _run(plain, start)
-    got = _run(fused_eng, start)
-    n_cache = len(_cache_tensors(plain.caches[0]))
-    for i in range(4, 4 + n_cache):
-        assert _equal(got[i], ref[i]), f"layer 0 cache tensor {i - 4} differs"
-    err = (got[3].float() - ref[3].float()).pow(2).mean()
-    db = 10 * torch.log10(ref[3].float().pow(2).mean() / err.clamp_min(1e-30)).item()
-    assert db > 25, f"fused router vs separate launches: logits SQNR {db:.1f} dB <= 25"
-    graph = _run(fused_eng, start, graph=True)
-    for i, (a, b) in enumerate(zip(graph, got, strict=True)):
-        assert _equal(a, b), f"state tensor {i}: graph replay differs from eager"
+    if DEV == "cuda":
+        fused_graph = run(fused_eng, start, graph=True)
+        for i, (a, b) in enumerate(zip(fused_graph, fused_eager, strict=True)):
+            assert _equal(a, b), f"state tensor {i}: graph replay differs from eager"

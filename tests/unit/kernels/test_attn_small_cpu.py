@@ -152,16 +152,3 @@ def test_fused_enabled_modes(monkeypatch):
         cuda_attn.fused_enabled()
     monkeypatch.setattr(cuda_attn, "cupy_available", lambda: False)
     assert not cuda_attn.fused_enabled("all")
-
-
-def test_fused_step_parts(monkeypatch):
-    """TRACE_FUSED_STEP: the bit-exact parts by default; "router" (the small-batch router
-    kernel in the standard step) only when named or with "all"; a bad part is refused."""
-    from trace_common.kernels import fused
-
-    monkeypatch.delenv("TRACE_FUSED_STEP", raising=False)
-    assert fused.fused_parts() == {"norm_quant", "qk_kv"}
-    assert fused.fused_parts("all") == {"norm_quant", "qk_kv", "router"}
-    assert fused.fused_parts("router") == {"router"}
-    with pytest.raises(ValueError, match="routr"):
-        fused.fused_parts("qk_kv,routr")
