@@ -220,17 +220,27 @@ def decode_attention(
     return out
 
 
-def _append_in_kernel(q: torch.Tensor, cache: KVCacheGPU, plan: DecodeAttnPlan,
-                      impl: str | None) -> bool:  # fmt: skip
-    """Whether `decode_attention` runs the CUDA FP4 kernel that can append the new token."""
+def _fp4_cuda_runs(q: torch.Tensor, cache: KVCacheGPU, plan: DecodeAttnPlan,
+                   impl: str | None) -> bool:  # fmt: skip
+    """Whether the CUDA FP4 kernel takes this call: an FP4 cache, the CUDA implementation
+    chosen, a shape and split size it handles."""
     if not (cache.fp4 and fp4_attn_impl(impl) == "cuda"):
         return False
     from trace_common.kernels import cuda_attn
 
     assert cache.codes is not None
-    hkv = cache.codes.shape[2]
-    return cuda_attn.supports(q.shape[1], hkv, q.shape[2], plan.chunk) and (
-        cuda_attn.append_supported(hkv))  # fmt: skip
+    return cuda_attn.supports(q.shape[1], cache.codes.shape[2], q.shape[2], plan.chunk)
+
+
+def _append_in_kernel(q: torch.Tensor, cache: KVCacheGPU, plan: DecodeAttnPlan,
+                      impl: str | None) -> bool:  # fmt: skip
+    """Whether `decode_attention` runs the CUDA FP4 kernel that can append the new token."""
+    if not _fp4_cuda_runs(q, cache, plan, impl):
+        return False
+    from trace_common.kernels import cuda_attn
+
+    assert cache.codes is not None
+    return cuda_attn.append_supported(cache.codes.shape[2])
 
 
 def _attention_cuda(
@@ -241,21 +251,20 @@ def _attention_cuda(
     """The CUDA kernels' part of `decode_attention`, where they handle the case: "fused" (one
     launch wrote `out`), "split" (the FP4 split kernel wrote the partials), else "". `kv_new`
     (only where _append_in_kernel): the FP4 kernel appends it first."""
-    fp4_cuda = cache.fp4 and fp4_attn_impl(impl) == "cuda"
-    if plan.counters is None and not fp4_cuda:
-        return ""
     from trace_common.kernels import cuda_attn
 
-    kv = cache.codes if cache.fp4 else cache.values
-    assert kv is not None
-    if not cuda_attn.supports(q.shape[1], kv.shape[2], q.shape[2], plan.chunk):
-        return ""
-    if not cache.fp4:  # a fused plan (counters set)
-        cuda_attn.decode_attn_fused_bf16(q, kv, lens, plan.part_o, plan.part_ml, plan.counters,  # type: ignore[arg-type]
+    if not cache.fp4:  # the BF16 cache: CUDA only with a fused plan (counters set)
+        kv = cache.values
+        assert kv is not None
+        if plan.counters is None or not cuda_attn.supports(q.shape[1], kv.shape[2], q.shape[2],
+                                                            plan.chunk):  # fmt: skip
+            return ""
+        cuda_attn.decode_attn_fused_bf16(q, kv, lens, plan.part_o, plan.part_ml, plan.counters,
                                          out, chunk=plan.chunk, qk_scale=qk_scale, pdl=pdl)  # fmt: skip
         return "fused"
-    if not fp4_cuda:
+    if not _fp4_cuda_runs(q, cache, plan, impl):
         return ""
+    kv = cache.codes
     fused = plan.counters is not None and cuda_attn.default_config()[0] == "ring"
     cuda_attn.decode_attn_split_cuda(
         q, kv, cache.scales, cache.row_scales, lens, plan.part_o, plan.part_ml,  # type: ignore[arg-type]

@@ -92,9 +92,9 @@ AUTO_MAX_BATCH = 2
 # CTAs of the split holding the new token, attention.decode_attention's kv_new); it replaces
 # "kv" when both are chosen. Measured on session 11's step (bench/env_ab.py, 3 interleaved
 # rounds; docs/benchmarks.md session 12): kv_attn +2.3% / +3.9% at batch 1 / 2 (1K), +4.4% /
-# +3.1% (32K), so it is on by default; act_in_down (with kv_attn) -3.4% / +1.0%, i.e. slower than act: each of the
-# down GEMM's 64 CTAs per pair waits for its own row quantize before its MMAs, where gate_up's
-# tail did it once. act_in_down stays an option.
+# +3.1% (32K), so it is on by default; act_in_down (with kv_attn) -3.4% / +1.0%, i.e. slower
+# than act: each of the down GEMM's 64 CTAs per pair waits for its own row quantize before its
+# MMAs, where gate_up's tail did it once. act_in_down stays an option.
 FP4_FUSE_PARTS = ("pdl", "xq", "act", "kv", "act_in_down", "kv_attn")
 DEFAULT_FP4_FUSE = "pdl,xq,act,kv_attn"
 
