@@ -190,6 +190,11 @@ def supports(batch: int, *, hidden: int, head_dim: int, moe_inter: int, num_expe
     )
 
 
+def gemv_supported(n: int, k: int) -> bool:
+    """Whether `gemv` takes a weight of [n, k] (whole 16-row tiles, whole 32-wide k chunks)."""
+    return n > 0 and k > 0 and n % TILE_ROWS == 0 and k % CHUNK == 0
+
+
 def split_k(k: int, warps: int, rt: int = 1, stages: int | None = None) -> Split:
     """Split K over `warps` warps (fewer if K is too short) for tiles of `rt` x 16 rows, with
     `stages` ring stages (default RING_STAGES; at most one per round)."""
@@ -567,6 +572,7 @@ __all__ = [
     "experts_by_pairs",
     "fp4_fuse_parts",
     "gemv",
+    "gemv_supported",
     "moe_down",
     "moe_gate_up",
     "qkv_cluster_enabled",

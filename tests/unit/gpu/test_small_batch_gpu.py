@@ -303,6 +303,34 @@ def test_engine_small_matches_standard_step():
     assert got > 20, f"small-batch step vs standard step: logits SQNR {got:.1f} dB <= 20"
 
 
+@pytest.mark.parametrize("fp4", [False, True])
+def test_engine_standard_step_gemv_sites(fp4, monkeypatch):
+    """The standard step with its projections on the small-batch GEMV (TRACE_STEP_GEMV=all) vs
+    on cuBLAS, from the same state: same math up to accumulation order (logits SQNR > 20 dB, a
+    routing tie can flip an expert); its graph replay equals its eager step."""
+    monkeypatch.setenv("TRACE_STEP_GEMV", "all")
+    eng, _, _ = _engine(fp4, "cuda" if fp4 else None, 6, small=False, layers=2)
+    assert eng.gemv_sites == {"qkv", "o", "router"}
+    monkeypatch.setenv("TRACE_STEP_GEMV", "none")
+    ref, _, _ = _engine(fp4, "cuda" if fp4 else None, 6, small=False, layers=2)
+    assert not ref.gemv_sites
+    state = [eng.tokens, eng.pos, eng.lens, *(c.codes if fp4 else c.values for c in eng.caches)]
+    saved = [t.clone() for t in state]
+    ref.step()
+    eng.step()
+    torch.cuda.synchronize()
+    got = sqnr_db(ref.logits, eng.logits)
+    print(f"standard step, GEMV vs cuBLAS projections: logits SQNR {got:.1f} dB")
+    assert got > 20, f"GEMV projections vs cuBLAS: logits SQNR {got:.1f} dB <= 20"
+    eager = eng.logits.clone()
+    eng.capture(warmup=1)
+    for t, before in zip(state, saved, strict=True):
+        t.copy_(before)
+    eng.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eng.logits, eager), "graph replay and eager step differ"
+
+
 def test_gemv_pdl_waits_for_its_predecessor():
     """A PDL-launched GEMV right after a slow kernel that writes its input reads the finished
     input (griddepcontrol.wait after the weight prefetch), and a normal launch after it reads

@@ -120,3 +120,31 @@ def test_qkv_cluster_switch(monkeypatch):
     monkeypatch.setenv("TRACE_QKV_CLUSTER", "1")
     with pytest.raises(ValueError, match="TRACE_QKV_CLUSTER='1'"):
         cuda_small.qkv_cluster_enabled()
+
+
+def test_gemv_supported_shapes():
+    assert cuda_small.gemv_supported(2048, 4096)
+    assert not cuda_small.gemv_supported(2040, 4096)  # not whole 16-row tiles
+    assert not cuda_small.gemv_supported(2048, 4080)  # not whole 32-wide chunks
+    assert not cuda_small.gemv_supported(0, 4096)
+
+
+def test_step_gemv_sites(monkeypatch):
+    """TRACE_STEP_GEMV picks the standard step's GEMV projections; none where the GEMV cannot
+    run (CPU device, batch over MAX_TOKENS, no CuPy), and a bad value names the variable."""
+    from trace_common.kernels import engine
+
+    shape = engine.EngineShape()
+    monkeypatch.setattr("trace_common.kernels.cupy_available", lambda: True)
+    assert engine.step_gemv_sites(shape, 8, "cuda", "all") == set(engine.STEP_GEMV_SITES)
+    assert engine.step_gemv_sites(shape, 4, "cuda", "o,router") == {"o", "router"}
+    assert engine.step_gemv_sites(shape, 9, "cuda", "all") == frozenset()
+    assert engine.step_gemv_sites(shape, 8, "cpu", "all") == frozenset()
+    monkeypatch.setenv("TRACE_STEP_GEMV", "router")
+    assert engine.step_gemv_sites(shape, 2, "cuda") == {"router"}
+    odd = engine.EngineShape(num_experts=8, top_k=2)  # an 8-row router is not a whole tile
+    assert engine.step_gemv_sites(odd, 2, "cuda", "all") == {"qkv", "o"}
+    with pytest.raises(ValueError, match="TRACE_STEP_GEMV='lm_head'"):
+        engine.step_gemv_sites(shape, 2, "cuda", "lm_head")
+    monkeypatch.setattr("trace_common.kernels.cupy_available", lambda: False)
+    assert engine.step_gemv_sites(shape, 8, "cuda", "all") == frozenset()
