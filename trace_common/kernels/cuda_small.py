@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "small_batch.cu"
 MAX_TOKENS = 8  # MMA N: the tokens of one step are the 8 columns of the B operand
+GEMV_MAX_TOKENS = 32  # `gemv` alone: up to 4 such columns per weight stage
 HEAD_DIM = 128
 TILE_ROWS = 16  # weight rows per MMA tile (A operand)
 CHUNK = 32  # k per lane-quad load round: 4 lanes x 8 bf16
@@ -283,21 +284,32 @@ def _tokens(t: int) -> None:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, warps: int = 8,
          pdl: bool = False) -> None:  # fmt: skip
-    """out [T, N] = x [T, K] @ w [N, K]^T in bf16 (fp32 accumulate), T <= 8."""
+    """out [T, N] = x [T, K] @ w [N, K]^T in bf16 (fp32 accumulate), T <= GEMV_MAX_TOKENS:
+    up to MAX_TOKENS as one 8-token MMA column (`gemv_bf16`), more as ceil(T / 8) columns per
+    weight stage (`gemv_bf16_tiles`; not a programmatic dependent launch, `pdl` must be off)."""
     import numpy as np
 
     t, k = x.shape
     n = w.shape[0]
-    _tokens(t)
+    if not 0 < t <= GEMV_MAX_TOKENS:
+        raise ValueError(f"{t} tokens: gemv takes 1..{GEMV_MAX_TOKENS}")
     if n % TILE_ROWS:
         raise ValueError(f"N={n} must be a multiple of {TILE_ROWS}")
     _check("w", w, torch.bfloat16, (n, k))
     _check("x", x, torch.bfloat16, (t, k))
     _check("out", out, torch.bfloat16, (t, n))
     sp = split_k(k, warps)
-    fn = compiled_function(SOURCE, f"gemv_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}>", sp.smem)
-    launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,),
-                           (*pointers(w, x, out), np.int32(n)), out.device, sp.smem, pdl)  # fmt: skip
+    shape = f"{sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}"
+    args = (*pointers(w, x, out), np.int32(n))
+    if t <= MAX_TOKENS:
+        fn = compiled_function(SOURCE, f"gemv_bf16<{t}, {shape}>", sp.smem)
+    else:
+        if pdl:
+            raise ValueError(f"gemv of {t} > {MAX_TOKENS} tokens is not launched with PDL")
+        fn = compiled_function(SOURCE, f"gemv_bf16_tiles<{-(-t // 8)}, {shape}>", sp.smem)
+        args += (np.int32(t),)
+    launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,), args, out.device, sp.smem,
+                           pdl)  # fmt: skip
 
 
 def _prologue_args(resid_in: torch.Tensor, delta: torch.Tensor | None, nsum: int,
@@ -565,6 +577,7 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
 __all__ = [
     "AUTO_MAX_BATCH",
     "FP4_FUSE_PARTS",
+    "GEMV_MAX_TOKENS",
     "MAX_TOKENS",
     "PROLOGUE_MAX_ROWS",
     "Split",

@@ -193,23 +193,31 @@ class EngineWeights:
 
 
 # The standard step's BF16 projections that may run on `cuda_small.gemv` (tensor-core GEMV,
-# <= 8 tokens) instead of cuBLAS; TRACE_STEP_GEMV = "all", "none" or a comma list of them.
-# Default o and router: H200, bench/env_ab.py, 2 interleaved rounds (2026-12-04), tokens/s
-# against cuBLAS at 1K / 32K context: BF16 batch 4 +2.0% / +1.4%, batch 8 +1.6% / +1.0%; FP4
-# batch 4 +4.0% / +2.4%, batch 8 +2.9% / +2.1%. With qkv too: 0.2-0.4 points less.
+# <= 32 tokens) instead of cuBLAS; TRACE_STEP_GEMV = "auto" (the default: AUTO_STEP_GEMV up to
+# AUTO_STEP_GEMV_MAX_BATCH tokens), "all", "none" or a comma list of them. H200,
+# bench/env_ab.py, 2 interleaved rounds (2026-12-04), o + router against cuBLAS, 1K / 32K
+# context: BF16 batch 4 +2.0% / +1.4%, 8 +1.6 / +1.0, 16 +0.7 / +0.2, 32 -0.1 / (does not
+# fit); FP4 batch 4 +4.0 / +2.4, 8 +2.9 / +2.1, 16 +2.0 / +0.8, 32 -0.3 / -0.1. With qkv too:
+# 0.2-0.4 points less at batch <= 8, 0.7-1.9 less at 16, -1.9 to -3.6% at 32.
 STEP_GEMV_SITES = ("qkv", "o", "router")
-DEFAULT_STEP_GEMV = "o,router"
+AUTO_STEP_GEMV = "o,router"
+AUTO_STEP_GEMV_MAX_BATCH = 16
 
 
 def step_gemv_sites(shape: EngineShape, batch: int, device: str,
                     value: str | None = None) -> frozenset[str]:  # fmt: skip
     """The projections of the standard step that run on `cuda_small.gemv`: `value`, else
-    TRACE_STEP_GEMV, else DEFAULT_STEP_GEMV; none where the GEMV cannot run (a batch over
-    `cuda_small.MAX_TOKENS`, not CUDA, no CuPy) or a projection's shape does not fit it."""
+    TRACE_STEP_GEMV, else "auto"; none where the GEMV cannot run (a batch over
+    `cuda_small.GEMV_MAX_TOKENS`, not CUDA, no CuPy) or a projection's shape does not fit it."""
+    import os
+
     from trace_common.kernels import cupy_available, env_parts
 
-    sites = env_parts("TRACE_STEP_GEMV", value, STEP_GEMV_SITES, DEFAULT_STEP_GEMV)
-    if not (0 < batch <= cuda_small.MAX_TOKENS and torch.device(device).type == "cuda"
+    value = value or os.environ.get("TRACE_STEP_GEMV", "auto")
+    if value == "auto":
+        value = AUTO_STEP_GEMV if batch <= AUTO_STEP_GEMV_MAX_BATCH else "none"
+    sites = env_parts("TRACE_STEP_GEMV", value, STEP_GEMV_SITES, "auto")
+    if not (0 < batch <= cuda_small.GEMV_MAX_TOKENS and torch.device(device).type == "cuda"
             and cupy_available()):  # fmt: skip
         return frozenset()
     s = shape
@@ -604,7 +612,8 @@ def largest_batch(budget_bytes: int, weight_bytes: int, per_seq_bytes: int) -> i
 
 
 __all__ = [
-    "DEFAULT_STEP_GEMV",
+    "AUTO_STEP_GEMV",
+    "AUTO_STEP_GEMV_MAX_BATCH",
     "STEP_GEMV_SITES",
     "DecodeEngine",
     "EngineShape",

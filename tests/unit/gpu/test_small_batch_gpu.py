@@ -56,7 +56,7 @@ def ref_add_rmsnorm(resid, delta, nsum, w, eps):
     return x.bfloat16(), y
 
 
-@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("t", [1, 3, 8, 9, 16, 27, 32])  # > 8: gemv_bf16_tiles
 @pytest.mark.parametrize("n,k,site", [(5120, 2048, "qkv"), (2048, 4096, "o"),
                                       (128, 2048, "router"), (4096, 2048, "lm_head"),
                                       (512, 512, "qkv")])  # fmt: skip
@@ -65,10 +65,12 @@ def test_gemv(t, n, k, site):
 
     w = _rand(n, k, std=0.02, seed=n + k)
     x = _rand(t, k, seed=t)
-    out = _nan(t, n)
+    guard = _nan(t + 1, n)  # a row past the tokens: must stay unwritten
+    out = guard[:t]
     cuda_small.gemv(x, w, out, warps=cuda_small.WARPS[site])
     ref = x.float() @ w.float().t()
     assert torch.isfinite(out.float()).all(), "unwritten outputs"
+    assert torch.isnan(guard[t].float()).all(), "wrote past the last token"
     assert sqnr_db(ref, out) > 40, f"GEMV {site} SQNR {sqnr_db(ref, out):.1f} dB <= 40"
 
 

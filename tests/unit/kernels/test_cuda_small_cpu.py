@@ -138,13 +138,31 @@ def test_step_gemv_sites(monkeypatch):
     monkeypatch.setattr("trace_common.kernels.cupy_available", lambda: True)
     assert engine.step_gemv_sites(shape, 8, "cuda", "all") == set(engine.STEP_GEMV_SITES)
     assert engine.step_gemv_sites(shape, 4, "cuda", "o,router") == {"o", "router"}
-    assert engine.step_gemv_sites(shape, 9, "cuda", "all") == frozenset()
+    assert engine.step_gemv_sites(shape, 32, "cuda", "o") == {"o"}
+    assert engine.step_gemv_sites(shape, 33, "cuda", "all") == frozenset()
     assert engine.step_gemv_sites(shape, 8, "cpu", "all") == frozenset()
+    auto = set(engine.AUTO_STEP_GEMV.split(","))
+    assert engine.step_gemv_sites(shape, engine.AUTO_STEP_GEMV_MAX_BATCH, "cuda") == auto
+    assert engine.step_gemv_sites(shape, engine.AUTO_STEP_GEMV_MAX_BATCH + 1, "cuda") == set()
     monkeypatch.setenv("TRACE_STEP_GEMV", "router")
     assert engine.step_gemv_sites(shape, 2, "cuda") == {"router"}
+    assert engine.step_gemv_sites(shape, 32, "cuda") == {"router"}  # named: any batch it takes
     odd = engine.EngineShape(num_experts=8, top_k=2)  # an 8-row router is not a whole tile
     assert engine.step_gemv_sites(odd, 2, "cuda", "all") == {"qkv", "o"}
     with pytest.raises(ValueError, match="TRACE_STEP_GEMV='lm_head'"):
         engine.step_gemv_sites(shape, 2, "cuda", "lm_head")
     monkeypatch.setattr("trace_common.kernels.cupy_available", lambda: False)
     assert engine.step_gemv_sites(shape, 8, "cuda", "all") == frozenset()
+
+
+def test_gemv_rejects_token_counts_and_pdl():
+    import torch
+
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    for t in (0, cuda_small.GEMV_MAX_TOKENS + 1):
+        x = torch.zeros(t, 64, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=f"{t} tokens"):
+            cuda_small.gemv(x, w, torch.zeros(t, 32, dtype=torch.bfloat16))
+    x = torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not launched with PDL"):
+        cuda_small.gemv(x, w, torch.zeros(16, 32, dtype=torch.bfloat16), pdl=True)

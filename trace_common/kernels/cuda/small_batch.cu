@@ -228,6 +228,42 @@ struct WarpGemv {
       if (FULL) issue(i + NS);  // into this round's slot: this lane's LDS of it fed the MMAs
     }
   }
+
+  // run() for NB B tiles of 8 tokens each (RT = 1): acc[j] += W rows x tokens 8j .. 8j + 7 of
+  // x [ntok, k_row] (rows >= ntok are zero columns); each stage's A fragments feed NB MMAs.
+  template <int NB>
+  __device__ __forceinline__ void run_tiles(const u16* x, int k_row, int ntok,
+                                            float (&acc)[NB][4]) {
+    static_assert(RT == 1 && !FULL, "run_tiles: one row tile, ring refilled ahead");
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u16* xp[NB];
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+      xp[j] = 8 * j + g < ntok ? x + (long)(8 * j + g) * k_row + kbeg + 8 * t : nullptr;
+#pragma unroll 1
+    for (int i = 0; i < NR; ++i) {
+      issue(i + NS - 1);
+      uint4 xv[NB][U];
+#pragma unroll
+      for (int j = 0; j < NB; ++j)
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          xv[j][u] = xp[j] ? *reinterpret_cast<const uint4*>(xp[j] + cstride * (i * U + u))
+                           : u32x4(0u, 0u, 0u, 0u);
+      cp_async_wait<NS - 1>();
+      const uint4* st = ring + (i % NS) * STAGE;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint4 a = st[(u * 2) * 32 + lane];
+        const uint4 b = st[(u * 2 + 1) * 32 + lane];
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          mma_bf16(acc[j], a.x, b.x, a.y, b.y, xv[j][u].x, xv[j][u].y);
+          mma_bf16(acc[j], a.z, b.z, a.w, b.w, xv[j][u].z, xv[j][u].w);
+        }
+      }
+    }
+  }
 };
 
 // Sum the WK warps' partial tiles (in warp order) into warp 0's acc. red: WK * RT * 128 floats.
@@ -417,6 +453,39 @@ __global__ void __launch_bounds__(WK * 32) gemv_bf16(const u16* __restrict__ w,
   gv.run(g < NT ? x + (long)g * K : nullptr, acc);
   cta_reduce<1, WK>(acc, red);
   if (warp == 0) store_tile<NT>(out, n, row0, acc[0]);
+}
+
+// out [ntok, N] = x [ntok, K] @ w [N, K]^T for 8 < ntok <= 8 NB (the standard decode step's
+// projections at batch 9-32): as gemv_bf16, each weight stage feeding NB 8-token MMA columns.
+// Grid N / 16, WK warps.
+template <int NB, int WK, int KCW, int U, int NS>
+__global__ void __launch_bounds__(WK * 32) gemv_bf16_tiles(const u16* __restrict__ w,
+                                                           const u16* __restrict__ x,
+                                                           u16* __restrict__ out, int n,
+                                                           int ntok) {
+  constexpr int K = WK * KCW * 32;
+  __shared__ float red[WK * NB * 4 * 32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * TILE_ROWS;
+  const u16* wt[1] = {w + (long)row0 * K};
+  float acc[NB][4] = {};
+  WarpGemv<1, KCW, U, NS> gv(wt, K, warp * KCW * 32, dyn_ring + warp * Ring<1, U, NS>::UINT4);
+  gv.start();
+  gv.template run_tiles<NB>(x, K, ntok, acc);
+  cta_reduce<NB, WK>(acc, red);
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    const int t0 = 8 * j + 2 * t, t1 = t0 + 1;
+    if (t0 < ntok) {
+      out[(long)t0 * n + row0 + g] = f32_to_bf16_rn(acc[j][0]);
+      out[(long)t0 * n + row0 + g + 8] = f32_to_bf16_rn(acc[j][2]);
+    }
+    if (t1 < ntok) {
+      out[(long)t1 * n + row0 + g] = f32_to_bf16_rn(acc[j][1]);
+      out[(long)t1 * n + row0 + g + 8] = f32_to_bf16_rn(acc[j][3]);
+    }
+  }
 }
 
 // Fused qkv projection. PRO: add + RMSNorm prologue (resid_in + nsum delta rows, ln_w) and the
