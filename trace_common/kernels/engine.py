@@ -198,7 +198,7 @@ class EngineWeights:
 # bench/env_ab.py, 2 interleaved rounds (2026-12-04), o + router against cuBLAS, 1K / 32K
 # context: BF16 batch 4 +2.0% / +1.4%, 8 +1.6 / +1.0, 16 +0.7 / +0.2, 32 -0.1 / (does not
 # fit); FP4 batch 4 +4.0 / +2.4, 8 +2.9 / +2.1, 16 +2.0 / +0.8, 32 -0.3 / -0.1. With qkv too:
-# 0.2-0.4 points less at batch <= 8, 0.7-1.9 less at 16, -1.9 to -3.6% at 32.
+# 0-0.4 points less at batch <= 8, 0.3-1.2 less at 16, -1.9% to -3.6% in all at 32.
 STEP_GEMV_SITES = ("qkv", "o", "router")
 AUTO_STEP_GEMV = "o,router"
 AUTO_STEP_GEMV_MAX_BATCH = 16
