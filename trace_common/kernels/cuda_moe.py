@@ -552,9 +552,18 @@ def _launch_mma(a: FP4Rows | torch.Tensor, w: ExpertWeights, plan: RoutePlan, ga
 
 
 def block_m_for(n_pairs: int, num_experts: int) -> int:
-    """Token slots per expert block for the CUDA kernel: 8 while a typical expert sees a few
-    tokens (mean pairs per expert <= 3), else 16 (an expert with more takes several blocks)."""
-    return 8 if n_pairs <= 3 * num_experts else 16
+    """Token slots per expert block for the CUDA kernel: TRACE_FP4_BLOCK_M (8 or 16; sweeps and
+    engine A/Bs) if set, else 8 while a typical expert sees a few tokens (mean pairs per expert
+    <= 5), else 16 (an expert with more takes several blocks). H200, FP4 engine, 1K context,
+    bench/env_ab.py, 2 rounds (2026-12-04), 8 against 16 slots: batch 32 +12.8%, 48 +8.9%, 64
+    +5.4%, 80 +3.3% (mean 5 pairs), 96 -1.3%, 112 -6.1%, 128 -10.6%; 32K batch 48 +2.0%, 64
+    +0.6%. (The rule was <= 3 until then: batch 48-80 ran 16.)"""
+    forced = os.environ.get("TRACE_FP4_BLOCK_M")
+    if forced:
+        if forced not in {str(bm) for bm in BLOCK_MS}:
+            raise ValueError(f"TRACE_FP4_BLOCK_M={forced!r}; expected one of {BLOCK_MS}")
+        return int(forced)
+    return 8 if n_pairs <= 5 * num_experts else 16
 
 
 def smem_bytes(block_m: int, rw: int, wk: int, gated: bool, *, xq_rows: int = 0,

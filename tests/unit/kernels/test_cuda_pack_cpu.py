@@ -339,3 +339,14 @@ def test_compiled_function_smem_opt_in(monkeypatch, tmp_path):
     cuda_launch.compiled_function(src, "k<1>", 120_000)
     assert fn.max_dynamic_shared_size_bytes == 120_000
     assert len(compiled) == 1
+
+
+def test_block_m_for_rule_and_override(monkeypatch):
+    monkeypatch.delenv("TRACE_FP4_BLOCK_M", raising=False)
+    assert cuda_moe.block_m_for(5 * 128, 128) == 8
+    assert cuda_moe.block_m_for(5 * 128 + 1, 128) == 16
+    monkeypatch.setenv("TRACE_FP4_BLOCK_M", "8")
+    assert cuda_moe.block_m_for(1024, 128) == 8
+    monkeypatch.setenv("TRACE_FP4_BLOCK_M", "32")
+    with pytest.raises(ValueError, match="TRACE_FP4_BLOCK_M='32'"):
+        cuda_moe.block_m_for(1024, 128)
