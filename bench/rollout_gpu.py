@@ -482,7 +482,9 @@ def summarize(rows: list[Row], budget_rows: dict, env: dict, bw: float, args) ->
     plot(rows, args)
 
 
-def plot(rows: list[Row], args) -> None:
+def plot(rows: list[Row], args, path: pathlib.Path | None = None) -> None:
+    """Bars of tokens/s per batch, one panel per context (args.contexts, args.batches,
+    args.layers), into `path` (default args.out / rollout_gpu.png); nothing without matplotlib."""
     try:
         import matplotlib
 
@@ -509,7 +511,8 @@ def plot(rows: list[Row], args) -> None:
         ax.set_title(f"{args.layers} layers, context {ctx} (0 = does not fit)")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "rollout_gpu.png", dpi=120)
+    fig.savefig(path or args.out / "rollout_gpu.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
