@@ -1,0 +1,197 @@
+"""The decode engine's model side: the Qwen3-MoE shape it runs (`EngineShape`), its weights
+(`EngineWeights`: random for the benchmark, or a policy's via `from_model`; routed experts
+BF16 or packed NVFP4) and the memory sizing of a batch (`kv_bytes_per_sequence`,
+`largest_batch`). The step itself is `engine.DecodeEngine`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from trace_common.kernels import attention as attn
+from trace_common.kernels import fp4_gemm_impl, moe
+
+if TYPE_CHECKING:
+    from trace_common.model.config import ModelConfig
+    from trace_common.model.model import MoECausalLM
+
+WEIGHT_STD = 0.02
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EngineShape:
+    """Model shape (defaults: Qwen3-30B-A3B)."""
+
+    num_layers: int = 48
+    hidden: int = 2048
+    q_heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    num_experts: int = 128
+    top_k: int = 8
+    moe_inter: int = 768
+    vocab: int = 151936
+    eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+
+    def __post_init__(self) -> None:
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads={self.q_heads} not a multiple of kv_heads={self.kv_heads}")
+        if self.num_experts & (self.num_experts - 1):
+            raise ValueError(f"num_experts={self.num_experts} must be a power of two")
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig) -> EngineShape:
+        """The engine shape of a policy's config. What the engine's step does not compute is
+        refused, naming the field: dense MLP layers, a shared expert, attention biases, top-k
+        weights left unnormalized (its routing kernels renormalize them)."""
+        dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+        refused = {
+            "mlp_only_layers / decoder_sparse_step (dense MLP layers)": dense,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "attention_bias": cfg.attention_bias,
+            "norm_topk_prob=False": not cfg.norm_topk_prob,
+        }
+        bad = {name: value for name, value in refused.items() if value}
+        if bad:
+            raise ValueError(
+                f"the decode engine runs routed-expert layers only; this config has {bad}"
+            )
+        return cls(num_layers=cfg.num_layers, hidden=cfg.hidden_size, q_heads=cfg.num_heads,
+                   kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                   num_experts=cfg.num_experts, top_k=cfg.top_k,
+                   moe_inter=cfg.moe_intermediate_size, vocab=cfg.vocab_size,
+                   eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)  # fmt: skip
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    ln1: torch.Tensor  # [H]
+    ln2: torch.Tensor  # [H]
+    w_qkv: torch.Tensor  # [(HQ + 2 HKV) D, H]
+    w_o: torch.Tensor  # [H, HQ D]
+    norm_qk: torch.Tensor  # [2, D]
+    router: torch.Tensor  # [E, H]
+    gate_up: moe.ExpertWeights  # [E, 2I, H]
+    down: moe.ExpertWeights  # [E, H, I]
+
+
+@dataclass(slots=True)
+class EngineWeights:
+    embed: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    @classmethod
+    def random(cls, shape: EngineShape, device: str, seed: int = 0) -> EngineWeights:
+        """Random BF16 weights (normal, std 0.02; norms 1)."""
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def rnd(*size: int) -> torch.Tensor:
+            t = torch.empty(*size, dtype=torch.bfloat16, device=device)
+            return t.normal_(0.0, WEIGHT_STD, generator=g)
+
+        def ones(*size: int) -> torch.Tensor:
+            return torch.ones(*size, dtype=torch.bfloat16, device=device)
+
+        s = shape
+        d, h, e, i = s.head_dim, s.hidden, s.num_experts, s.moe_inter
+        w = cls(rnd(s.vocab, h), rnd(s.vocab, h), ones(h))
+        for _ in range(s.num_layers):
+            w.layers.append(
+                LayerWeights(
+                    ones(h),
+                    ones(h),
+                    rnd((s.q_heads + 2 * s.kv_heads) * d, h),
+                    rnd(h, s.q_heads * d),
+                    ones(2, d),
+                    rnd(e, h),
+                    moe.ExpertWeights(n=2 * i, k=h, bf16=rnd(e, 2 * i, h)),
+                    moe.ExpertWeights(n=h, k=i, bf16=rnd(e, h, i)),
+                )
+            )
+        return w
+
+    @classmethod
+    def from_model(cls, model: MoECausalLM, device: str) -> EngineWeights:
+        """A policy's weights in the engine's layout, BF16 on `device`: q/k/v stacked into one
+        projection, the q and k norm weights into one [2, D], each layer's gate and up experts
+        into one [E, 2I, H] (gate rows first, as the gated GEMM reads them). These are the
+        master weights; `quantize_experts_` makes the FP4 engine's from them. The shape is
+        `EngineShape.from_model_config(model.cfg)` (called here, so unsupported configs are
+        refused)."""
+        EngineShape.from_model_config(model.cfg)
+
+        def bf(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=device, dtype=torch.bfloat16).contiguous()
+
+        bb = model.model
+        w = cls(bf(bb.embed_tokens.weight), bf(model.lm_head.weight), bf(bb.norm.weight))
+        for layer in bb.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            ex = mlp.experts
+            _, i, h = ex.gate_proj.shape
+            w.layers.append(
+                LayerWeights(
+                    bf(layer.input_layernorm.weight),
+                    bf(layer.post_attention_layernorm.weight),
+                    bf(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])),
+                    bf(at.o_proj.weight),
+                    bf(torch.stack([at.q_norm.weight, at.k_norm.weight])),
+                    bf(mlp.gate.weight),
+                    moe.ExpertWeights(
+                        n=2 * i, k=h, bf16=bf(torch.cat([ex.gate_proj, ex.up_proj], dim=1))
+                    ),
+                    moe.ExpertWeights(n=h, k=i, bf16=bf(ex.down_proj)),
+                )
+            )
+        return w
+
+    def quantize_experts_(self, gemm: str | None = None) -> None:
+        """Replace every BF16 expert weight by its NVFP4 quantization (GPU quantizer), layer
+        by layer, freeing the BF16 copy as it goes; for the CUDA expert GEMM (`gemm`, default
+        TRACE_FP4_GEMM) the codes are held in its packed layout only."""
+        cuda = fp4_gemm_impl(gemm) == "cuda"
+        for lw in self.layers:
+            if not lw.gate_up.is_fp4:
+                assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None
+                lw.gate_up = moe.quantize_weights(lw.gate_up.bf16, shared_halves=True)
+                lw.down = moe.quantize_weights(lw.down.bf16, shared_halves=False)
+                if cuda:
+                    lw.gate_up.pack_for_cuda_()
+                    lw.down.pack_for_cuda_()
+
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in (self.embed, self.lm_head, self.final_norm))
+        for lw in self.layers:
+            n += sum(t.numel() * t.element_size() for t in
+                     (lw.ln1, lw.ln2, lw.w_qkv, lw.w_o, lw.norm_qk, lw.router))  # fmt: skip
+            n += lw.gate_up.nbytes() + lw.down.nbytes()
+        return n
+
+
+def kv_bytes_per_sequence(shape: EngineShape, *, fp4: bool, tokens: int) -> int:
+    """KV-cache bytes of one sequence of `tokens` over all layers."""
+    per = attn.KVCacheGPU.bytes_per_token(fp4=fp4, kv_heads=shape.kv_heads,
+                                          head_dim=shape.head_dim)  # fmt: skip
+    return shape.num_layers * tokens * per
+
+
+def largest_batch(budget_bytes: int, weight_bytes: int, per_seq_bytes: int) -> int:
+    """Largest batch whose KV cache fits the budget next to the weights."""
+    return max(0, math.floor((budget_bytes - weight_bytes) / per_seq_bytes))
+
+
+__all__ = [
+    "WEIGHT_STD",
+    "EngineShape",
+    "EngineWeights",
+    "LayerWeights",
+    "kv_bytes_per_sequence",
+    "largest_batch",
+]
