@@ -22,6 +22,7 @@ the engine yet.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -29,6 +30,8 @@ from trace_common.kernels import attention as attn
 from trace_common.kernels import (
     cuda_attn,
     cuda_small,
+    cupy_available,
+    env_parts,
     fp4_attn_impl,
     fp4_gemm_impl,
     fused,
@@ -61,10 +64,6 @@ def step_gemv_sites(shape: EngineShape, batch: int, device: str,
     """The projections of the standard step that run on `cuda_small.gemv`: `value`, else
     TRACE_STEP_GEMV, else "auto"; none where the GEMV cannot run (a batch over
     `cuda_small.GEMV_MAX_TOKENS`, not CUDA, no CuPy) or a projection's shape does not fit it."""
-    import os
-
-    from trace_common.kernels import cupy_available, env_parts
-
     value = value or os.environ.get("TRACE_STEP_GEMV", "auto")
     if value == "auto":
         value = AUTO_STEP_GEMV if batch <= AUTO_STEP_GEMV_MAX_BATCH else "none"

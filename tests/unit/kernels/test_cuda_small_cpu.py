@@ -135,7 +135,7 @@ def test_step_gemv_sites(monkeypatch):
     from trace_common.kernels import engine
 
     shape = engine.EngineShape()
-    monkeypatch.setattr("trace_common.kernels.cupy_available", lambda: True)
+    monkeypatch.setattr("trace_common.kernels.engine.cupy_available", lambda: True)
     assert engine.step_gemv_sites(shape, 8, "cuda", "all") == set(engine.STEP_GEMV_SITES)
     assert engine.step_gemv_sites(shape, 4, "cuda", "o,router") == {"o", "router"}
     assert engine.step_gemv_sites(shape, 32, "cuda", "o") == {"o"}
@@ -151,7 +151,7 @@ def test_step_gemv_sites(monkeypatch):
     assert engine.step_gemv_sites(odd, 2, "cuda", "all") == {"qkv", "o"}
     with pytest.raises(ValueError, match="TRACE_STEP_GEMV='lm_head'"):
         engine.step_gemv_sites(shape, 2, "cuda", "lm_head")
-    monkeypatch.setattr("trace_common.kernels.cupy_available", lambda: False)
+    monkeypatch.setattr("trace_common.kernels.engine.cupy_available", lambda: False)
     assert engine.step_gemv_sites(shape, 8, "cuda", "all") == frozenset()
 
 

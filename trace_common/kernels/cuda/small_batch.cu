@@ -291,19 +291,24 @@ __device__ __forceinline__ void cta_reduce(float (&acc)[RT][4], float* red) {
 
 extern __shared__ uint4 dyn_ring[];  // the warps' cp.async rings (dynamic shared memory)
 
-// Warp 0: out[token][row] = bf16(acc) for the tile at row0 (out: [NT, n_out]).
-template <int NT>
-__device__ __forceinline__ void store_tile(u16* out, int n_out, int row0, const float (&acc)[4]) {
+// Warp 0: out[token][row] = bf16(acc) for the tile at row0 of tokens < nt (out: [nt, n_out]).
+__device__ __forceinline__ void store_tile_rows(u16* out, int n_out, int row0,
+                                                const float (&acc)[4], int nt) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int t0 = 2 * t, t1 = 2 * t + 1;
-  if (t0 < NT) {
+  if (t0 < nt) {
     out[(long)t0 * n_out + row0 + g] = f32_to_bf16_rn(acc[0]);
     out[(long)t0 * n_out + row0 + g + 8] = f32_to_bf16_rn(acc[2]);
   }
-  if (t1 < NT) {
+  if (t1 < nt) {
     out[(long)t1 * n_out + row0 + g] = f32_to_bf16_rn(acc[1]);
     out[(long)t1 * n_out + row0 + g + 8] = f32_to_bf16_rn(acc[3]);
   }
+}
+
+template <int NT>
+__device__ __forceinline__ void store_tile(u16* out, int n_out, int row0, const float (&acc)[4]) {
+  store_tile_rows(out, n_out, row0, acc, NT);
 }
 
 // store_tile into the shared memory of a cluster CTA: `base` its shared::cluster address of a
@@ -465,7 +470,7 @@ __global__ void __launch_bounds__(WK * 32) gemv_bf16_tiles(const u16* __restrict
                                                            int ntok) {
   constexpr int K = WK * KCW * 32;
   __shared__ float red[WK * NB * 4 * 32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5;
   const int row0 = blockIdx.x * TILE_ROWS;
   const u16* wt[1] = {w + (long)row0 * K};
   float acc[NB][4] = {};
@@ -475,17 +480,7 @@ __global__ void __launch_bounds__(WK * 32) gemv_bf16_tiles(const u16* __restrict
   cta_reduce<NB, WK>(acc, red);
   if (warp != 0) return;
 #pragma unroll
-  for (int j = 0; j < NB; ++j) {
-    const int t0 = 8 * j + 2 * t, t1 = t0 + 1;
-    if (t0 < ntok) {
-      out[(long)t0 * n + row0 + g] = f32_to_bf16_rn(acc[j][0]);
-      out[(long)t0 * n + row0 + g + 8] = f32_to_bf16_rn(acc[j][2]);
-    }
-    if (t1 < ntok) {
-      out[(long)t1 * n + row0 + g] = f32_to_bf16_rn(acc[j][1]);
-      out[(long)t1 * n + row0 + g + 8] = f32_to_bf16_rn(acc[j][3]);
-    }
-  }
+  for (int j = 0; j < NB; ++j) store_tile_rows(out + 8L * j * n, n, row0, acc[j], ntok - 8 * j);
 }
 
 // Fused qkv projection. PRO: add + RMSNorm prologue (resid_in + nsum delta rows, ln_w) and the
