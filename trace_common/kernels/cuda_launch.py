@@ -32,19 +32,24 @@ COMPILE_SECONDS: dict[tuple, float] = {}
 _SMEM_ALLOWED: dict[tuple, int] = {}
 
 
-def compiled_function(source: pathlib.Path, name: str, smem: int = 0):
+def compiled_function(source: pathlib.Path, name: str, smem: int = 0, arch: str | None = None):
     """Kernel `name` (a template instance) of CUDA file `source`, compiled by NVRTC through
     CuPy and loaded now (never inside a graph capture); cached per (source, name). `smem`: its
     launches take that many bytes of dynamic shared memory: the kernel's limit is raised to it
-    here (outside any capture), as a launch needs once static + dynamic pass 48 KB."""
+    here (outside any capture), as a launch needs once static + dynamic pass 48 KB. `arch`
+    (e.g. "sm_90a", which wgmma needs; CuPy compiles for the device's plain sm_XY): NVRTC is
+    called directly with that target."""
     key = (source.name, name)
     fn = _MODULES.get(key)
     if fn is None:
         cp = require_cupy()
         t0 = time.perf_counter()
-        mod = cp.RawModule(code=source.read_text(), name_expressions=[name],
-                           options=("--std=c++17", f"-I{source.parent}"))  # fmt: skip
-        fn = mod.get_function(name)
+        if arch is None:
+            mod = cp.RawModule(code=source.read_text(), name_expressions=[name],
+                               options=("--std=c++17", f"-I{source.parent}"))  # fmt: skip
+            fn = mod.get_function(name)
+        else:
+            fn = _compile_for_arch(cp, source, name, arch)
         fn.compile()
         COMPILE_SECONDS[key] = time.perf_counter() - t0
         _MODULES[key] = fn
@@ -52,6 +57,35 @@ def compiled_function(source: pathlib.Path, name: str, smem: int = 0):
         fn.max_dynamic_shared_size_bytes = smem  # type: ignore[attr-defined]
         _SMEM_ALLOWED[key] = smem
     return fn
+
+
+_CUBIN_DIR: list[pathlib.Path] = []
+
+
+def _compile_for_arch(cp: ModuleType, source: pathlib.Path, name: str, arch: str):
+    """`name` of `source` compiled by NVRTC for `arch` into a cubin (kept in a directory of this
+    process's) and loaded through CuPy; a compile error raises RuntimeError with NVRTC's log."""
+    import tempfile
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source.read_text(), source.name, [], [])
+    try:
+        nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, ["--std=c++17", f"-I{source.parent}", f"-arch={arch}"])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC -arch={arch}, {source.name}, {name}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc  # fmt: skip
+        lowered = nvrtc.getLoweredName(prog, name)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    if not _CUBIN_DIR:
+        _CUBIN_DIR.append(pathlib.Path(tempfile.mkdtemp(prefix="trace-cubin-")))
+    path = _CUBIN_DIR[0] / f"{source.stem}-{abs(hash(name)):x}-{arch}.cubin"
+    path.write_bytes(cubin)
+    return cp.RawModule(path=str(path)).get_function(lowered)
 
 
 def sm_resources(device: torch.device | str) -> tuple[int, int, int, int]:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from trace_common.kernels.moe import ExpertWeights, FP4Rows, RoutePlan
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "moe_fp4.cu"
+WG_SOURCE = SOURCE.with_name("moe_fp4_wg.cu")  # the wgmma kernel (sm_90a), opt-in
 
 MMA_M = 16  # output features per A tile
 MMA_N = 8  # token slots per B tile
@@ -167,16 +168,26 @@ TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (768, 8, False): (2, 4, 3, 3),
     (768, 16, False): (2, 4, 3, 3),
 }
-CUDA_KERNELS = ("stream", "mma", "tma")  # moe_fp4_stream, _mma, _tma
+CUDA_KERNELS = ("stream", "mma", "tma", "wg")  # moe_fp4_stream, _mma, _tma, moe_fp4_wg
+# `moe_fp4_wg` (warpgroup MMAs, 16-slot blocks only; cuda/moe_fp4_wg.cu) per (K, gated): (KGW
+# 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA). Opt-in
+# (TRACE_FP4_CUDA_KERNEL=wg).
+WG_CONFIGS: dict[tuple[int, bool], tuple[int, ...]] = {
+    (2048, True): (4, 2, 3),
+    (768, False): (6, 2, 2),
+}
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # The kernel per (K, token slots, gated): the faster one (same sums) measured on an H200 with
 # `bench/rollout_gpu_kernels.py --cuda-sweep` (2026-12-02, graph-timed, us): 8 slots gate_up
 # mma 97.5 vs stream 98.8, down 58.7 vs 61.7; 16 slots gate_up 97.5 vs 75.7, down 50.3 vs 48.1.
+# 16 slots on sm_90 since 2026-12-04: the warpgroup-MMA kernel (`wg`), FP4 engine 1K batch 96 /
+# 112 / 128 +1.2 / +1.8 / +2.8% against `stream` (bench/env_ab.py; docs/benchmarks.md, session
+# 15); `stream` where wgmma is missing (not sm_90).
 KERNEL_FOR: dict[tuple[int, int, bool], str] = {
     (2048, 8, True): "mma",
-    (2048, 16, True): "stream",
+    (2048, 16, True): "wg",
     (768, 8, False): "mma",
-    (768, 16, False): "stream",
+    (768, 16, False): "wg",
 }
 
 
@@ -395,6 +406,10 @@ def moe_gemm_cuda(
     if quant_out is not None:
         _check_quant_out(quant_out, counter, plan.n_pairs, n_out, blocks)
     kern = cuda_kernel(kernel, (w.k, plan.block_m, gated))
+    if kern == "wg" and not wg_supported(out.device):
+        if kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL"):
+            raise ValueError(f"the wg kernel needs wgmma (sm_90), not on {out.device}")
+        kern = "stream"  # the per-shape default elsewhere
     if by_pairs and (kern != "mma" or plan.block_m != MMA_N):
         raise ValueError(f"by_pairs needs the mma kernel and block_m {MMA_N} (got {kern!r}, "
                          f"block_m {plan.block_m})")  # fmt: skip
@@ -406,6 +421,8 @@ def moe_gemm_cuda(
         if kern == "stream":
             _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config, stream_waves,
                            stream_probe)  # fmt: skip
+        elif kern == "wg":
+            _launch_wg(a, w, plan, gated, a_div, mul_route_w, out, config)
         else:
             _launch_tma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
         if quant_out is not None:
@@ -491,6 +508,53 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
     # (CTAs per block, expert blocks): the empty blocks' CTAs last, as in _launch_mma
     launch_on_torch_stream(fn, (gy, plan.block_expert.numel()), (wk * LANES,), args, out.device,
                            shared_mem=smem)  # fmt: skip
+
+
+def wg_supported(device: torch.device) -> bool:
+    """Whether `device` runs the wgmma kernel: compute capability 9.0 (H100 / H200)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def wg_smem_bytes(k: int, kgw: int, stages: int, gated: bool, nwg: int = 1) -> int:
+    """Dynamic shared memory of `moe_fp4_wg`: the block's 16 activation rows in fp16, then the
+    rings of 4 warps per warpgroup (a stage: KGW k groups of the warp's tile, and of its up tile
+    when gated)."""
+    return k * 16 * 2 + 4 * nwg * stages * (2 if gated else 1) * kgw * (LANES * 16 + 64)
+
+
+def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
+               mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None) -> None:  # fmt: skip
+    """`moe_fp4_wg` (config (KGW, S[, NWG])): items of 64 output features, CTAs of NWG
+    warpgroups."""
+    import numpy as np
+
+    n_out = w.n // 2 if gated else w.n
+    kgw, stages, *rest = config or WG_CONFIGS.get((w.k, gated), (4, 2, 1))
+    nwg = rest[0] if rest else 1
+    smem = wg_smem_bytes(w.k, kgw, stages, gated, nwg)
+    if (plan.block_m != 16 or n_out % 64 or w.k % (K_GROUP * kgw) or not 2 <= kgw <= 8
+            or stages < 2 or not 1 <= nwg <= 8 or smem > STREAM_SMEM_MAX):  # fmt: skip
+        raise ValueError(f"wg config KGW={kgw}, S={stages}, NWG={nwg} does not fit "
+                         f"N_out={n_out}, K={w.k}, block_m={plan.block_m} (16-slot blocks, "
+                         "N_out % 64 == 0, 2 <= KGW <= 8)")  # fmt: skip
+    name = f"moe_fp4_wg<{w.k}, {kgw}, {str(gated).lower()}, {stages}, {nwg}>"
+    key = (WG_SOURCE, name, smem, out.device.index)
+    hit = _RESIDENT_FNS.get(key)
+    if hit is None:
+        fn = compiled_function(WG_SOURCE, name, smem, arch="sm_90a")
+        _, smem_sm, regs_sm, threads_sm = sm_resources(out.device)
+        regs = int(getattr(fn, "num_regs", 0)) or 128
+        per_cta = [threads_sm // (nwg * 128), smem_sm // (smem + 1024 + 256),
+                   regs_sm // (4 * nwg * (-(-regs * LANES // 256) * 256))]  # fmt: skip
+        hit = _RESIDENT_FNS[key] = (fn, max(1, min(per_cta)))
+    fn, ctas_per_sm = hit
+    assert w.packed is not None
+    est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],
+                          w.packed.words.shape[0], plan.block_m, plan.block_expert.numel())  # fmt: skip
+    gy, ipc = stream_grid(n_out // 64, est, ctas_per_sm, sm_resources(out.device)[0])
+    args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
+    launch_on_torch_stream(fn, (gy, plan.block_expert.numel()), (nwg * 4 * LANES,), args,
+                           out.device, shared_mem=smem)  # fmt: skip
 
 
 def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,

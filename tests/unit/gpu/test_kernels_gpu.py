@@ -377,6 +377,27 @@ def test_moe_gemm_fp4_stream_model_shape(t, block_m):
             assert db > 60, f"stream vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
 
 
+@pytest.mark.parametrize("t", [3, 64, 128, 200])
+def test_moe_gemm_fp4_wg_model_shape(t):
+    """The warpgroup-MMA kernel (`wg`, 16-slot blocks, sm_90a) at the model's expert shape
+    equals the streaming kernel up to summation order (products exact in both; it sums all of
+    K in one chain per output), every output written, with its default config, another, and
+    3 warpgroups per CTA (items split unevenly among them)."""
+    from trace_common.kernels import cuda_moe
+
+    plan, cases = _model_shape_gemms(t, 16)
+    for wt, a, gated, a_div, mrw, n_out in cases:
+        ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
+                                     kernel="stream").float()  # fmt: skip
+        for cfg in (None, (2, 4), (2, 2, 3)):
+            got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
+            cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
+                                   out=got, config=cfg, kernel="wg")  # fmt: skip
+            assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
+            db = sqnr_db(ref, got)
+            assert db > 60, f"wg vs stream (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
 def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
