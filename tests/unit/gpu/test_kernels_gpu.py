@@ -360,21 +360,29 @@ def test_moe_gemm_fp4_stream_model_shape(t, block_m):
     top-8), where a CTA walks many items and the ring wraps many times: it equals the first
     CUDA kernel up to summation order (products are exact in both), every output written, with
     the default config and two others per GEMM."""
+
+    others = {(2048, True): [(1, 16, 2, 4, 1), (4, 8, 4, 3, 1)],
+              (768, False): [(4, 12, 1, 8, 2), (8, 6, 2, 4, 2)]}  # fmt: skip
+    _configs_match_reference(_model_shape_gemms(t, block_m), "stream", "mma",
+                             lambda k, gated: [None, *others[(k, gated)]])  # fmt: skip
+
+
+def _configs_match_reference(gemms: tuple, kernel: str, ref_kernel: str, configs) -> None:
+    """For gate_up and down of `_model_shape_gemms`: `kernel` with each of configs(K, gated)
+    writes every output and equals `ref_kernel` up to summation order (SQNR > 60 dB)."""
     from trace_common.kernels import cuda_moe
 
-    plan, cases = _model_shape_gemms(t, block_m)
+    plan, cases = gemms
     for wt, a, gated, a_div, mrw, n_out in cases:
         ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                     kernel="mma").float()  # fmt: skip
-        cfgs = [None, *{(2048, True): [(1, 16, 2, 4, 1), (4, 8, 4, 3, 1)],
-                        (768, False): [(4, 12, 1, 8, 2), (8, 6, 2, 4, 2)]}[(wt.k, gated)]]  # fmt: skip
-        for cfg in cfgs:
+                                     kernel=ref_kernel).float()  # fmt: skip
+        for cfg in configs(wt.k, gated):
             got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
             cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                   out=got, config=cfg, kernel="stream")  # fmt: skip
+                                   out=got, config=cfg, kernel=kernel)  # fmt: skip
             assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
             db = sqnr_db(ref, got)
-            assert db > 60, f"stream vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
+            assert db > 60, f"{kernel} vs {ref_kernel} (gated={gated}, config {cfg}): {db:.1f} dB"
 
 
 @pytest.mark.parametrize("t", [3, 64, 128, 200])
@@ -383,19 +391,8 @@ def test_moe_gemm_fp4_wg_model_shape(t):
     equals the streaming kernel up to summation order (products exact in both; it sums all of
     K in one chain per output), every output written, with its default config, another, and
     3 warpgroups per CTA (items split unevenly among them)."""
-    from trace_common.kernels import cuda_moe
-
-    plan, cases = _model_shape_gemms(t, 16)
-    for wt, a, gated, a_div, mrw, n_out in cases:
-        ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                     kernel="stream").float()  # fmt: skip
-        for cfg in (None, (2, 4), (2, 2, 3)):
-            got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
-            cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                   out=got, config=cfg, kernel="wg")  # fmt: skip
-            assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
-            db = sqnr_db(ref, got)
-            assert db > 60, f"wg vs stream (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
+    _configs_match_reference(_model_shape_gemms(t, 16), "wg", "stream",
+                             lambda k, gated: [None, (2, 4), (2, 2, 3)])  # fmt: skip
 
 
 @pytest.mark.parametrize("pdl", [False, True])
