@@ -14,7 +14,7 @@ have to become for the issue's target at each batch.
     python3 bench/ratio_bound.py sp1k.json sp32k.json --copy-tbs 4.28 --png docs/ratio_bound.png
 
 Bytes per layer come from the model shape: the expected distinct experts a uniform router
-touches (cuda_moe.expected_blocks' formula) times one expert's weight bytes, and the KV cache of
+touches (cuda_moe.expected_experts) times one expert's weight bytes, and the KV cache of
 `batch` sequences of `context` tokens (engine_model.kv_bytes_per_sequence).
 """
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from trace_common.kernels.cuda_moe import expected_experts
 from trace_common.kernels.engine_model import EngineShape, kv_bytes_per_sequence
 
 CATEGORIES = ("shared", "attention", "experts")
@@ -63,7 +64,7 @@ def layer_split(timeline: list) -> dict[str, float]:
 def expert_bytes(shape: EngineShape, batch: int, fp4: bool) -> float:
     """Routed-expert weight bytes one layer reads for `batch` tokens (expected distinct experts
     of a uniform top-k router; NVFP4: 4 bits + an e4m3 scale per 16 values)."""
-    distinct = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** batch)
+    distinct = expected_experts(batch, shape.top_k, shape.num_experts)
     per_value = 0.5 + 1 / 16 if fp4 else 2.0
     return distinct * 3 * shape.hidden * shape.moe_inter * per_value
 

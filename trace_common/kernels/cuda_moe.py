@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from trace_common.kernels.moe import ExpertWeights, FP4Rows, RoutePlan
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "moe_fp4.cu"
-WG_SOURCE = SOURCE.with_name("moe_fp4_wg.cu")  # the wgmma kernel (sm_90a), opt-in
+WG_SOURCE = SOURCE.with_name("moe_fp4_wg.cu")  # the wgmma kernel (sm_90a only)
 
 MMA_M = 16  # output features per A tile
 MMA_N = 8  # token slots per B tile
@@ -170,8 +170,8 @@ TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 }
 CUDA_KERNELS = ("stream", "mma", "tma", "wg")  # moe_fp4_stream, _mma, _tma, moe_fp4_wg
 # `moe_fp4_wg` (warpgroup MMAs, 16-slot blocks only; cuda/moe_fp4_wg.cu) per (K, gated): (KGW
-# 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA). Opt-in
-# (TRACE_FP4_CUDA_KERNEL=wg).
+# 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA); the
+# fastest of a sweep at 96 / 128 tokens on an H200 (docs/benchmarks.md, session 15).
 WG_CONFIGS: dict[tuple[int, bool], tuple[int, ...]] = {
     (2048, True): (4, 2, 3),
     (768, False): (6, 2, 2),
@@ -301,10 +301,15 @@ def stream_smem_bytes(block_m: int, rw: int, wk: int, kgw: int, stages: int, gat
 STREAM_SMEM_MAX = 227 * 1024  # opt-in dynamic shared memory per CTA on sm_90
 
 
+def expected_experts(n_tokens: int, top_k: int, num_experts: int) -> float:
+    """Distinct experts a uniform top-k router chooses for `n_tokens` tokens, on average."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** n_tokens)
+
+
 def expected_blocks(n_tokens: int, top_k: int, num_experts: int, block_m: int, maxb: int) -> float:
     """Expert blocks a uniform router fills for `n_tokens` tokens: distinct experts chosen,
     at least the pairs over block_m, at most the plan's bound."""
-    distinct = num_experts * (1 - (1 - top_k / num_experts) ** n_tokens)
+    distinct = expected_experts(n_tokens, top_k, num_experts)
     return min(float(maxb), max(distinct, n_tokens * top_k / block_m, 1.0))
 
 
@@ -320,16 +325,18 @@ def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int,
 _RESIDENT_FNS: dict[tuple, tuple[object, int]] = {}
 
 
-def _resident_kernel(name: str, warps: int, smem: int, device: torch.device
+def _resident_kernel(name: str, warps: int, smem: int, device: torch.device,
+                     source: pathlib.Path | None = None, arch: str | None = None
                      ) -> tuple[object, int]:  # fmt: skip
     """The compiled instance `name` of a kernel sized to the GPU (`moe_fp4_stream`,
-    `moe_fp4_tma`) allowed `smem` bytes of dynamic shared memory, and the CTAs of it one SM
-    holds."""
-    key = (SOURCE, name, smem, device.index)  # the source too: benches swap SOURCE for A/Bs
+    `moe_fp4_tma`; `moe_fp4_wg` with its `source` and `arch`) allowed `smem` bytes of dynamic
+    shared memory, and the CTAs of it one SM holds."""
+    source = source or SOURCE  # read per call: benches swap SOURCE for A/Bs
+    key = (source, name, smem, device.index)
     hit = _RESIDENT_FNS.get(key)
     if hit is not None:
         return hit
-    fn = compiled_function(SOURCE, name, smem)
+    fn = compiled_function(source, name, smem, arch)
     _, smem_sm, regs_sm, threads_sm = sm_resources(device)
     regs = int(getattr(fn, "num_regs", 0)) or 128
     per_cta = [threads_sm // (warps * LANES),
@@ -512,7 +519,12 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
 
 def wg_supported(device: torch.device) -> bool:
     """Whether `device` runs the wgmma kernel: compute capability 9.0 (H100 / H200)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and _capability(device.index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def wg_smem_bytes(k: int, kgw: int, stages: int, gated: bool, nwg: int = 1) -> int:
@@ -538,16 +550,7 @@ def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div
                          f"N_out={n_out}, K={w.k}, block_m={plan.block_m} (16-slot blocks, "
                          "N_out % 64 == 0, 2 <= KGW <= 8)")  # fmt: skip
     name = f"moe_fp4_wg<{w.k}, {kgw}, {str(gated).lower()}, {stages}, {nwg}>"
-    key = (WG_SOURCE, name, smem, out.device.index)
-    hit = _RESIDENT_FNS.get(key)
-    if hit is None:
-        fn = compiled_function(WG_SOURCE, name, smem, arch="sm_90a")
-        _, smem_sm, regs_sm, threads_sm = sm_resources(out.device)
-        regs = int(getattr(fn, "num_regs", 0)) or 128
-        per_cta = [threads_sm // (nwg * 128), smem_sm // (smem + 1024 + 256),
-                   regs_sm // (4 * nwg * (-(-regs * LANES // 256) * 256))]  # fmt: skip
-        hit = _RESIDENT_FNS[key] = (fn, max(1, min(per_cta)))
-    fn, ctas_per_sm = hit
+    fn, ctas_per_sm = _resident_kernel(name, 4 * nwg, smem, out.device, WG_SOURCE, "sm_90a")
     assert w.packed is not None
     est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],
                           w.packed.words.shape[0], plan.block_m, plan.block_expert.numel())  # fmt: skip

@@ -228,6 +228,19 @@ __device__ __forceinline__ void mma_word(float (&acc)[NT][4], u32 word, u32 sw,
   for (int nt = 0; nt < NT; ++nt) mma_f16(acc[nt], r0, r1, r2, r3, bq[nt][0], bq[nt][1]);
 }
 
+// One output from its fp32 sum(s) (GATED: gate v and up u): times `gain` (2**28, the expert's
+// and the row's scales), silu(gate) * up, times the routing weight `rw`. Every expert GEMM's
+// epilogue.
+template <bool GATED>
+__device__ __forceinline__ float expert_output(float v, float u, float gain, float rw) {
+  v *= gain;
+  if (GATED) {
+    u *= gain;
+    v = v / (1.0f + __expf(-v)) * u;
+  }
+  return v * rw;
+}
+
 // Output (feature f, token slot c) of RW tiles from the WK warps' partial sums
 // red [WK][TILES][NT][4 regs][32 lanes], features fastest for coalesced stores, into columns
 // col0 + f: times 2**28, the expert's and the row's scales, silu(gate) * up (GATED) and the
@@ -251,14 +264,8 @@ __device__ __forceinline__ void store_outputs(const float* red, const int* pair_
       v += red[((w * TILES + ti) * NT + nt) * 128 + idx * 32 + ln];
       if (GATED) u += red[((w * TILES + ti + RW) * NT + nt) * 128 + idx * 32 + ln];
     }
-    const float gain = wgain * xg_s[c];
-    v *= gain;
-    if (GATED) {
-      u *= gain;
-      v = v / (1.0f + __expf(-v)) * u;
-    }
-    v *= rw_s[c];
-    out[(long)pair * n_out + col0 + f] = f32_to_bf16(v);
+    out[(long)pair * n_out + col0 + f] = f32_to_bf16(expert_output<GATED>(v, u, wgain * xg_s[c],
+                                                                       rw_s[c]));
   }
 }
 

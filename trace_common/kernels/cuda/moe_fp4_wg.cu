@@ -200,13 +200,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) moe_fp4_wg(
       const int c = 2 * t + (i & 1) + 8 * (i >> 2);
       const int pair = pair_s[c];
       if (pair >= n_pairs) continue;
-      const float gain = wgain * xg_s[c];
-      float v = accg[i] * gain;
-      if (GATED) {
-        const float u = accu[i] * gain;
-        v = v / (1.0f + __expf(-v)) * u;
-      }
-      v *= rw_s[c];
+      const float v = expert_output<GATED>(accg[i], accu[i], wgain * xg_s[c], rw_s[c]);
       out[(long)pair * n_out + f0 + 8 * ((i >> 1) & 1)] = f32_to_bf16(v);
     }
   }
