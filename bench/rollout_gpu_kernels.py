@@ -7,7 +7,7 @@ Expert selections rotate over many router draws so the weights do not sit in L2 
 repetitions; every call is timed inside a CUDA graph (no Python launch cost).
 
     python bench/rollout_gpu_kernels.py                 # tables
-    python bench/rollout_gpu_kernels.py --cuda-sweep    # + launch configs of the stream kernel
+    python bench/rollout_gpu_kernels.py --cuda-sweep    # + launch configs (--cuda-sweep wg: one kernel's)
     python bench/rollout_gpu_kernels.py --attention-only --attn-cold  # attention from HBM
 """
 
@@ -68,7 +68,7 @@ def _graph_us_per_call(fns) -> float:
     return ms * 1e3 / len(fns)
 
 
-def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
+def bench_moe(bw: float, sweep: frozenset[str], write_configs: pathlib.Path | None = None,
               tokens: tuple[int, ...] = (1, 8, 32, 128), once: bool = False) -> None:  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(0)
     wgu = torch.empty(E, 2 * INTER, H, dtype=torch.bfloat16, device="cuda").normal_(
@@ -109,16 +109,17 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             ("fp4-cuda", None, "cuda", "mma", None, None),
             ("fp4-stream", None, "cuda", "stream", None, None),
             ("fp4-tma", None, "cuda", "tma", None, None),
+            ("fp4-wg", None, "cuda", "wg", None, None),
             ("fp4-cuda-default", None, "cuda", None, None, None),  # kernel per shape (engine's)
         ]
-        if sweep:
+        if "stream" in sweep:
             for cfg in SWEEP_STREAM_GATE_UP:
                 if cuda_moe.stream_smem_bytes(bm, *cfg[:4], True) <= cuda_moe.STREAM_SMEM_MAX:
                     variants.append((f"stream gu{cfg}", None, "cuda", "stream", cfg, None))
             for cfg in SWEEP_STREAM_DOWN:
                 if cuda_moe.stream_smem_bytes(bm, *cfg[:4], False) <= cuda_moe.STREAM_SMEM_MAX:
                     variants.append((f"stream dn{cfg}", None, "cuda", "stream", None, cfg))
-        if sweep:  # the bulk-copy kernel (moe_fp4_tma)
+        if "tma" in sweep:  # the bulk-copy kernel (moe_fp4_tma)
             for gated, k, cfgs in ((True, H, SWEEP_TMA_GATE_UP), (False, INTER, SWEEP_TMA_DOWN)):
                 for cfg in cfgs:  # (RW, WK, KGW, S)
                     if cuda_moe.tma_smem_bytes(k, bm, *cfg[:2], cfg[3], gated) <= (
@@ -126,7 +127,14 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
                         variants.append((f"tma {'gu' if gated else 'dn'}{cfg}", None, "cuda",
                                          "tma", cfg if gated else None,
                                          None if gated else cfg))  # fmt: skip
-        if sweep:
+        if "wg" in sweep:  # the warpgroup-MMA kernel (moe_fp4_wg)
+            for gated, k, cfgs in ((True, H, SWEEP_WG_GATE_UP), (False, INTER, SWEEP_WG_DOWN)):
+                for cfg in cfgs:  # (KGW, S, NWG)
+                    smem = cuda_moe.wg_smem_bytes(k, cfg[0], cfg[1], gated, cfg[2], block_m=bm)
+                    if smem <= cuda_moe.STREAM_SMEM_MAX:
+                        variants.append((f"wg {'gu' if gated else 'dn'}{cfg}", None, "cuda", "wg",
+                                         cfg if gated else None, None if gated else cfg))  # fmt: skip
+        if "stream" in sweep:
             for waves in SWEEP_STREAM_WAVES:  # default configs, grid sized for more waves
                 variants.append((f"stream waves {waves}", None, "cuda", "stream", None, None))
             # timing probe: the default configs without the decode + block scale (wrong values)
@@ -179,7 +187,7 @@ def bench_moe(bw: float, sweep: bool, write_configs: pathlib.Path | None = None,
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
-            swept = variant.startswith(("stream ", "tma ", "ws "))
+            swept = variant.startswith(("stream ", "tma ", "ws ", "wg "))
             if kern in ("mma", "stream") and waves == 1 and (db is None or db > 60):  # by config
                 timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]
                 if variant.startswith("stream "):  # only the swept GEMM ran a new config
@@ -224,7 +232,12 @@ SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 4, 3, 4, 3), (4, 3, 4, 4, 0), (2, 2, 6
 # warp, item buffers (the grid: as many CTAs as the SMs hold)
 SWEEP_TMA_GATE_UP = [(1, 16, 2, 5), (1, 16, 2, 2), (1, 8, 4, 2), (2, 8, 4, 2), (2, 16, 2, 2)]
 SWEEP_TMA_DOWN = [(2, 6, 2, 4), (4, 4, 3, 3), (4, 12, 1, 3), (2, 12, 1, 4), (2, 4, 3, 3)]
+# Warpgroup-MMA kernel (KGW, S, NWG): 64-wide k groups per ring stage, ring stages, warpgroups
+# per CTA
+SWEEP_WG_GATE_UP = [(4, 2, 3), (4, 2, 1), (2, 2, 2), (2, 4, 1), (4, 2, 2), (2, 3, 4)]
+SWEEP_WG_DOWN = [(6, 2, 2), (6, 2, 1), (3, 2, 2), (2, 3, 2), (6, 2, 4), (4, 3, 2)]
 SWEEP_STREAM_WAVES = [3]  # the default configs with the grid sized for 3 waves of resident CTAs
+SWEEP_KERNELS = ("stream", "tma", "wg")  # --cuda-sweep's choices
 
 
 ATTN_SWEEP = [("regs", 4, 3), ("ring", 4, 4, 4), ("ring", 4, 4, 3), ("ring", 4, 5, 3),
@@ -318,10 +331,9 @@ def _key(key: str) -> tuple[int, int, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--cuda-sweep",
-        action="store_true",
-        help="time launch configs of the streaming CUDA kernel too",
-    )
+        "--cuda-sweep", nargs="*", choices=SWEEP_KERNELS,
+        help="time launch configs of these CUDA expert-GEMM kernels too (none named: all)",
+    )  # fmt: skip
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--launch-once", action="store_true",
                     help="launch each CUDA expert GEMM once per token count, untimed (for ncu)")  # fmt: skip
@@ -334,12 +346,14 @@ def main() -> None:
     ap.add_argument("--write-configs", type=pathlib.Path, help="json of the fastest configs")
     args = ap.parse_args()
     if args.launch_once:
-        bench_moe(0.0, False, None, tuple(args.tokens), once=True)
+        bench_moe(0.0, frozenset(), None, tuple(args.tokens), once=True)
         return
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.2f} TB/s (read + write)\n")
     if not args.attention_only:
-        bench_moe(bw, args.cuda_sweep, args.write_configs, tuple(args.tokens))
+        swept = args.cuda_sweep
+        sweep = frozenset() if swept is None else frozenset(swept or SWEEP_KERNELS)
+        bench_moe(bw, sweep, args.write_configs, tuple(args.tokens))
     if not args.no_attention:
         bench_attention(bw, args.attn_sweep, args.attn_cold)
 

@@ -169,12 +169,13 @@ TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (768, 16, False): (2, 4, 3, 3),
 }
 CUDA_KERNELS = ("stream", "mma", "tma", "wg")  # moe_fp4_stream, _mma, _tma, moe_fp4_wg
-# `moe_fp4_wg` (warpgroup MMAs, 16-slot blocks only; cuda/moe_fp4_wg.cu) per (K, gated): (KGW
-# 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA); the
-# fastest of a sweep at 96 / 128 tokens on an H200 (docs/benchmarks.md, session 15).
-WG_CONFIGS: dict[tuple[int, bool], tuple[int, ...]] = {
-    (2048, True): (4, 2, 3),
-    (768, False): (6, 2, 2),
+# `moe_fp4_wg` (warpgroup MMAs, 8- or 16-slot blocks; cuda/moe_fp4_wg.cu) per (K, token slots,
+# gated): (KGW 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA);
+# 16 slots: the fastest of a sweep at 96 / 128 tokens on an H200 (docs/benchmarks.md, session
+# 15).
+WG_CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
+    (2048, 16, True): (4, 2, 3),
+    (768, 16, False): (6, 2, 2),
 }
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # The kernel per (K, token slots, gated): the faster one (same sums) measured on an H200 with
@@ -527,11 +528,12 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def wg_smem_bytes(k: int, kgw: int, stages: int, gated: bool, nwg: int = 1) -> int:
-    """Dynamic shared memory of `moe_fp4_wg`: the block's 16 activation rows in fp16, then the
-    rings of 4 warps per warpgroup (a stage: KGW k groups of the warp's tile, and of its up tile
-    when gated)."""
-    return k * 16 * 2 + 4 * nwg * stages * (2 if gated else 1) * kgw * (LANES * 16 + 64)
+def wg_smem_bytes(k: int, kgw: int, stages: int, gated: bool, nwg: int = 1,
+                  block_m: int = 16) -> int:  # fmt: skip
+    """Dynamic shared memory of `moe_fp4_wg`: the block's `block_m` activation rows in fp16,
+    then the rings of 4 warps per warpgroup (a stage: KGW k groups of the warp's tile, and of
+    its up tile when gated)."""
+    return k * block_m * 2 + 4 * nwg * stages * (2 if gated else 1) * kgw * (LANES * 16 + 64)
 
 
 def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
@@ -541,15 +543,16 @@ def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div
     import numpy as np
 
     n_out = w.n // 2 if gated else w.n
-    kgw, stages, *rest = config or WG_CONFIGS.get((w.k, gated), (4, 2, 1))
+    bm = plan.block_m
+    kgw, stages, *rest = config or WG_CONFIGS.get((w.k, bm, gated), (4, 2, 1))
     nwg = rest[0] if rest else 1
-    smem = wg_smem_bytes(w.k, kgw, stages, gated, nwg)
-    if (plan.block_m != 16 or n_out % 64 or w.k % (K_GROUP * kgw) or not 2 <= kgw <= 8
+    smem = wg_smem_bytes(w.k, kgw, stages, gated, nwg, bm)
+    if (bm not in BLOCK_MS or n_out % 64 or w.k % (K_GROUP * kgw) or not 2 <= kgw <= 8
             or stages < 2 or not 1 <= nwg <= 8 or smem > STREAM_SMEM_MAX):  # fmt: skip
         raise ValueError(f"wg config KGW={kgw}, S={stages}, NWG={nwg} does not fit "
-                         f"N_out={n_out}, K={w.k}, block_m={plan.block_m} (16-slot blocks, "
+                         f"N_out={n_out}, K={w.k}, block_m={bm} (8- or 16-slot blocks, "
                          "N_out % 64 == 0, 2 <= KGW <= 8)")  # fmt: skip
-    name = f"moe_fp4_wg<{w.k}, {kgw}, {str(gated).lower()}, {stages}, {nwg}>"
+    name = f"moe_fp4_wg<{w.k}, {kgw}, {str(gated).lower()}, {stages}, {nwg}, {bm}>"
     fn, ctas_per_sm = _resident_kernel(name, 4 * nwg, smem, out.device, WG_SOURCE, "sm_90a")
     assert w.packed is not None
     est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],

@@ -385,13 +385,14 @@ def _configs_match_reference(gemms: tuple, kernel: str, ref_kernel: str, configs
             assert db > 60, f"{kernel} vs {ref_kernel} (gated={gated}, config {cfg}): {db:.1f} dB"
 
 
-@pytest.mark.parametrize("t", [3, 64, 128, 200])
-def test_moe_gemm_fp4_wg_model_shape(t):
-    """The warpgroup-MMA kernel (`wg`, 16-slot blocks, sm_90a) at the model's expert shape
+@pytest.mark.parametrize("t,block_m", [(3, 16), (64, 16), (128, 16), (200, 16), (1, 8),
+                                       (8, 8), (32, 8), (80, 8)])  # fmt: skip
+def test_moe_gemm_fp4_wg_model_shape(t, block_m):
+    """The warpgroup-MMA kernel (`wg`, 8- or 16-slot blocks, sm_90a) at the model's expert shape
     equals the streaming kernel up to summation order (products exact in both; it sums all of
     K in one chain per output), every output written, with its default config, another, and
     3 warpgroups per CTA (items split unevenly among them)."""
-    _configs_match_reference(_model_shape_gemms(t, 16), "wg", "stream",
+    _configs_match_reference(_model_shape_gemms(t, block_m), "wg", "stream",
                              lambda k, gated: [None, (2, 4), (2, 2, 3)])  # fmt: skip
 
 

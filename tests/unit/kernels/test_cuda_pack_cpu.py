@@ -356,12 +356,13 @@ def test_wg_configs_fit():
     """Every warpgroup-MMA config (moe_fp4_wg) splits K into whole stages of >= 2 k groups,
     tiles N_out into 64-feature items and fits the opt-in shared memory; off sm_90 (here: a CPU
     device) the per-shape default falls back to the stream kernel."""
-    for (k, gated), (kgw, stages, nwg) in cuda_moe.WG_CONFIGS.items():
+    for (k, bm, gated), (kgw, stages, nwg) in cuda_moe.WG_CONFIGS.items():
         assert k % (cuda_moe.K_GROUP * kgw) == 0 and 2 <= kgw <= 8 and stages >= 2
         n_out = 768 if gated else 2048
-        assert n_out % 64 == 0 and 1 <= nwg <= 8
-        assert cuda_moe.wg_smem_bytes(k, kgw, stages, gated, nwg) <= cuda_moe.STREAM_SMEM_MAX
-        assert cuda_moe.KERNEL_FOR[(k, 16, gated)] == "wg"
-    # B (16 rows of K fp16) + 4 warps x NWG x S stages x (gate + up) x KGW groups of 576 bytes
+        assert n_out % 64 == 0 and 1 <= nwg <= 8 and bm in cuda_moe.BLOCK_MS
+        assert cuda_moe.wg_smem_bytes(k, kgw, stages, gated, nwg, bm) <= cuda_moe.STREAM_SMEM_MAX
+        assert cuda_moe.KERNEL_FOR[(k, bm, gated)] == "wg"
+    # B (block_m rows of K fp16) + 4 warps x NWG x S stages x (gate + up) x KGW groups of 576 B
     assert cuda_moe.wg_smem_bytes(2048, 4, 2, True, 3) == 65536 + 12 * 2 * 2 * 4 * 576
+    assert cuda_moe.wg_smem_bytes(2048, 4, 2, True, 3, 8) == 32768 + 12 * 2 * 2 * 4 * 576
     assert not cuda_moe.wg_supported(torch.device("cpu"))

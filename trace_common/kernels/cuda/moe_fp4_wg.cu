@@ -1,12 +1,12 @@
 // Grouped routed-expert GEMM, W4A4 NVFP4, with warpgroup MMAs (wgmma, sm_90a only: compiled
-// by cuda_launch.compiled_function(..., arch="sm_90a")), for 16-slot expert blocks.
+// by cuda_launch.compiled_function(..., arch="sm_90a")), for 8- and 16-slot expert blocks.
 //
 // Same operands, decode and epilogue as moe_fp4.cu (its header describes them); what differs is
-// the MMA and the split of the work. The 16 token slots of an expert block are the N = 16 of
-// wgmma.m64n16k16: B is the block's activations, copied once per CTA into shared memory in the
-// canonical K-major layout without swizzle (per 16-wide k-tile 512 bytes: [k half][8-slot
-// group][8 slots][8 halves], so the descriptor's leading (K) byte offset is 256 and its stride
-// (N) byte offset 128), read by the tensor cores directly. A is in registers: each of the 4
+// the MMA and the split of the work. The BT = 8 or 16 token slots of an expert block are the N
+// of wgmma.m64n{BT}k16: B is the block's activations, copied once per CTA into shared memory in
+// the canonical K-major layout without swizzle (per 16-wide k-tile BT * 32 bytes: [k half][8-slot
+// group][8 slots][8 halves], so the descriptor's leading (K) byte offset is BT * 16 and its
+// stride (N) byte offset 128), read by the tensor cores directly. A is in registers: each of the 4
 // warps decodes one 16-row weight tile per k-tile into the m16n8k16 A fragment, which is also
 // wgmma's register-A layout for that warp's 16 rows of the 64. Each warp streams its own tile
 // over all of K through a cp.async ring (no split of K, so no cross-warp reduction and no
@@ -29,28 +29,40 @@ __device__ __forceinline__ void wg_wait() {
 }
 
 // Pin the accumulators after a wait: their reads may not move above it.
-__device__ __forceinline__ void wg_fence_acc(float (&d)[8]) {
+template <int N>
+__device__ __forceinline__ void wg_fence_acc(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Shared-memory matrix descriptor: no swizzle, K-adjacent core matrices 256 bytes apart,
-// N-adjacent ones 128 bytes apart (the layout in the header).
+// Shared-memory matrix descriptor of a BT-slot k-tile: no swizzle, K-adjacent core matrices
+// BT * 16 bytes apart, N-adjacent ones 128 bytes apart (the layout in the header).
+template <int BT>
 __device__ __forceinline__ unsigned long long b_desc(u32 saddr) {
-  return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | ((unsigned long long)(256 >> 4) << 16) |
-         ((unsigned long long)(128 >> 4) << 32);
+  return (unsigned long long)((saddr & 0x3FFFFu) >> 4) |
+         ((unsigned long long)((BT * 16) >> 4) << 16) | ((unsigned long long)(128 >> 4) << 32);
 }
 
-// d (this thread's 8 of the 64 x 16 fp32 tile) (+)= A (registers) x B (descriptor);
+// d (this thread's BT / 2 of the 64 x BT fp32 tile) (+)= A (registers) x B (descriptor);
 // accumulate = 0 overwrites d.
-__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], const u32 (&a)[4],
-                                                unsigned long long desc, int accumulate) {
+__device__ __forceinline__ void wgmma_n(float (&d)[8], const u32 (&a)[4], unsigned long long desc,
+                                        int accumulate) {
   asm volatile(
       "{ .reg .pred p; setp.ne.b32 p, %13, 0;\n\t"
       "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, "
       "{%8,%9,%10,%11}, %12, p, 1, 1, 0; }"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_n(float (&d)[4], const u32 (&a)[4], unsigned long long desc,
+                                        int accumulate) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %9, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, %8, p, 1, 1, 0; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
 }
 
@@ -70,21 +82,22 @@ __device__ __forceinline__ void decode_group(u32 (&a)[4][4], u32 words, u32 scal
 
 // K: the GEMM's K; KGW: 64-wide k groups per ring stage (>= 2: a stage's last group is the
 // only one still in flight when the next stage's first group reuses its A registers); S: ring
-// stages per warp; NWG: warpgroups per CTA, sharing the block's B and taking every NWG-th item.
-template <int K, int KGW, bool GATED, int S, int NWG = 1>
+// stages per warp; NWG: warpgroups per CTA, sharing the block's B and taking every NWG-th item;
+// BT: token slots per expert block (8 or 16).
+template <int K, int KGW, bool GATED, int S, int NWG = 1, int BT = 16>
 __global__ void __launch_bounds__(NWG * 128, 1) moe_fp4_wg(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
     const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
     const float* __restrict__ w_g,     // [E] per-expert second-level scale
     const u32* __restrict__ x_dq,      // fp16 activations, B-fragment order [rows][K/16][8]
     const float* __restrict__ x_g,     // [rows] per-row second-level scale
-    const int* __restrict__ sorted_pair,   // [MAXB * 16]
+    const int* __restrict__ sorted_pair,   // [MAXB * BT]
     const int* __restrict__ block_expert,  // [MAXB]
     const float* __restrict__ route_w,     // [n_pairs]
     u16* __restrict__ out,                 // bf16 [n_pairs][n_out]
     int n_pairs, int n_out, unsigned long long a_mul, int mul_route_w, int items_per_cta) {
-  constexpr int BT = 16;
   constexpr int KG = K / 64;
+  constexpr int TILE_B = BT * 32;                // one k-tile of B in shared memory
   constexpr int KT = K / 16;
   constexpr int TILES = GATED ? 2 : 1;           // per warp and item: gate (+ up) tile
   constexpr int A_BYTES = KGW * 512;             // one tile's words of a stage
@@ -93,7 +106,8 @@ __global__ void __launch_bounds__(NWG * 128, 1) moe_fp4_wg(
   constexpr int NSTAGE = KG / KGW;               // stages per item
   static_assert(KG % KGW == 0 && KGW >= 2 && S >= 2 && KGW * 4 <= 32,
                 "K groups per stage; ring depth");
-  extern __shared__ __align__(128) unsigned char smem[];  // B [KT][512 B], then the rings
+  static_assert(BT == 8 || BT == 16, "8 or 16 token slots");
+  extern __shared__ __align__(128) unsigned char smem[];  // B [KT][TILE_B], then the rings
   __shared__ int pair_s[BT];
   __shared__ float xg_s[BT], rw_s[BT];
 
@@ -112,7 +126,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) moe_fp4_wg(
   const u32* wq_e = wq + (long)e * n_w_tiles * KG * 128 + lane * 4;
   const u32* ws_e = ws + (long)e * n_w_tiles * KG * 16 + lane * 4;
   const u32 b_base = smem_addr(smem);
-  const u32 ring_s = smem_addr(smem + KT * 512 + (threadIdx.x >> 5) * S * STAGE);
+  const u32 ring_s = smem_addr(smem + KT * TILE_B + (threadIdx.x >> 5) * S * STAGE);
   const int up0 = n_out / 16;
 
   const int total = n_my * NSTAGE;
@@ -153,16 +167,17 @@ __global__ void __launch_bounds__(NWG * 128, 1) moe_fp4_wg(
       ldg_v4(src, lo.x, lo.y, lo.z, lo.w);
       ldg_v4(src + 4, hi.x, hi.y, hi.z, hi.w);
     }
-    unsigned char* dst = smem + kt * 512 + (c >> 3) * 128 + (c & 7) * 16;
+    unsigned char* dst = smem + kt * TILE_B + (c >> 3) * 128 + (c & 7) * 16;
     *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.z, hi.x, hi.z);
-    *reinterpret_cast<uint4*>(dst + 256) = make_uint4(lo.y, lo.w, hi.y, hi.w);
+    *reinterpret_cast<uint4*>(dst + BT * 16) = make_uint4(lo.y, lo.w, hi.y, hi.w);
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the tensor cores
   __syncthreads();
 
-  float accg[8], accu[8];
+  constexpr int NACC = BT / 2;  // this thread's accumulators per 64 x BT tile
+  float accg[NACC], accu[NACC];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) accg[i] = accu[i] = 0.f;
+  for (int i = 0; i < NACC; ++i) accg[i] = accu[i] = 0.f;
   int rd_slot = 0;
   for (int it = 0; it < n_my; ++it) {
     for (int sg = 0; sg < NSTAGE; ++sg) {
@@ -181,10 +196,10 @@ __global__ void __launch_bounds__(NWG * 128, 1) moe_fp4_wg(
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int kt = (sg * KGW + kk) * 4 + q;
-          const unsigned long long desc = b_desc(b_base + kt * 512);
+          const unsigned long long desc = b_desc<BT>(b_base + kt * TILE_B);
           const int acc = (sg | kk | q) != 0;  // the item's first k-tile overwrites
-          wgmma_m64n16k16(accg, ag[q], desc, acc);
-          if (GATED) wgmma_m64n16k16(accu, au[q], desc, acc);
+          wgmma_n(accg, ag[q], desc, acc);
+          if (GATED) wgmma_n(accu, au[q], desc, acc);
         }
         wg_commit();
         wg_wait<1>();  // the group before has finished reading its A registers
@@ -196,7 +211,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) moe_fp4_wg(
     // epilogue: d[i] is (row g + 8 ((i >> 1) & 1), slot 2t + (i & 1) + 8 (i >> 2)) of the tile
     const int f0 = (item0 + wgi + NWG * it) * 64 + warp * 16 + g;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < NACC; ++i) {
       const int c = 2 * t + (i & 1) + 8 * (i >> 2);
       const int pair = pair_s[c];
       if (pair >= n_pairs) continue;
