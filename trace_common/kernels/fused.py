@@ -28,6 +28,11 @@ Not kept (slower):
   block layout and the FP4 input quantize in one launch) in place of the standard step's four
   or five launches at batch 8: BF16 -2.3% / -1.1%, FP4 -7.1% / -6.0% at 1K / 32K (2026-12-04,
   bench/env_ab.py, 2 rounds; docs/benchmarks.md, session 13).
+- routing (top-k + block layout) as one CUDA launch whose last CTA lays out the blocks:
+  BF16 -0.6 / -0.2 / -0.0%, FP4 -0.3 / -0.6 / -0.2% at batch 8 / 32 / 128; the experts' act
+  quantize as a CUDA kernel (a few rows per CTA): FP4 -1.2 / -0.3 / +0.1% at batch 8 / 32 /
+  128; the act quantize inside the wg gate_up (one CTA per expert block): -1.2% / -1.3% at
+  batch 96 / 128 (2026-12-04, bench/env_ab.py, 2-3 rounds; docs/benchmarks.md, session 16).
 """
 
 from __future__ import annotations
