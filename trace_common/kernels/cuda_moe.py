@@ -134,7 +134,8 @@ def dq16_permutation(device: torch.device | str = "cpu") -> torch.Tensor:
 # KGW 64-wide k groups per warp, MINB CTAs per SM for the register allocator, 0 = none);
 # WK * KGW * 64 == K. Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200
 # (fastest summed over 1, 8, 32, 128 tokens of each block size; docs/benchmarks.md).
-# TRACE_FP4_CUDA_CONFIGS=<json file> overrides them ({"K,block_m,gated": [RW, WK, KGW, MINB]}).
+# TRACE_FP4_CUDA_CONFIGS=<json file> overrides them ({"K,block_m,gated": [RW, WK, KGW, MINB]};
+# 5 numbers: the stream kernel's, 3: the wg kernel's).
 # (768, 8, False) re-picked with the reordered prologue (session 9, H200: 17.2 / 33.9 us at 8 /
 # 32 tokens against (4, 4, 3, 0)'s 18.9 / 34.5; docs/benchmarks.md).
 CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
@@ -171,11 +172,12 @@ TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 CUDA_KERNELS = ("stream", "mma", "tma", "wg")  # moe_fp4_stream, _mma, _tma, moe_fp4_wg
 # `moe_fp4_wg` (warpgroup MMAs, 8- or 16-slot blocks; cuda/moe_fp4_wg.cu) per (K, token slots,
 # gated): (KGW 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA);
-# 16 slots: the fastest of a sweep at 96 / 128 tokens on an H200 (docs/benchmarks.md, session
-# 15).
+# 16 slots: the fastest of sweeps at 96 / 128 tokens on an H200 (docs/benchmarks.md, sessions
+# 15 and 16: 4 warpgroups per CTA since session 16, FP4 engine 1K batch 96 / 128 +0.9% / +0.9%
+# from down's, then +0.6% / +0.7% from gate_up's).
 WG_CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
-    (2048, 16, True): (4, 2, 3),
-    (768, 16, False): (6, 2, 2),
+    (2048, 16, True): (4, 2, 4),
+    (768, 16, False): (6, 2, 4),
 }
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # The kernel per (K, token slots, gated): the faster one (same sums) measured on an H200 with
@@ -194,7 +196,8 @@ KERNEL_FOR: dict[tuple[int, int, bool], str] = {
 
 def _override() -> dict[tuple[int, int, bool], tuple[int, ...]]:
     """TRACE_FP4_CUDA_CONFIGS=<json file> {"K,block_m,gated": config}: a config of 4 numbers
-    runs `moe_fp4_mma` with it for that shape, of 5 numbers `moe_fp4_stream`."""
+    runs `moe_fp4_mma` with it for that shape, of 5 numbers `moe_fp4_stream`, of 3 numbers
+    (KGW, S, NWG) `moe_fp4_wg`."""
     path = os.environ.get("TRACE_FP4_CUDA_CONFIGS")
     if not path:
         return {}
@@ -210,10 +213,13 @@ def _override_file(
     out = {}
     for key, val in json.loads(pathlib.Path(path).read_text()).items():
         k, bm, gated = key.split(",")
-        if len(val) not in (4, 5):
-            raise ValueError(f"TRACE_FP4_CUDA_CONFIGS {key}: {val} is neither 4 nor 5 numbers")
+        if len(val) not in (3, 4, 5):
+            raise ValueError(f"TRACE_FP4_CUDA_CONFIGS {key}: {val} is not 3, 4 or 5 numbers")
         out[(int(k), int(bm), gated == "True")] = tuple(int(v) for v in val)
     return out
+
+
+_OVERRIDE_KERNEL = {3: "wg", 4: "mma", 5: "stream"}  # an override config's kernel, by its length
 
 
 def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = None) -> str:
@@ -223,7 +229,7 @@ def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = N
     kernel = kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL")
     if not kernel and key is not None:
         cfg = _override().get(key)
-        kernel = KERNEL_FOR.get(key) if cfg is None else ("stream" if len(cfg) == 5 else "mma")
+        kernel = KERNEL_FOR.get(key) if cfg is None else _OVERRIDE_KERNEL[len(cfg)]
     kernel = kernel or DEFAULT_CUDA_KERNEL
     if kernel not in CUDA_KERNELS:
         raise ValueError(f"TRACE_FP4_CUDA_KERNEL={kernel!r}; expected one of {CUDA_KERNELS}")
@@ -544,7 +550,9 @@ def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div
 
     n_out = w.n // 2 if gated else w.n
     bm = plan.block_m
-    kgw, stages, *rest = config or WG_CONFIGS.get((w.k, bm, gated), (4, 2, 1))
+    override = _override().get((w.k, bm, gated), ())
+    default = override if len(override) == 3 else WG_CONFIGS.get((w.k, bm, gated), (4, 2, 1))
+    kgw, stages, *rest = config or default
     nwg = rest[0] if rest else 1
     smem = wg_smem_bytes(w.k, kgw, stages, gated, nwg, bm)
     if (bm not in BLOCK_MS or n_out % 64 or w.k % (K_GROUP * kgw) or not 2 <= kgw <= 8

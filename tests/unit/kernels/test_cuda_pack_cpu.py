@@ -289,10 +289,13 @@ def test_cuda_kernel_per_shape(tmp_path, monkeypatch):
     assert cuda_moe.cuda_kernel("mma", key=(2048, 8, True)) == "mma"
     monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", "stream")
     assert cuda_moe.cuda_kernel(key=(2048, 16, True)) == "stream"
-    f.write_text('{"2048,8,True": [1, 8, 4]}')
+    f.write_text('{"2048,8,True": [1, 8], "768,16,False": [3, 3, 2]}')  # 3 numbers: wg
     monkeypatch.delenv("TRACE_FP4_CUDA_KERNEL")
-    with pytest.raises(ValueError, match="neither 4 nor 5"):
+    with pytest.raises(ValueError, match="not 3, 4 or 5"):
         cuda_moe.cuda_kernel(key=(2048, 8, True))
+    f.write_text('{"768,16,False": [3, 3, 2]}')
+    assert cuda_moe.cuda_kernel(key=(768, 16, False)) == "wg"
+    assert cuda_moe.cuda_kernel(key=(768, 8, False)) == cuda_moe.KERNEL_FOR[(768, 8, False)]
 
 
 def test_sm_resources_cpu_device():
