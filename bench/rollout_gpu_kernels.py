@@ -233,11 +233,12 @@ SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 4, 3, 4, 3), (4, 3, 4, 4, 0), (2, 2, 6
 SWEEP_TMA_GATE_UP = [(1, 16, 2, 5), (1, 16, 2, 2), (1, 8, 4, 2), (2, 8, 4, 2), (2, 16, 2, 2)]
 SWEEP_TMA_DOWN = [(2, 6, 2, 4), (4, 4, 3, 3), (4, 12, 1, 3), (2, 12, 1, 4), (2, 4, 3, 3)]
 # Warpgroup-MMA kernel (KGW, S, NWG): 64-wide k groups per ring stage, ring stages, warpgroups
-# per CTA
-SWEEP_WG_GATE_UP = [(4, 2, 3), (4, 2, 1), (2, 2, 2), (2, 4, 1), (4, 2, 2), (2, 3, 4), (2, 4, 3),
-                    (4, 3, 2), (2, 4, 2), (2, 3, 3), (4, 2, 4)]  # fmt: skip
-SWEEP_WG_DOWN = [(6, 2, 2), (6, 2, 1), (3, 2, 2), (2, 3, 2), (6, 2, 4), (4, 3, 2), (3, 3, 2),
-                 (3, 4, 2), (2, 4, 2), (6, 3, 2), (3, 3, 3), (2, 4, 3), (6, 2, 3)]  # fmt: skip
+# per CTA (NWG <= 4 for gate_up, <= 6 for down: more threads per CTA leave fewer registers than
+# the instances use, ~120 / ~80)
+SWEEP_WG_GATE_UP = [(4, 2, 4), (4, 2, 3), (4, 2, 1), (2, 2, 2), (4, 2, 2), (2, 3, 4), (2, 4, 3),
+                    (2, 2, 4)]  # fmt: skip
+SWEEP_WG_DOWN = [(6, 2, 4), (6, 2, 2), (3, 2, 2), (6, 2, 6), (4, 2, 6), (4, 2, 4), (3, 2, 4),
+                 (6, 2, 3), (3, 3, 2)]  # fmt: skip
 SWEEP_STREAM_WAVES = [3]  # the default configs with the grid sized for 3 waves of resident CTAs
 SWEEP_KERNELS = ("stream", "tma", "wg")  # --cuda-sweep's choices
 
