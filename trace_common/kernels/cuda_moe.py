@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pathlib
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trace_common.kernels import env_choice
 from trace_common.kernels.cuda_launch import (
     compiled_function,
     launch_on_torch_stream,
@@ -329,6 +331,67 @@ def stream_grid(n_items: int, est_blocks: float, ctas_per_sm: int, n_sms: int,
     return -(-n_items // ipc), ipc
 
 
+@functools.lru_cache(maxsize=64)
+def block_count_moments(n_tokens: int, top_k: int, num_experts: int, block_m: int
+                        ) -> tuple[float, float]:  # fmt: skip
+    """Mean and variance of the expert blocks a uniform top-k router fills for `n_tokens`
+    tokens: each expert sees Binomial(n_tokens, top_k / num_experts) pairs and takes
+    ceil(pairs / block_m) blocks; experts taken as independent (the variance is then an
+    upper bound: their counts are negatively correlated)."""
+    p = min(top_k / num_experts, 1.0)
+    if p == 1.0:
+        return float(num_experts * -(-n_tokens // block_m)), 0.0
+    mean = second = 0.0
+    pmf = (1 - p) ** n_tokens  # P(0 pairs), then P(c) from P(c - 1)
+    for c in range(1, n_tokens + 1):
+        pmf *= (n_tokens - c + 1) / c * p / (1 - p)
+        blocks = -(-c // block_m)
+        mean += pmf * blocks
+        second += pmf * blocks * blocks
+    return num_experts * mean, num_experts * (second - mean * mean)
+
+
+WG_GRIDS = ("waves", "even")
+WG_CTA_OVERHEAD_ITEMS = 1.0  # a CTA's fixed cost (its block's B, the ring's fill) in items
+
+
+def wg_grid(value: str | None = None) -> str:
+    """How `moe_fp4_wg` sizes its grid: `value`, else TRACE_WG_GRID, else "waves"
+    (`wave_grid`; "even": `stream_grid`, the rule before 2026-12-04)."""
+    return env_choice("TRACE_WG_GRID", value, WG_GRIDS, "waves")
+
+
+def wave_grid(n_items: int, mean_blocks: float, var_blocks: float, slots: int,
+              max_blocks: int) -> tuple[int, int]:  # fmt: skip
+    """(CTAs per expert block, items per CTA) for a grid of whole waves: the split whose
+    expected time, waves of `slots` resident CTAs x (items per CTA + WG_CTA_OVERHEAD_ITEMS),
+    is least over the block count's distribution (normal, from block_count_moments; at
+    most `max_blocks`). One CTA per block while the blocks fit one wave; when they may not
+    (e.g. 8-slot blocks at 80 tokens: ~136 blocks on 132 SMs, a second wave of 4 CTAs that
+    each stream a whole block), the block's items split so the last wave stays short.
+    H200, FP4 engine, 1K, against `stream_grid` (bench/env_ab.py, TRACE_WG_GRID, 3 rounds):
+    batch 192 / 224 / 256 +16.7 / +13.8 / +9.8%, 160 -1.3% (16% of its steps need a 133rd
+    block; a short last wave costs less than this model says); batch <= 128 the same grid."""
+    sd = max(var_blocks, 0.0) ** 0.5
+    lo = max(1, math.floor(mean_blocks - 4 * sd))
+    hi = min(max_blocks, max(lo, math.ceil(mean_blocks + 4 * sd)))
+    weights = [math.exp(-0.5 * ((b - mean_blocks) / sd) ** 2) if sd > 0 else float(b == lo)
+               for b in range(lo, hi + 1)]  # fmt: skip
+    total = sum(weights) or 1.0
+    best = None
+    for ipc in range(n_items, 0, -1):  # fewest CTAs first: they win ties
+        gy = -(-n_items // ipc)
+        if gy * ipc - n_items >= ipc:  # the same split as a larger ipc
+            continue
+        waves = sum(wt * -(-b * gy // slots)
+                    for b, wt in zip(range(lo, hi + 1), weights, strict=True))  # fmt: skip
+        cost = waves / total * (ipc + WG_CTA_OVERHEAD_ITEMS)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, gy, ipc)
+    assert best is not None
+    return best[1], best[2]
+
+
 _RESIDENT_FNS: dict[tuple, tuple[object, int]] = {}
 
 
@@ -563,9 +626,14 @@ def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div
     name = f"moe_fp4_wg<{w.k}, {kgw}, {str(gated).lower()}, {stages}, {nwg}, {bm}>"
     fn, ctas_per_sm = _resident_kernel(name, 4 * nwg, smem, out.device, WG_SOURCE, "sm_90a")
     assert w.packed is not None
-    est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],
-                          w.packed.words.shape[0], plan.block_m, plan.block_expert.numel())  # fmt: skip
-    gy, ipc = stream_grid(n_out // 64, est, ctas_per_sm, sm_resources(out.device)[0])
+    t, k = plan.topk_ids.shape
+    n_exp, maxb = w.packed.words.shape[0], plan.block_expert.numel()
+    sms = sm_resources(out.device)[0]
+    if wg_grid() == "waves":
+        mean, var = block_count_moments(t, k, n_exp, bm)
+        gy, ipc = wave_grid(n_out // 64, mean, var, sms * ctas_per_sm, maxb)
+    else:
+        gy, ipc = stream_grid(n_out // 64, expected_blocks(t, k, n_exp, bm, maxb), ctas_per_sm, sms)
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
     launch_on_torch_stream(fn, (gy, plan.block_expert.numel()), (nwg * 4 * LANES,), args,
                            out.device, shared_mem=smem)  # fmt: skip
@@ -660,6 +728,7 @@ __all__ = [
     "STREAM_CONFIGS",
     "TMA_CONFIGS",
     "PackedFP4",
+    "block_count_moments",
     "block_m_for",
     "cuda_kernel",
     "decode_packed_reference",
@@ -674,4 +743,5 @@ __all__ = [
     "stream_grid",
     "stream_smem_bytes",
     "tma_smem_bytes",
+    "wave_grid",
 ]

@@ -369,3 +369,34 @@ def test_wg_configs_fit():
     assert cuda_moe.wg_smem_bytes(2048, 4, 2, True, 3) == 65536 + 12 * 2 * 2 * 4 * 576
     assert cuda_moe.wg_smem_bytes(2048, 4, 2, True, 3, 8) == 32768 + 12 * 2 * 2 * 4 * 576
     assert not cuda_moe.wg_supported(torch.device("cpu"))
+
+
+def test_block_count_moments_match_sampled_routing():
+    """The expert-block count's mean (exact for independent experts) and variance (an upper
+    bound: the experts' counts are negatively correlated) against 2000 sampled uniform top-8
+    routings of 128 experts."""
+    g = torch.Generator().manual_seed(0)
+    for t, bm in ((1, 8), (80, 8), (192, 16)):
+        ids = torch.rand(2000, t, 128, generator=g).topk(8, dim=-1).indices.reshape(2000, -1)
+        cnt = torch.zeros(2000, 128, dtype=torch.long).scatter_add_(1, ids, torch.ones_like(ids))
+        blocks = ((cnt + bm - 1) // bm).sum(1).double()
+        mean, var = cuda_moe.block_count_moments(t, 8, 128, bm)
+        assert abs(mean - float(blocks.mean())) < 0.01 * mean + 0.1, (t, mean, blocks.mean())
+        assert var >= 0.9 * float(blocks.var()), (t, var, blocks.var())
+    assert cuda_moe.block_count_moments(5, 128, 128, 16) == (128.0, 0.0)  # every expert chosen
+
+
+def test_wave_grid():
+    """One CTA per block while the blocks fit one wave of resident CTAs; split blocks when a
+    second, nearly empty wave is likely; every split covers the block's items."""
+    assert cuda_moe.wave_grid(12, 128.3, 0.4, 132, 192) == (1, 12)  # batch 128, 16 slots
+    gy, ipc = cuda_moe.wave_grid(12, 140.1, 10.9, 132, 224)  # batch 192: ~140 blocks
+    assert gy > 1 and gy * ipc >= 12 and (gy - 1) * ipc < 12
+    assert cuda_moe.wave_grid(12, 8.0, 0.0, 132, 16) == (12, 1)  # batch 1: one item per CTA
+    for n_items in (12, 32):
+        for mean in (8.0, 60.0, 131.0, 150.0, 250.0):
+            gy, ipc = cuda_moe.wave_grid(n_items, mean, mean / 10, 264, 400)
+            assert gy * ipc >= n_items and (gy - 1) * ipc < n_items
+    assert cuda_moe.wg_grid("even") == "even"
+    with pytest.raises(ValueError, match="TRACE_WG_GRID='rows'"):
+        cuda_moe.wg_grid("rows")
