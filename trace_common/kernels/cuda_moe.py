@@ -188,6 +188,10 @@ DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # 16 slots on sm_90 since 2026-12-04: the warpgroup-MMA kernel (`wg`), FP4 engine 1K batch 96 /
 # 112 / 128 +1.2 / +1.8 / +2.8% against `stream` (bench/env_ab.py; docs/benchmarks.md, session
 # 15); `stream` where wgmma is missing (not sm_90).
+# ... and up to this many pairs (batch 128 at top-8): past them the stream kernel (both with
+# `wave_grid`), FP4 engine 1K (bench/env_ab.py, 2 rounds, 2026-12-04): wg at batch 128 +4.1%,
+# stream at 160 / 192 / 224 / 256 +2.2 / +8.4 / +2.8 / +2.6%.
+WG_MAX_PAIRS = 1024
 KERNEL_FOR: dict[tuple[int, int, bool], str] = {
     (2048, 8, True): "mma",
     (2048, 16, True): "wg",
@@ -224,14 +228,18 @@ def _override_file(
 _OVERRIDE_KERNEL = {3: "wg", 4: "mma", 5: "stream"}  # an override config's kernel, by its length
 
 
-def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = None) -> str:
+def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = None,
+                n_pairs: int | None = None) -> str:  # fmt: skip
     """The CUDA expert-GEMM kernel to run for shape `key` = (K, token slots, gated): `kernel`,
     else TRACE_FP4_CUDA_KERNEL, else the one an override file names for the shape, else
-    KERNEL_FOR, else DEFAULT_CUDA_KERNEL."""
+    KERNEL_FOR (its `wg` only up to WG_MAX_PAIRS pairs, `stream` past them), else
+    DEFAULT_CUDA_KERNEL."""
     kernel = kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL")
     if not kernel and key is not None:
         cfg = _override().get(key)
         kernel = KERNEL_FOR.get(key) if cfg is None else _OVERRIDE_KERNEL[len(cfg)]
+        if cfg is None and kernel == "wg" and n_pairs is not None and n_pairs > WG_MAX_PAIRS:
+            kernel = "stream"
     kernel = kernel or DEFAULT_CUDA_KERNEL
     if kernel not in CUDA_KERNELS:
         raise ValueError(f"TRACE_FP4_CUDA_KERNEL={kernel!r}; expected one of {CUDA_KERNELS}")
@@ -351,14 +359,28 @@ def block_count_moments(n_tokens: int, top_k: int, num_experts: int, block_m: in
     return num_experts * mean, num_experts * (second - mean * mean)
 
 
-WG_GRIDS = ("waves", "even")
+EXPERT_GRIDS = ("waves", "even")
 WG_CTA_OVERHEAD_ITEMS = 1.0  # a CTA's fixed cost (its block's B, the ring's fill) in items
 
 
-def wg_grid(value: str | None = None) -> str:
-    """How `moe_fp4_wg` sizes its grid: `value`, else TRACE_WG_GRID, else "waves"
-    (`wave_grid`; "even": `stream_grid`, the rule before 2026-12-04)."""
-    return env_choice("TRACE_WG_GRID", value, WG_GRIDS, "waves")
+def expert_grid(value: str | None = None) -> str:
+    """How the item-walking expert GEMMs (`moe_fp4_wg`, `moe_fp4_stream`) size their grid:
+    `value`, else TRACE_EXPERT_GRID, else "waves" (`wave_grid`; "even": `stream_grid`, the
+    rule before 2026-12-04)."""
+    return env_choice("TRACE_EXPERT_GRID", value, EXPERT_GRIDS, "waves")
+
+
+def _block_grid(n_items: int, plan: RoutePlan, n_exp: int, ctas_per_sm: int,
+                device: torch.device, waves: int = 1) -> tuple[int, int]:  # fmt: skip
+    """(CTAs per expert block, items per CTA) of an item-walking kernel (`expert_grid`; the
+    bench's `waves` > 1 sizes an "even" grid for that many waves)."""
+    t, k = plan.topk_ids.shape
+    maxb, sms = plan.block_expert.numel(), sm_resources(device)[0]
+    if expert_grid() == "waves" and waves == 1:
+        mean, var = block_count_moments(t, k, n_exp, plan.block_m)
+        return wave_grid(n_items, mean, var, sms * ctas_per_sm, maxb)
+    est = expected_blocks(t, k, n_exp, plan.block_m, maxb)
+    return stream_grid(n_items, est, ctas_per_sm, sms, waves)
 
 
 def wave_grid(n_items: int, mean_blocks: float, var_blocks: float, slots: int,
@@ -369,7 +391,7 @@ def wave_grid(n_items: int, mean_blocks: float, var_blocks: float, slots: int,
     most `max_blocks`). One CTA per block while the blocks fit one wave; when they may not
     (e.g. 8-slot blocks at 80 tokens: ~136 blocks on 132 SMs, a second wave of 4 CTAs that
     each stream a whole block), the block's items split so the last wave stays short.
-    H200, FP4 engine, 1K, against `stream_grid` (bench/env_ab.py, TRACE_WG_GRID, 3 rounds):
+    H200, FP4 engine, 1K, wg kernel, against `stream_grid` (bench/env_ab.py, 3 rounds):
     batch 192 / 224 / 256 +16.7 / +13.8 / +9.8%, 160 -1.3% (16% of its steps need a 133rd
     block; a short last wave costs less than this model says); batch <= 128 the same grid."""
     sd = max(var_blocks, 0.0) ** 0.5
@@ -482,7 +504,7 @@ def moe_gemm_cuda(
     blocks = plan.n_pairs if by_pairs else plan.block_expert.numel()
     if quant_out is not None:
         _check_quant_out(quant_out, counter, plan.n_pairs, n_out, blocks)
-    kern = cuda_kernel(kernel, (w.k, plan.block_m, gated))
+    kern = cuda_kernel(kernel, (w.k, plan.block_m, gated), plan.n_pairs)
     if kern == "wg" and not wg_supported(out.device):
         if kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL"):
             raise ValueError(f"the wg kernel needs wgmma (sm_90), not on {out.device}")
@@ -577,10 +599,8 @@ def _launch_stream(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a
             f"{stages}, {cfg[4]}{', true' if probe else ''}>")  # fmt: skip
     fn, ctas_per_sm = _resident_kernel(name, wk, smem, out.device)
     assert w.packed is not None
-    est = expected_blocks(plan.topk_ids.shape[0], plan.topk_ids.shape[1],
-                          w.packed.words.shape[0], plan.block_m, plan.block_expert.numel())  # fmt: skip
-    gy, ipc = stream_grid(n_out // (MMA_M * rw), est, ctas_per_sm, sm_resources(out.device)[0],
-                          waves)  # fmt: skip
+    gy, ipc = _block_grid(n_out // (MMA_M * rw), plan, w.packed.words.shape[0], ctas_per_sm,
+                          out.device, waves)  # fmt: skip
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
     # (CTAs per block, expert blocks): the empty blocks' CTAs last, as in _launch_mma
     launch_on_torch_stream(fn, (gy, plan.block_expert.numel()), (wk * LANES,), args, out.device,
@@ -626,14 +646,7 @@ def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div
     name = f"moe_fp4_wg<{w.k}, {kgw}, {str(gated).lower()}, {stages}, {nwg}, {bm}>"
     fn, ctas_per_sm = _resident_kernel(name, 4 * nwg, smem, out.device, WG_SOURCE, "sm_90a")
     assert w.packed is not None
-    t, k = plan.topk_ids.shape
-    n_exp, maxb = w.packed.words.shape[0], plan.block_expert.numel()
-    sms = sm_resources(out.device)[0]
-    if wg_grid() == "waves":
-        mean, var = block_count_moments(t, k, n_exp, bm)
-        gy, ipc = wave_grid(n_out // 64, mean, var, sms * ctas_per_sm, maxb)
-    else:
-        gy, ipc = stream_grid(n_out // 64, expected_blocks(t, k, n_exp, bm, maxb), ctas_per_sm, sms)
+    gy, ipc = _block_grid(n_out // 64, plan, w.packed.words.shape[0], ctas_per_sm, out.device)
     args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(ipc))
     launch_on_torch_stream(fn, (gy, plan.block_expert.numel()), (nwg * 4 * LANES,), args,
                            out.device, shared_mem=smem)  # fmt: skip

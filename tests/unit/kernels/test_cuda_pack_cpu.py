@@ -280,6 +280,11 @@ def test_cuda_kernel_per_shape(tmp_path, monkeypatch):
         assert cuda_moe.cuda_kernel(key=key) == kern
         assert key in cuda_moe.CONFIGS and key in cuda_moe.STREAM_CONFIGS
     assert cuda_moe.cuda_kernel(key=(512, 8, True)) == cuda_moe.DEFAULT_CUDA_KERNEL
+    many = cuda_moe.WG_MAX_PAIRS + 8  # past them the 16-slot default is the stream kernel
+    assert cuda_moe.cuda_kernel(key=(2048, 16, True), n_pairs=cuda_moe.WG_MAX_PAIRS) == "wg"
+    assert cuda_moe.cuda_kernel(key=(2048, 16, True), n_pairs=many) == "stream"
+    assert cuda_moe.cuda_kernel("wg", key=(2048, 16, True), n_pairs=many) == "wg"
+    assert cuda_moe.cuda_kernel(key=(2048, 8, True), n_pairs=many) == "mma"
     f = tmp_path / "cfg.json"
     f.write_text('{"2048,8,True": [1, 8, 4, 4, 2], "2048,16,True": [2, 8, 4, 2]}')
     monkeypatch.setenv("TRACE_FP4_CUDA_CONFIGS", str(f))
@@ -397,6 +402,6 @@ def test_wave_grid():
         for mean in (8.0, 60.0, 131.0, 150.0, 250.0):
             gy, ipc = cuda_moe.wave_grid(n_items, mean, mean / 10, 264, 400)
             assert gy * ipc >= n_items and (gy - 1) * ipc < n_items
-    assert cuda_moe.wg_grid("even") == "even"
-    with pytest.raises(ValueError, match="TRACE_WG_GRID='rows'"):
-        cuda_moe.wg_grid("rows")
+    assert cuda_moe.expert_grid("even") == "even"
+    with pytest.raises(ValueError, match="TRACE_EXPERT_GRID='rows'"):
+        cuda_moe.expert_grid("rows")
