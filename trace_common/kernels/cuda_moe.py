@@ -360,7 +360,7 @@ def block_count_moments(n_tokens: int, top_k: int, num_experts: int, block_m: in
 
 
 EXPERT_GRIDS = ("waves", "even")
-WG_CTA_OVERHEAD_ITEMS = 1.0  # a CTA's fixed cost (its block's B, the ring's fill) in items
+GRID_CTA_OVERHEAD_ITEMS = 1.0  # a CTA's fixed cost (its block's B, the ring's fill) in items
 
 
 def expert_grid(value: str | None = None) -> str:
@@ -386,7 +386,7 @@ def _block_grid(n_items: int, plan: RoutePlan, n_exp: int, ctas_per_sm: int,
 def wave_grid(n_items: int, mean_blocks: float, var_blocks: float, slots: int,
               max_blocks: int) -> tuple[int, int]:  # fmt: skip
     """(CTAs per expert block, items per CTA) for a grid of whole waves: the split whose
-    expected time, waves of `slots` resident CTAs x (items per CTA + WG_CTA_OVERHEAD_ITEMS),
+    expected time, waves of `slots` resident CTAs x (items per CTA + GRID_CTA_OVERHEAD_ITEMS),
     is least over the block count's distribution (normal, from block_count_moments; at
     most `max_blocks`). One CTA per block while the blocks fit one wave; when they may not
     (e.g. 8-slot blocks at 80 tokens: ~136 blocks on 132 SMs, a second wave of 4 CTAs that
@@ -407,7 +407,7 @@ def wave_grid(n_items: int, mean_blocks: float, var_blocks: float, slots: int,
             continue
         waves = sum(wt * -(-b * gy // slots)
                     for b, wt in zip(range(lo, hi + 1), weights, strict=True))  # fmt: skip
-        cost = waves / total * (ipc + WG_CTA_OVERHEAD_ITEMS)
+        cost = waves / total * (ipc + GRID_CTA_OVERHEAD_ITEMS)
         if best is None or cost < best[0] - 1e-9:
             best = (cost, gy, ipc)
     assert best is not None
