@@ -246,16 +246,19 @@ def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = N
     return kernel
 
 
-def _configs(stream: bool = False) -> dict[tuple[int, int, bool], tuple[int, ...]]:
-    """CONFIGS (or STREAM_CONFIGS), with the TRACE_FP4_CUDA_CONFIGS entries of that kernel."""
-    base: dict[tuple[int, int, bool], tuple[int, ...]] = dict(STREAM_CONFIGS if stream else CONFIGS)
-    base.update({k: v for k, v in _override().items() if len(v) == (5 if stream else 4)})
+def _configs(kernel: str) -> dict[tuple[int, int, bool], tuple[int, ...]]:
+    """The built-in configs of `kernel` ("mma", "stream" or "wg"), with the
+    TRACE_FP4_CUDA_CONFIGS entries of that kernel (_OVERRIDE_KERNEL: by their length)."""
+    base: dict[tuple[int, int, bool], tuple[int, ...]] = dict(
+        {"mma": CONFIGS, "stream": STREAM_CONFIGS, "wg": WG_CONFIGS}[kernel]
+    )
+    base.update({k: v for k, v in _override().items() if _OVERRIDE_KERNEL[len(v)] == kernel})
     return base
 
 
 def default_config(k: int, block_m: int, gated: bool) -> tuple[int, int, int, int]:
     """(RW, WK, KGW, MINB) of CONFIGS, or for another shape: split K into up to 8 warps."""
-    configs = _configs()
+    configs = _configs("mma")
     if (k, block_m, gated) in configs:
         return configs[(k, block_m, gated)]  # type: ignore[return-value]
     kg = k // K_GROUP
@@ -269,7 +272,7 @@ def default_stream_config(k: int, block_m: int, gated: bool, n_out: int
                           ) -> tuple[int, int, int, int, int]:  # fmt: skip
     """(RW, WK, KGW, S, MINB) of STREAM_CONFIGS, or for another shape: K over up to 8 warps of
     <= 8 k groups each, the widest item of <= 2 (gated) or 4 tiles that divides N_out."""
-    configs = _configs(stream=True)
+    configs = _configs("stream")
     if (k, block_m, gated) in configs:
         return configs[(k, block_m, gated)]  # type: ignore[return-value]
     kg = k // K_GROUP
@@ -633,9 +636,7 @@ def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div
 
     n_out = w.n // 2 if gated else w.n
     bm = plan.block_m
-    override = _override().get((w.k, bm, gated), ())
-    default = override if len(override) == 3 else WG_CONFIGS.get((w.k, bm, gated), (4, 2, 1))
-    kgw, stages, *rest = config or default
+    kgw, stages, *rest = config or _configs("wg").get((w.k, bm, gated), (4, 2, 1))
     nwg = rest[0] if rest else 1
     smem = wg_smem_bytes(w.k, kgw, stages, gated, nwg, bm)
     if (bm not in BLOCK_MS or n_out % 64 or w.k % (K_GROUP * kgw) or not 2 <= kgw <= 8
