@@ -87,6 +87,17 @@ __device__ __forceinline__ int pair_row(int p, unsigned long long a_mul) {
   return (int)(__umulhi((u32)p, (u32)a_mul) + (u32)p * (u32)(a_mul >> 32));
 }
 
+// One warp's copy of a ring stage: KGW 64-wide k groups of a 16-row weight tile (512 bytes
+// each: `words` at the lane's 4 words of the first) to `dst`, then their packed scales (lanes
+// < 4 KGW: 16 bytes each from `scales`) right after them. cp.async; the caller commits.
+template <int KGW>
+__device__ __forceinline__ void copy_tile_stage(u32 dst, const u32* words, const u32* scales,
+                                                int lane) {
+#pragma unroll
+  for (int kk = 0; kk < KGW; ++kk) cp_async16(dst + kk * 512 + lane * 16, words + kk * 128);
+  if (lane < KGW * 4) cp_async16(dst + KGW * 512 + lane * 16, scales);
+}
+
 // Epilogue scalars of token slot threadIdx.x of expert block `blk`, held in registers until
 // `put` stores those of threads < BT for the epilogue: its pair (`load_pair`), the activation
 // row's second-level scale and the routing weight (1 unless mul_route_w) (`load_scales`).
@@ -549,10 +560,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_stream(
       const int item = item0 + nx_item;
       const int tile = item * RW + nx_ti + ((GATED && nx_ti >= RW) ? up0 : 0);
       const u32 dst = ring_s + nx_slot * STAGE;
-      const u32* src = wq_e + tile * (KG * 128);
-#pragma unroll
-      for (int kk = 0; kk < KGW; ++kk) cp_async16(dst + kk * 512 + lane * 16, src + kk * 128);
-      if (lane < KGW * 4) cp_async16(dst + A_BYTES + lane * 16, ws_e + tile * (KG * 16));
+      copy_tile_stage<KGW>(dst, wq_e + tile * (KG * 128), ws_e + tile * (KG * 16), lane);
     }
     cp_async_commit();
     ++nx_j;

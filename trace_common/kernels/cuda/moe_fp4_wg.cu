@@ -17,7 +17,9 @@
 
 #include "moe_fp4.cu"
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
 
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -139,10 +141,8 @@ __global__ void __launch_bounds__(NWG * 128, 1) moe_fp4_wg(
       for (int ti = 0; ti < TILES; ++ti) {
         const int tile = item * 4 + warp + (ti ? up0 : 0);
         const u32 dst = ring_s + nx_slot * STAGE + ti * HALF;
-        const u32* src = wq_e + ((long)tile * KG + kg0) * 128;
-#pragma unroll
-        for (int kk = 0; kk < KGW; ++kk) cp_async16(dst + kk * 512 + lane * 16, src + kk * 128);
-        if (lane < KGW * 4) cp_async16(dst + A_BYTES + lane * 16, ws_e + ((long)tile * KG + kg0) * 16);
+        copy_tile_stage<KGW>(dst, wq_e + ((long)tile * KG + kg0) * 128,
+                             ws_e + ((long)tile * KG + kg0) * 16, lane);
       }
     }
     cp_async_commit();
