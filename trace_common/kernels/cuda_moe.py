@@ -188,10 +188,11 @@ DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # 16 slots on sm_90 since 2026-12-04: the warpgroup-MMA kernel (`wg`), FP4 engine 1K batch 96 /
 # 112 / 128 +1.2 / +1.8 / +2.8% against `stream` (bench/env_ab.py; docs/benchmarks.md, session
 # 15); `stream` where wgmma is missing (not sm_90).
-# ... and up to this many pairs (batch 128 at top-8): past them the stream kernel (both with
-# `wave_grid`), FP4 engine 1K (bench/env_ab.py, 2 rounds, 2026-12-04): wg at batch 128 +4.1%,
-# stream at 160 / 192 / 224 / 256 +2.2 / +8.4 / +2.8 / +2.6%.
-WG_MAX_PAIRS = 1024
+# ... and up to this many pairs (batch 156 at top-8): past them the stream kernel (both with
+# `wave_grid`), FP4 engine 1K (bench/env_ab.py, 2 rounds, 2026-12-04): wg at batch 128 / 136 /
+# 144 / 152 / 156 +4.1 / +4.4 / +4.6 / +3.7 / +1.8%, stream at 160 / 176 / 192 / 224 / 256
+# +2.4 / +6.8 / +8.4 / +2.8 / +2.6%.
+WG_MAX_PAIRS = 1248
 KERNEL_FOR: dict[tuple[int, int, bool], str] = {
     (2048, 8, True): "mma",
     (2048, 16, True): "wg",
