@@ -190,8 +190,8 @@ DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # 15); `stream` where wgmma is missing (not sm_90).
 # ... and up to this many pairs (batch 156 at top-8): past them the stream kernel (both with
 # `wave_grid`), FP4 engine 1K (bench/env_ab.py, 2 rounds, 2026-12-04): wg at batch 128 / 136 /
-# 144 / 152 / 156 +4.1 / +4.4 / +4.6 / +3.7 / +1.8%, stream at 160 / 176 / 192 / 224 / 256
-# +2.4 / +6.8 / +8.4 / +2.8 / +2.6%.
+# 144 / 152 / 156 +4.1 / +4.4 / +4.6 / +3.6 / +1.9%, stream at 160 / 176 / 192 / 224 / 256
+# +2.8 / +7.3 / +8.4 / +2.8 / +2.6% (docs/benchmarks.md, sessions 16-17).
 WG_MAX_PAIRS = 1248
 KERNEL_FOR: dict[tuple[int, int, bool], str] = {
     (2048, 8, True): "mma",
