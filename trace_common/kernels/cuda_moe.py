@@ -230,12 +230,14 @@ _OVERRIDE_KERNEL = {3: "wg", 4: "mma", 5: "stream"}  # an override config's kern
 
 
 def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = None,
-                n_pairs: int | None = None) -> str:  # fmt: skip
+                n_pairs: int | None = None, device: torch.device | None = None) -> str:  # fmt: skip
     """The CUDA expert-GEMM kernel to run for shape `key` = (K, token slots, gated): `kernel`,
     else TRACE_FP4_CUDA_KERNEL, else the one an override file names for the shape, else
     KERNEL_FOR (its `wg` only up to WG_MAX_PAIRS pairs, `stream` past them), else
-    DEFAULT_CUDA_KERNEL."""
-    kernel = kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL")
+    DEFAULT_CUDA_KERNEL. With `device`: a `wg` chosen by default becomes `stream` where
+    wgmma is missing (`wg_supported`); one asked for by name is refused there."""
+    named = kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL")
+    kernel = named
     if not kernel and key is not None:
         cfg = _override().get(key)
         kernel = KERNEL_FOR.get(key) if cfg is None else _OVERRIDE_KERNEL[len(cfg)]
@@ -244,6 +246,10 @@ def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = N
     kernel = kernel or DEFAULT_CUDA_KERNEL
     if kernel not in CUDA_KERNELS:
         raise ValueError(f"TRACE_FP4_CUDA_KERNEL={kernel!r}; expected one of {CUDA_KERNELS}")
+    if kernel == "wg" and device is not None and not wg_supported(device):
+        if named:
+            raise ValueError(f"the wg kernel needs wgmma (sm_90), not on {device}")
+        kernel = "stream"  # the per-shape default elsewhere
     return kernel
 
 
@@ -508,11 +514,7 @@ def moe_gemm_cuda(
     blocks = plan.n_pairs if by_pairs else plan.block_expert.numel()
     if quant_out is not None:
         _check_quant_out(quant_out, counter, plan.n_pairs, n_out, blocks)
-    kern = cuda_kernel(kernel, (w.k, plan.block_m, gated), plan.n_pairs)
-    if kern == "wg" and not wg_supported(out.device):
-        if kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL"):
-            raise ValueError(f"the wg kernel needs wgmma (sm_90), not on {out.device}")
-        kern = "stream"  # the per-shape default elsewhere
+    kern = cuda_kernel(kernel, (w.k, plan.block_m, gated), plan.n_pairs, out.device)
     if by_pairs and (kern != "mma" or plan.block_m != MMA_N):
         raise ValueError(f"by_pairs needs the mma kernel and block_m {MMA_N} (got {kern!r}, "
                          f"block_m {plan.block_m})")  # fmt: skip
