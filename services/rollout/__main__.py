@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 
@@ -12,21 +11,26 @@ from services.rollout.config import RolloutSettings
 from services.rollout.servicer import RolloutServicer
 from services.rollout.weights import WeightFollower
 from trace_common.clients import QuantCacheClient, WeightSyncClient
+from trace_common.device import resolve_device
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2_grpc
 from trace_common.rl.audit import RecordAudit
-from trace_common.rl.engine import EngineHolder
+from trace_common.rollout.engine import EngineHolder
+from trace_common.rollout.select import EngineSettings, make_engine_factory
 from trace_common.service import ServiceRuntime, load_settings
-
-ENGINES = ("native",)
 
 
 def main() -> None:
     settings = load_settings(RolloutSettings)
-    if settings.engine not in ENGINES:
-        raise SystemExit(f"TRACE_ENGINE={settings.engine!r} is not supported; choose {ENGINES}")
     torch.set_num_threads(settings.torch_threads)
-    from trace_common.rl.policy import NativeEngine
-
+    try:
+        engine_settings = EngineSettings(
+            engine=settings.rollout_engine, device=resolve_device(settings.device),
+            max_batch=settings.rollout_max_batch, max_context=settings.rollout_max_context,
+            native_dtype=settings.engine_dtype,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"rollout settings: {exc}") from None
+    factory = make_engine_factory(engine_settings)
     rt = ServiceRuntime("rollout", settings)
     token = settings.token()
     quant_cache = QuantCacheClient(
@@ -48,7 +52,7 @@ def main() -> None:
         holder,
         put_record,
         metrics=rt.metrics,
-        engine_name=settings.engine,
+        engine_name=lambda: factory.name,
     )
     rt.grpc.add(
         rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "trace.rollout.v1.Rollout"
@@ -56,7 +60,7 @@ def main() -> None:
     follower = WeightFollower(
         weight_sync,
         holder,
-        functools.partial(NativeEngine.from_weights, dtype=getattr(torch, settings.engine_dtype)),
+        factory,
         replica_id=settings.replica_id,
         address=lambda: f"{settings.advertise_host}:{rt.grpc.port}",
         heartbeat_interval_s=settings.heartbeat_interval_seconds,

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from trace_common.device import DEVICE_HELP, DEVICE_RE
 from trace_common.service import ServiceSettings
 
 
@@ -36,10 +37,22 @@ class RolloutSettings(ServiceSettings):
         "127.0.0.1", description="host other services use to reach this replica's gRPC port"
     )
     heartbeat_interval_seconds: float = Field(1.0, gt=0)
-    engine: str = Field("native", description="rollout engine: native (vLLM later)")
-    torch_threads: int = Field(1, ge=1, description="intra-op threads of the native engine")
-    engine_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="compute dtype of the native engine (non-FP4 parts)"
+    rollout_engine: Literal["auto", "native", "cuda"] = Field(
+        "auto",
+        description="auto: the CUDA engine on a CUDA device when it serves the policy, else the "
+        "PyTorch engine; native: the PyTorch engine; cuda: the CUDA engine or an error",
+    )
+    device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
+    rollout_max_batch: int = Field(
+        64, ge=1, le=256, description="CUDA engine: sequences decoded together per step"
+    )
+    rollout_max_context: int = Field(
+        4096, ge=2, description="CUDA engine: prompt + completion tokens per sequence"
+    )
+    torch_threads: int = Field(1, ge=1, description="intra-op CPU threads of the PyTorch engine")
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="PyTorch engine's dtype for non-FP4 parts (auto: bf16 on CUDA, else fp32)",
     )
     record_audit_file: pathlib.Path | None = Field(
         None, description="append a sha256 line per record blob written (tests, debugging)"

@@ -1,7 +1,7 @@
 """trace.rollout.v1.Rollout: generate groups of completions with the replica's current policy.
 
-A request takes one ``(engine, version)`` snapshot (see ``trace_common.rl.engine``) and runs
-to the end on it, so a weight swap never splits a request. Records go to quant-cache before
+A request runs on one policy version from start to end (``trace_common.rollout.engine``), so
+a weight swap never splits a request. Records go to quant-cache before
 the completion that refers to them is streamed back: a completion the trainer receives always
 has its records stored.
 """
@@ -9,38 +9,26 @@ has its records stored.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from trace_common.rl.dispatch import GenerateCall, ReplicaBehind
-from trace_common.rl.engine import EngineHolder, PutRecord, generate_unit
-from trace_common.rl.types import SamplingConfig, WorkUnit
+from trace_common.rollout.convert import completion_to_proto, sampling_from_proto
+from trace_common.rollout.engine import (
+    EngineHolder,
+    PutRecord,
+    ReplicaBehind,
+    RolloutRequest,
+    run_request,
+)
+from trace_common.rollout.types import SamplingConfig
 from trace_common.service import Metrics, ServiceError, check_id, failed_precondition, invalid
 from trace_common.service.errors import LONG_ID_RE
 
-FINISH_TO_PROTO = {
-    "stop": rollout_pb2.FINISH_REASON_STOP,
-    "length": rollout_pb2.FINISH_REASON_LENGTH,
-}
 MAX_PROMPTS_PER_REQUEST = 4096
 MAX_GROUP_SIZE = 1024
-
-
-def sampling_from_proto(p: rollout_pb2.SamplingParams) -> SamplingConfig:
-    """Proto -> typed config; a bad value is INVALID_ARGUMENT naming it."""
-    try:
-        return SamplingConfig(
-            temperature=p.temperature,
-            top_p=p.top_p if p.top_p else 1.0,
-            top_k=p.top_k,
-            max_new_tokens=p.max_new_tokens,
-            seed=p.seed,
-        )
-    except ValueError as exc:
-        raise invalid(f"sampling: {exc}") from exc
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -54,7 +42,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         *,
         vocab_size: int | None = None,
         metrics: Metrics | None = None,
-        engine_name: str = "native",
+        engine_name: str | Callable[[], str] = "native",
         quant_format: str = "",
     ) -> None:
         self.replica_id = replica_id
@@ -90,7 +78,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     raise invalid(
                         f"prompts[{i}] has token ids {bad[:5]} outside [0, {self.vocab_size})"
                     )
-        return sampling_from_proto(request.sampling)
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            raise invalid(f"sampling: {exc}") from exc
+        if self.vocab_size is not None:
+            bad = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
+            if bad:
+                raise invalid(f"sampling: stop_token_ids {bad[:5]} outside [0, {self.vocab_size})")
+        return sampling
 
     def Generate(
         self, request: rollout_pb2.GenerateRequest, context: Any
@@ -101,27 +97,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no policy weights loaded yet")
         if request.write_records and self.put_record is None:
             raise failed_precondition("write_records requested but no quant-cache is configured")
-        n = len(request.prompts)
-        call = GenerateCall(
+        rollout_request = RolloutRequest(
             run_id=request.run_id,
-            step=0,
-            unit=WorkUnit(
-                unit_id=0,
-                prompt_ids=list(range(n)),
-                prompt_tokens=[tuple(p.token_ids) for p in request.prompts],
-            ),
+            prompts=[tuple(p.token_ids) for p in request.prompts],
             group_size=request.group_size,
             sampling=sampling,
+            sample_id_prefix=request.sample_id_prefix,
             min_policy_version=request.min_policy_version,
             write_records=request.write_records,
-            sample_id_prefix=request.sample_id_prefix,
         )
         with self._lock:
             self._in_flight += 1
         self._m.in_flight.inc()
         try:
             with self._m.generate_seconds.time():
-                samples = generate_unit(engine, version, call, self.put_record, self.replica_id)
+                completions = run_request(
+                    engine, version, rollout_request, self.put_record, self.replica_id
+                )
         except ReplicaBehind as exc:
             raise failed_precondition(str(exc)) from exc
         except ValueError as exc:  # the engine rejected the input
@@ -132,24 +124,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             with self._lock:
                 self._in_flight -= 1
             self._m.in_flight.dec()
-        for s in samples:
-            n_tok = len(s.completion_tokens)
+        for c in completions:
+            n_tok = len(c.sample.completion_tokens)
             with self._lock:
                 self._completions += 1
                 self._tokens += n_tok
             self._m.completions.inc()
             self._m.tokens.inc(n_tok)
-            self._m.record_bytes.inc(s.record_bytes)
-            yield rollout_pb2.Completion(
-                sample_id=s.sample_id,
-                prompt_index=s.prompt_id,
-                group_index=s.group_index,
-                token_ids=s.completion_tokens,
-                logprobs=s.logprobs,
-                policy_version=s.policy_version,
-                finish_reason=FINISH_TO_PROTO[s.finish_reason],
-                record_bytes=s.record_bytes,
-            )
+            self._m.record_bytes.inc(c.record_bytes)
+            yield completion_to_proto(c)
 
     def Status(
         self, request: rollout_pb2.RolloutStatusRequest, context: Any
@@ -162,7 +145,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 "replica_id": self.replica_id,
                 "policy_version": self.holder.version,
                 "ready": self.holder.version >= 0,
-                "engine": self.engine_name,
+                "engine": self.engine_name() if callable(self.engine_name) else self.engine_name,
                 "quant_format": self.quant_format,
                 "requests_in_flight": self._in_flight,
                 "completions_total": self._completions,

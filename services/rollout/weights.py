@@ -1,6 +1,7 @@
 """Keeps a replica on the latest policy: register with weight-sync, follow its version
-notices, pull each new version, build an engine from it (codes as pushed, no re-quantization)
-and swap it in between requests; heartbeat the version held."""
+notices, pull each new version, hand it to the engine factory (codes as pushed, no
+re-quantization: a new PyTorch engine, or the CUDA engine loading it in place) and swap it in
+between requests; heartbeat the version held."""
 
 from __future__ import annotations
 
@@ -11,17 +12,14 @@ import time
 from collections.abc import Callable
 
 import grpc
-import torch
 
 from trace_common.clients import WeightSyncClient
-from trace_common.rl.engine import EngineHolder, RolloutEngine
+from trace_common.rollout.engine import EngineFactory, EngineHolder
 from trace_common.service import Metrics
 
 log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.5  # wait before re-subscribing after weight-sync went away
-
-EngineFactory = Callable[[dict[str, torch.Tensor], dict[str, str]], RolloutEngine]
 
 
 class WeightFollower:
@@ -90,7 +88,8 @@ class WeightFollower:
     def _load(self, version: int) -> None:
         t0 = time.perf_counter()
         got, tensors, meta = self.client.pull_version(version, replica_id=self.replica_id)
-        engine = self.factory(tensors, {k: v for k, v in meta.items() if isinstance(v, str)})
+        str_meta = {k: v for k, v in meta.items() if isinstance(v, str)}
+        engine = self.factory(tensors, str_meta, got)
         self.holder.swap(engine, got)
         seconds = time.perf_counter() - t0
         self.last_pull_seconds = seconds

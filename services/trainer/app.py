@@ -32,7 +32,7 @@ from trace_common.rl.checkpoint import (
 from trace_common.rl.core import TrainerConfig, TrainerCore
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher
 from trace_common.rl.policy import LearnerConfig, ModelLearner
-from trace_common.rl.types import SamplingConfig
+from trace_common.rollout.types import SamplingConfig
 from trace_common.service import Metrics
 from trace_common.tasks import PromptStream, exact_match_reward, load_tokenizer, make_task
 

@@ -18,14 +18,11 @@ from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_gr
 from trace_common.rl.audit import RecordAudit
 from trace_common.rl.dispatch import GenerateCall, ReplicaBehind, ReplicaUnavailable
 from trace_common.rl.types import RolloutSample
+from trace_common.rollout.convert import finish_from_proto, sampling_to_proto
 from trace_common.service.grpc_client import GrpcClient
 
 log = logging.getLogger(__name__)
 
-FINISH_FROM_PROTO = {
-    rollout_pb2.FINISH_REASON_STOP: "stop",
-    rollout_pb2.FINISH_REASON_LENGTH: "length",
-}
 STATUS_TIMEOUT_S = 2.0
 
 
@@ -53,13 +50,7 @@ class GrpcReplica(GrpcClient):
         request = rollout_pb2.GenerateRequest(
             prompts=[rollout_pb2.Prompt(token_ids=list(t)) for t in unit.prompt_tokens],
             group_size=call.group_size,
-            sampling=rollout_pb2.SamplingParams(
-                temperature=sp.temperature,
-                top_p=sp.top_p,
-                top_k=sp.top_k,
-                max_new_tokens=sp.max_new_tokens,
-                seed=sp.seed,
-            ),
+            sampling=sampling_to_proto(sp),
             min_policy_version=call.min_policy_version,
             run_id=call.run_id,
             sample_id_prefix=call.prefix(),
@@ -81,7 +72,7 @@ class GrpcReplica(GrpcClient):
                         completion_tokens=list(c.token_ids),
                         logprobs=list(c.logprobs),
                         policy_version=c.policy_version,
-                        finish_reason=FINISH_FROM_PROTO.get(c.finish_reason, "length"),  # type: ignore[arg-type]
+                        finish_reason=finish_from_proto(c.finish_reason),
                         record_bytes=c.record_bytes,
                         replica_id=self._replica_id,
                     )
@@ -93,6 +84,8 @@ class GrpcReplica(GrpcClient):
             ):
                 raise ReplicaBehind(f"{self._replica_id}: {exc.details()}") from exc
             raise ReplicaUnavailable(f"{self._replica_id}: {code.name}: {exc.details()}") from exc
+        except ValueError as exc:  # a completion the proto does not allow
+            raise ReplicaUnavailable(f"{self._replica_id}: bad completion: {exc}") from exc
         return out
 
     def status(self) -> rollout_pb2.RolloutStatusResponse:

@@ -23,7 +23,8 @@ from trace_common.rl.objective import (
     filter_stale,
     grpo_advantages,
 )
-from trace_common.rl.types import TRAIN_MODES, RolloutSample, SamplingConfig, TrainSample
+from trace_common.rl.types import TRAIN_MODES, RolloutSample, TrainSample
+from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks.prompts import Prompt, PromptStream
 from trace_common.tasks.tasks import Problem
 

@@ -66,8 +66,9 @@ def _tiny_model(cfg: DemoConfig, vocab_size: int):
 def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> float:
     """Mean reward of the FP4 rollout path (as the replicas run it) on held-out prompts."""
     from trace_common.model import QuantConfig
-    from trace_common.rl.policy import LearnerConfig, ModelLearner, NativeEngine
-    from trace_common.rl.types import SamplingConfig
+    from trace_common.rl.policy import LearnerConfig, ModelLearner
+    from trace_common.rollout.native import NativeEngine
+    from trace_common.rollout.types import SamplingConfig
     from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
 
     tok = CharTokenizer()

@@ -22,7 +22,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from trace_common.rl.types import DispatchStats, RolloutSample, SamplingConfig, WorkUnit
+from trace_common.rl.types import DispatchStats, RolloutSample, WorkUnit
+from trace_common.rollout.engine import ReplicaBehind
+from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -32,10 +34,6 @@ POLL_SECONDS = 0.2  # how often the dispatcher re-reads the replica directory wh
 
 class ReplicaUnavailable(Exception):
     """The replica failed this call (gone, crashed, answered nonsense); re-dispatch its unit."""
-
-
-class ReplicaBehind(Exception):
-    """The replica holds a policy older than the minimum version; try it again shortly."""
 
 
 @dataclass(frozen=True, slots=True)

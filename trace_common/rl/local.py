@@ -5,12 +5,12 @@ services use quant-cache and weight-sync instead, with the same interfaces."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from trace_common.rl.engine import EngineHolder, RolloutEngine
+from trace_common.rollout.engine import EngineFactory, EngineHolder
 
 
 class MemoryRecordStore:
@@ -35,9 +35,6 @@ class MemoryRecordStore:
             }
 
 
-EngineFactory = Callable[[dict[str, torch.Tensor], dict[str, str]], RolloutEngine]
-
-
 class LocalPublisher:
     """Builds every replica's engine from the exported tensors (as a replica pulling from
     weight-sync would) and swaps it in."""
@@ -51,4 +48,6 @@ class LocalPublisher:
     ) -> None:
         str_meta = {k: v for k, v in metadata.items() if isinstance(v, str)}
         for h in self.holders:
-            h.swap(self.factory({k: v.clone() for k, v in tensors.items()}, str_meta), version)
+            h.swap(
+                self.factory({k: v.clone() for k, v in tensors.items()}, str_meta, version), version
+            )

@@ -1,5 +1,5 @@
-"""The MoE policy behind the RL loop's interfaces: a native rollout engine, and the learner
-(master weights + optimizer) that runs the train step in one of the four modes.
+"""The MoE policy's learner (master weights + optimizer): the train step in one of the four
+modes, and the export of the quantized policy the rollout engines load.
 
 Modes (DESIGN.md / issue 5):
   bf16   rollout in high precision, trainer high precision: the no-quantization baseline
@@ -10,7 +10,6 @@ Modes (DESIGN.md / issue 5):
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,11 +22,8 @@ from trace_common.model import (
     MoECausalLM,
     QuantConfig,
     SampleRecords,
-    SamplingParams,
     export_quantized_state_dict,
     forward_logprobs,
-    generate,
-    load_quantized_state_dict,
     quantize_policy,
 )
 from trace_common.model.discrepancy import (
@@ -38,111 +34,11 @@ from trace_common.model.discrepancy import (
     routing_mismatch,
 )
 from trace_common.model.train_forward import pad_right
-from trace_common.rl.engine import GeneratedSample
 from trace_common.rl.objective import clipped_policy_loss
-from trace_common.rl.types import SamplingConfig, TrainSample
+from trace_common.rl.types import TrainSample
+from trace_common.rollout.meta import PolicyMeta
 
-META_GUIDANCE = "trace_guidance_config"  # JSON GuidanceConfig, or "null": no guidance
-META_TOKENS = "trace_special_tokens"  # JSON {"eos_id": .., "pad_id": ..}
 QAT_OF_MODE = {"bf16": "none", "fp4": "none", "rtn": "rtn", "trace": "trace"}
-
-
-def guidance_to_json(g: GuidanceConfig | None) -> str:
-    if g is None:
-        return "null"
-    return json.dumps({"layers": None if g.layers is None else list(g.layers),
-                       "sites": list(g.sites), "mode": g.mode})  # fmt: skip
-
-
-def guidance_from_json(s: str) -> GuidanceConfig | None:
-    d = json.loads(s)
-    if d is None:
-        return None
-    layers = None if d["layers"] is None else tuple(d["layers"])
-    return GuidanceConfig(layers=layers, sites=tuple(d["sites"]), mode=d["mode"])
-
-
-class NativeEngine:
-    """Rollout engine on the plain-PyTorch model (FP4 per the model's QuantConfig)."""
-
-    name = "native"
-
-    def __init__(
-        self,
-        model: MoECausalLM,
-        *,
-        eos_id: int,
-        pad_id: int,
-        guidance: GuidanceConfig | None,
-    ) -> None:
-        self.model = model.eval()
-        self.eos_id = eos_id
-        self.pad_id = pad_id
-        self.guidance = guidance
-
-    @classmethod
-    def from_weights(
-        cls,
-        tensors: dict[str, torch.Tensor],
-        metadata: dict[str, str],
-        *,
-        dtype: torch.dtype = torch.float32,
-    ) -> NativeEngine:
-        """Build from a pushed policy version: codes used as stored, never re-quantized.
-
-        ``dtype`` is the engine's compute precision for everything that is not FP4 (a real
-        rollout engine runs bf16 while the trainer keeps fp32 master weights)."""
-        for key in (META_GUIDANCE, META_TOKENS):
-            if key not in metadata:
-                raise ValueError(f"policy metadata lacks {key!r}; got keys {sorted(metadata)}")
-        model = load_quantized_state_dict(tensors, metadata, dtype=dtype)
-        special = json.loads(metadata[META_TOKENS])
-        return cls(
-            model,
-            eos_id=int(special["eos_id"]),
-            pad_id=int(special["pad_id"]),
-            guidance=guidance_from_json(metadata[META_GUIDANCE]),
-        )
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        *,
-        with_records: bool,
-    ) -> list[GeneratedSample]:
-        flat = [list(p) for p in prompts for _ in range(group_size)]  # prompt-major
-        sp = SamplingParams(
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            stop_token_ids=(self.eos_id,),
-            seed=sampling.seed,
-        )
-        out = generate(
-            self.model,
-            flat,
-            sp,
-            guidance=self.guidance if with_records else None,
-            record_routing=with_records,
-            pad_token_id=self.pad_id,
-        )
-        samples = []
-        for i in range(len(flat)):
-            rec = out.records[i].to_bytes() if with_records and out.records else None
-            samples.append(
-                GeneratedSample(
-                    prompt_index=i // group_size,
-                    group_index=i % group_size,
-                    completion_tokens=out.tokens[i],
-                    logprobs=out.logprobs[i],
-                    finish_reason=out.finish_reasons[i],  # type: ignore[arg-type]
-                    records=rec,
-                )
-            )
-        return samples
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,8 +98,9 @@ class ModelLearner:
         quantize_policy(self.model, self.quant)
         tensors, meta = export_quantized_state_dict(self.model)
         meta = dict(meta)
-        meta[META_GUIDANCE] = guidance_to_json(self.guidance)
-        meta[META_TOKENS] = json.dumps({"eos_id": self.eos_id, "pad_id": self.pad_id})
+        meta.update(
+            PolicyMeta(guidance=self.guidance, eos_id=self.eos_id, pad_id=self.pad_id).to_metadata()
+        )
         return tensors, meta
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -5,30 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length"]
+from trace_common.rollout.types import FinishReason
+
 TRAIN_MODES = ("bf16", "fp4", "rtn", "trace")
 TrainMode = Literal["bf16", "fp4", "rtn", "trace"]
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class SamplingConfig:
-    """Sampling parameters sent with every generate call."""
-
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # 1 disables nucleus sampling
-    top_k: int = 0  # 0 disables top-k
-    max_new_tokens: int = 8
-    seed: int = 0  # base seed; the trainer derives one per step and work unit
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass(kw_only=True, slots=True)

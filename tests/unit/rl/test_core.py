@@ -9,7 +9,7 @@ from fakes import EventLog, FakeLearner, FakePublisher, FakeRecordStore, FakeRep
 
 from trace_common.rl.core import TrainerConfig, TrainerCore
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher, StaticDirectory
-from trace_common.rl.types import SamplingConfig
+from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
 
 TOK = CharTokenizer()

@@ -8,11 +8,13 @@ import torch
 from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, SampleRecords, get_config
 from trace_common.rl.core import TrainerConfig, TrainerCore
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher, StaticDirectory
-from trace_common.rl.engine import EngineHolder, LocalReplica
+from trace_common.rl.engine import LocalReplica
 from trace_common.rl.local import LocalPublisher, MemoryRecordStore
-from trace_common.rl.policy import LearnerConfig, ModelLearner, NativeEngine
-from trace_common.rl.types import SamplingConfig
+from trace_common.rl.policy import LearnerConfig, ModelLearner
 from trace_common.rl.warmstart import WarmStartConfig, greedy_accuracy, warm_start
+from trace_common.rollout.engine import EngineHolder
+from trace_common.rollout.native import NativeEngine
+from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
 
 TOK = CharTokenizer()

@@ -7,7 +7,7 @@ import pytest
 
 from services.rollout.servicer import RolloutServicer
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2
-from trace_common.rl.engine import EngineHolder, GeneratedSample
+from trace_common.rollout import EngineHolder, GeneratedSample
 from trace_common.service import ServiceError
 
 
@@ -100,6 +100,19 @@ def test_version_swap_between_requests() -> None:
         ({"sampling": rollout_pb2.SamplingParams(max_new_tokens=0)}, "max_new_tokens must be >= 1"),
         ({"sampling": rollout_pb2.SamplingParams(temperature=-1, max_new_tokens=2)}, "temperature"),
         ({"min_policy_version": -2}, "min_policy_version=-2"),
+        (
+            {"sampling": rollout_pb2.SamplingParams(temperature=float("nan"), max_new_tokens=2)},
+            "temperature must be finite",
+        ),
+        (
+            {"sampling": rollout_pb2.SamplingParams(temperature=float("inf"), max_new_tokens=2)},
+            "temperature must be finite",
+        ),
+        ({"sampling": rollout_pb2.SamplingParams(top_p=float("nan"), max_new_tokens=2)}, "top_p"),
+        (
+            {"sampling": rollout_pb2.SamplingParams(max_new_tokens=2, stop_token_ids=[3, 17])},
+            r"stop_token_ids \[17\] outside \[0, 17\)",
+        ),
     ],
 )
 def test_bad_requests_are_invalid_argument(kw, message) -> None:
@@ -119,3 +132,15 @@ def test_no_weights_is_unavailable_and_old_weights_failed_precondition() -> None
     with pytest.raises(ServiceError, match="holds version 2 < minimum 5") as err:
         list(servicer.Generate(request(min_policy_version=5), None))
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_stop_token_ids_reach_the_engine() -> None:
+    servicer, holder, _ = make()
+    engine = FakeEngine(7)
+    holder.swap(engine, 0)
+    sp = rollout_pb2.SamplingParams(temperature=0.5, top_k=3, max_new_tokens=4,
+                                    stop_token_ids=[5, 9], seed=11)  # fmt: skip
+    list(servicer.Generate(request(sampling=sp), None))
+    sampling = engine.calls[0][2]
+    assert sampling.stop_token_ids == (5, 9)
+    assert (sampling.temperature, sampling.top_k, sampling.seed) == (0.5, 3, 11)

@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from services.rollout.weights import WeightFollower
-from trace_common.rl.engine import EngineHolder
+from trace_common.rollout.engine import EngineHolder
 from trace_common.service import Metrics
 
 
@@ -79,7 +79,7 @@ def test_follows_versions_and_reconnects() -> None:
     holder = EngineHolder()
     built = []
 
-    def factory(tensors, meta):
+    def factory(tensors, meta, version):
         built.append((float(tensors["w"][0]), meta))
         return object()
 

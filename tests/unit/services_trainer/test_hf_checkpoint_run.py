@@ -13,10 +13,12 @@ from services.trainer.config import TrainerSettings
 from trace_common.model import GuidanceConfig, QuantConfig
 from trace_common.rl.core import TrainerConfig, TrainerCore
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher, StaticDirectory
-from trace_common.rl.engine import EngineHolder, LocalReplica
+from trace_common.rl.engine import LocalReplica
 from trace_common.rl.local import LocalPublisher, MemoryRecordStore
-from trace_common.rl.policy import LearnerConfig, ModelLearner, NativeEngine
-from trace_common.rl.types import SamplingConfig
+from trace_common.rl.policy import LearnerConfig, ModelLearner
+from trace_common.rollout.engine import EngineHolder
+from trace_common.rollout.native import NativeEngine
+from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import PromptStream, exact_match_reward, load_tokenizer, make_task
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")

@@ -1,0 +1,64 @@
+"""Engine selection from the replica's settings, on a machine without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_common.device import resolve_device
+from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
+from trace_common.rl.policy import LearnerConfig, ModelLearner
+from trace_common.rollout.cuda import policy_configs, unsupported_reason
+from trace_common.rollout.native import NativeEngine
+from trace_common.rollout.select import EngineSettings, make_engine_factory
+from trace_common.rollout.types import SamplingConfig
+
+
+def exported(mode: str = "trace"):
+    model = MoECausalLM(get_config("debug")).init_weights(seed=1)
+    learner = ModelLearner(model, LearnerConfig(mode=mode), quant=QuantConfig(),
+                           guidance=GuidanceConfig(), eos_id=2, pad_id=0)  # fmt: skip
+    return learner.export_weights()
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="TRACE_DEVICE='gpu'"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda:0")
+
+
+def test_auto_on_cpu_builds_the_pytorch_engine_and_rebuilds_per_version() -> None:
+    factory = make_engine_factory(EngineSettings(engine="auto", device=torch.device("cpu")))
+    tensors, meta = exported()
+    e0 = factory(tensors, meta, 0)
+    e1 = factory(tensors, meta, 1)
+    assert isinstance(e0, NativeEngine) and isinstance(e1, NativeEngine) and e0 is not e1
+    assert factory.name == "native" and next(e0.model.parameters()).dtype == torch.float32
+    out = e0.generate([[1, 5, 6]], 2, SamplingConfig(max_new_tokens=3), with_records=True)
+    assert len(out) == 2 and all(s.records for s in out)
+
+
+def test_cuda_engine_needs_a_cuda_device() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        EngineSettings(engine="cuda", device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="max_batch=0"):
+        EngineSettings(max_batch=0)
+
+
+def test_unsupported_reasons_name_what_the_cuda_engine_refuses() -> None:
+    _, meta = exported()
+    cfg, quant = policy_configs(meta)
+    assert unsupported_reason(cfg, quant, GuidanceConfig()) is None
+    assert "mode 'full'" in unsupported_reason(cfg, quant, GuidanceConfig(mode="full"))
+    every = QuantConfig.every_site(cfg)
+    assert "FP4 nvfp4 at sites" in unsupported_reason(cfg, every, None)
+    assert "sites ['attn_in']" in unsupported_reason(cfg, quant, GuidanceConfig(sites=("attn_in",)))
+    assert "mxfp4" in unsupported_reason(cfg, QuantConfig(format="mxfp4"), None)
+    shared = get_config("debug-shared")
+    assert "shared_expert" in unsupported_reason(shared, quant, None)
+    assert unsupported_reason(cfg, QuantConfig.none(), None) is None
+    assert "needs FP4" in unsupported_reason(cfg, QuantConfig.none(), GuidanceConfig())

@@ -1,0 +1,436 @@
+"""Continuous batching over a fixed-size decode step.
+
+The step backend (`StepBackend`: the CUDA-graph decode engine, or a fake in unit tests) runs
+one token for each of its `batch` slots per step. Every slot holds one sequence, which is in
+one of two phases:
+
+  prefill  the slot feeds its next prompt token (position = tokens fed so far); the logits
+           are used only after the last prompt token
+  decode   the slot feeds the token it sampled last
+
+Both phases are the same step, so the prompt's K/V are written by the same append (and its
+records captured by the same kernels) as the completion's. A finished sequence frees its slot
+at once and the next waiting sequence takes it, so long-tail lengths do not idle the batch.
+
+Weight versions: `swap` closes the admission door, lets every admitted request finish on the
+old weights, loads the new ones while nothing runs, and opens the door again. A request is
+admitted whole, so all its completions come from one version, which they report.
+
+Sampling (`sample_rows`) is per sequence: temperature, top-k, top-p and a seed. The random
+draw of a sequence's t-th token is a counter-based hash of (request seed, sequence index, t),
+so a sequence's samples do not depend on which slot it ran in or what ran beside it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from trace_common.rollout.types import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FinishReason,
+    GeneratedSample,
+    SamplingConfig,
+)
+
+log = logging.getLogger(__name__)
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN64 = np.uint64(0x9E3779B97F4A7C15)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x + _GOLDEN64) & _MASK64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+        return x ^ (x >> np.uint64(31))
+
+
+def sequence_seed(request_seed: int, index: int) -> int:
+    """The seed of sequence `index` (prompt-major flat index) of a request."""
+    s = splitmix64(np.array([request_seed % (1 << 64)], dtype=np.uint64))
+    return int(splitmix64(s ^ np.uint64(index))[0])
+
+
+def uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """One uniform in (0, 1) per (sequence seed, token counter): float64 [n]."""
+    h = splitmix64(seeds.astype(np.uint64) ^ splitmix64(counters.astype(np.uint64)))
+    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [B, V]
+    temperature: torch.Tensor,  # fp32 [B]; 0 = greedy
+    top_k: torch.Tensor,  # int64 [B]; 0 = off
+    top_p: torch.Tensor,  # fp32 [B]; 1 = off
+    u: torch.Tensor,  # fp64 [B] in (0, 1): the row's random draw
+    *,
+    filtered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token int64 [B], log-prob fp32 [B]) per row, as `trace_common.model.sample_next`
+    defines them: logits / temperature, then top-k (ties with the k-th kept), then top-p (the
+    token that crosses p kept), sampled by inverse CDF with `u`; the log-prob is under that
+    truncated distribution. Greedy rows take the argmax and its untempered log-prob.
+    `filtered`: some row has top-k or top-p (sorts the vocabulary; skipped when False)."""
+    x = logits.float()
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    x = x / t[:, None]
+    v = x.shape[-1]
+    if filtered:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
+        kth = sorted_x.gather(1, (k - 1)[:, None])  # [B, 1]
+        keep = sorted_x >= kth  # ties with the k-th stay, as sample_next
+        sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(sorted_x, dim=-1)
+        drop = (p.cumsum(-1) - p) >= top_p[:, None]
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        logp_sorted = torch.log_softmax(sorted_x, dim=-1)
+        cdf = logp_sorted.exp().cumsum(-1)
+        target = (u[:, None] * cdf[:, -1:].double()).float()
+        idx = torch.searchsorted(cdf, target).clamp(max=v - 1)  # [B, 1]
+        tok = order.gather(1, idx)[:, 0]
+        logp = logp_sorted.gather(1, idx)[:, 0]
+    else:
+        logp_all = torch.log_softmax(x, dim=-1)
+        cdf = logp_all.exp().cumsum(-1)
+        target = (u[:, None] * cdf[:, -1:].double()).float()
+        tok = torch.searchsorted(cdf, target).clamp(max=v - 1)[:, 0]
+        logp = logp_all.gather(1, tok[:, None])[:, 0]
+    if bool(greedy.any()):
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        g_tok = lsm.argmax(dim=-1)
+        tok = torch.where(greedy, g_tok, tok)
+        logp = torch.where(greedy, lsm.gather(1, g_tok[:, None])[:, 0], logp)
+    return tok, logp
+
+
+class StepBackend(Protocol):
+    """A fixed-size decode step over `batch` slots of `capacity` tokens each."""
+
+    batch: int
+    capacity: int
+    vocab: int
+
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, ring_row: int) -> torch.Tensor:
+        """Feed tokens (int64 [B], host) at positions (int32 [B], host; the K/V written there
+        and attention over positions 0..pos); capture the step's records into ring row
+        `ring_row`; return the logits [B, V] (valid until the next call)."""
+        ...
+
+    def records(self, slot: int, ring_rows: np.ndarray, tokens: Sequence[int],
+                prompt_len: int) -> bytes:  # fmt: skip
+        """The serialized records of the sequence that ran in `slot` over ring rows
+        `ring_rows` (one per token fed, in order), with its `tokens` (prompt + completion)."""
+        ...
+
+    @property
+    def ring_size(self) -> int: ...
+
+    def sync(self) -> None:
+        """Wait until the last step has read its inputs (the host reuses their buffers)."""
+        ...
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    prompts: list[tuple[int, ...]]
+    group_size: int
+    sampling: SamplingConfig
+    with_records: bool
+    stops: frozenset[int]
+    results: list[GeneratedSample | None]
+    remaining: int
+    done: threading.Event = field(default_factory=threading.Event)
+    version: int = -1
+    error: BaseException | None = None
+    cancelled: Callable[[], bool] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    request: _Request
+    index: int  # prompt-major flat index within the request
+    tokens: list[int]  # prompt, then the sampled tokens
+    prompt_len: int
+    seed: int
+    logprobs: list[float] = field(default_factory=list)
+    fed: int = 0  # tokens fed to the step so far
+    first_step: int = 0  # global step of the first feed
+
+
+class SlotScheduler:
+    """Runs generate requests on a `StepBackend` with continuous batching (one thread)."""
+
+    def __init__(self, backend: StepBackend, *, eos_id: int, pad_id: int,
+                 device: torch.device | str, version: int = -1) -> None:  # fmt: skip
+        self.backend = backend
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.device = torch.device(device)
+        self.version = version
+        b = backend.batch
+        self._cond = threading.Condition()
+        self._pending: collections.deque[_Request] = collections.deque()  # before the door
+        self._admitted: list[_Request] = []
+        self._waiting: collections.deque[_Seq] = collections.deque()  # admitted, no slot yet
+        self._slots: list[_Seq | None] = [None] * b
+        self._door_open = True
+        self._stop = False
+        self._broken: BaseException | None = None
+        self._step = 0
+        pin = self.device.type == "cuda"
+        self._tokens = torch.zeros(b, dtype=torch.long, pin_memory=pin)
+        self._pos = torch.zeros(b, dtype=torch.int32, pin_memory=pin)
+        self._u = torch.full((b,), 0.5, dtype=torch.float64, pin_memory=pin)
+        self._temperature = torch.ones(b, dtype=torch.float32)
+        self._top_k = torch.zeros(b, dtype=torch.long)
+        self._top_p = torch.ones(b, dtype=torch.float32)
+        self._params_dirty = True
+        self._params_dev: tuple[torch.Tensor, ...] = ()
+        self.steps_total = 0
+        self.tokens_total = 0
+        self._thread = threading.Thread(target=self._run, name="slot-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group_size: int,
+        sampling: SamplingConfig,
+        *,
+        with_records: bool,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> tuple[list[GeneratedSample], int]:
+        """Run one request to the end; (samples prompt-major, the version they came from)."""
+        cap = self.backend.capacity
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + sampling.max_new_tokens - 1 > cap:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens="
+                    f"{sampling.max_new_tokens} it needs {len(p) + sampling.max_new_tokens - 1} "
+                    f"positions, the engine holds {cap} per sequence (max_context)"
+                )
+            bad = [t for t in p if not 0 <= t < self.backend.vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside "
+                                 f"[0, {self.backend.vocab})")  # fmt: skip
+        n = len(prompts) * group_size
+        req = _Request(
+            prompts=[tuple(int(t) for t in p) for p in prompts], group_size=group_size,
+            sampling=sampling, with_records=with_records,
+            stops=frozenset((self.eos_id, *sampling.stop_token_ids)), results=[None] * n,
+            remaining=n, cancelled=cancelled,
+        )  # fmt: skip
+        with self._cond:
+            if self._broken is not None:
+                raise RuntimeError(f"the rollout engine failed earlier: {self._broken!r}")
+            self._pending.append(req)
+            self._cond.notify_all()
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        return [s for s in req.results if s is not None], req.version
+
+    def swap(self, load: Callable[[], None], version: int) -> None:
+        """Close the door, wait for every admitted request to finish, run `load` (new
+        weights into the backend), then open the door at `version`."""
+        with self._cond:
+            self._door_open = False
+            self._cond.notify_all()
+            while self._admitted and self._broken is None:
+                self._cond.wait(0.1)
+            try:
+                if self._broken is not None:
+                    raise RuntimeError(f"the rollout engine failed earlier: {self._broken!r}")
+                load()
+                self.version = version
+            finally:
+                self._door_open = True
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def active_slots(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop and not self._admit():
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                self._one_step()
+        except BaseException as exc:  # the backend failed: fail every request, refuse more
+            log.exception("rollout step failed")
+            with self._cond:
+                self._broken = exc
+                for req in [*self._admitted, *self._pending]:
+                    req.error = RuntimeError(f"rollout engine step failed: {exc!r}")
+                    req.done.set()
+                self._admitted.clear()
+                self._pending.clear()
+                self._cond.notify_all()
+
+    def _admit(self) -> bool:
+        """Move pending requests through the door and waiting sequences into free slots
+        (holding the lock); True when some slot is busy."""
+        while self._door_open and self._pending:
+            req = self._pending.popleft()
+            req.version = self.version
+            self._admitted.append(req)
+            for pi, p in enumerate(req.prompts):
+                for g in range(req.group_size):
+                    idx = pi * req.group_size + g
+                    self._waiting.append(_Seq(
+                        request=req, index=idx, tokens=list(p), prompt_len=len(p),
+                        seed=sequence_seed(req.sampling.seed, idx),
+                    ))  # fmt: skip
+        for slot, cur in enumerate(self._slots):
+            if cur is None and self._waiting:
+                seq = self._waiting.popleft()
+                seq.first_step = self._step
+                self._slots[slot] = seq
+                sp = seq.request.sampling
+                self._temperature[slot] = sp.temperature
+                self._top_k[slot] = sp.top_k
+                self._top_p[slot] = sp.top_p
+                self._params_dirty = True
+        return any(s is not None for s in self._slots)
+
+    def _one_step(self) -> None:
+        be = self.backend
+        ring_row = self._step % be.ring_size
+        need: list[int] = []  # slots whose logits are sampled this step
+        for slot, seq in enumerate(self._slots):
+            if seq is None:
+                self._tokens[slot] = self.pad_id
+                self._pos[slot] = 0
+                continue
+            self._tokens[slot] = seq.tokens[seq.fed]
+            self._pos[slot] = seq.fed
+            if seq.fed == len(seq.tokens) - 1:
+                need.append(slot)
+        if need:
+            seeds = np.array([self._slots[s].seed for s in need], dtype=np.uint64)  # type: ignore[union-attr]
+            counters = np.array([len(self._slots[s].tokens) - self._slots[s].prompt_len  # type: ignore[union-attr]
+                                 for s in need], dtype=np.uint64)  # fmt: skip
+            self._u[need] = torch.from_numpy(uniforms(seeds, counters))
+        logits = be.step(self._tokens, self._pos, ring_row)
+        self._step += 1
+        self.steps_total += 1
+        for seq in self._slots:
+            if seq is not None:
+                seq.fed += 1
+        finished: list[tuple[int, FinishReason]] = []
+        if need:
+            tok, logp = self._sample(logits, need)
+        for j, slot in enumerate(need):
+            seq = self._slots[slot]
+            assert seq is not None
+            t = int(tok[j])
+            seq.tokens.append(t)
+            seq.logprobs.append(float(logp[j]))
+            self.tokens_total += 1
+            n_new = len(seq.tokens) - seq.prompt_len
+            if t in seq.request.stops:
+                finished.append((slot, FINISH_STOP))
+            elif n_new >= seq.request.sampling.max_new_tokens:
+                finished.append((slot, FINISH_LENGTH))
+        else:
+            be.sync()
+        for slot, reason in finished:
+            self._finish(slot, reason)
+        self._drop_cancelled()
+
+    def _sample(self, logits: torch.Tensor, need: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        if self._params_dirty:
+            dev = logits.device
+            self._params_dev = (self._temperature.to(dev), self._top_k.to(dev),
+                                self._top_p.to(dev))  # fmt: skip
+            self._params_dirty = False
+        temp, top_k, top_p = self._params_dev
+        u = self._u.to(logits.device, non_blocking=True)
+        filtered = any(
+            self._top_k[s] > 0 or self._top_p[s] < 1
+            for s in need  # type: ignore[operator]
+        )
+        idx = torch.tensor(need, device=logits.device)
+        tok, logp = sample_rows(logits.index_select(0, idx), temp[idx], top_k[idx], top_p[idx],
+                                u[idx], filtered=filtered)  # fmt: skip
+        return tok.cpu().numpy(), logp.cpu().numpy()
+
+    def _finish(self, slot: int, reason: FinishReason) -> None:
+        seq = self._slots[slot]
+        assert seq is not None
+        self._slots[slot] = None
+        req = seq.request
+        records = None
+        if req.with_records:
+            rows = (seq.first_step + np.arange(seq.fed)) % self.backend.ring_size
+            records = self.backend.records(slot, rows, seq.tokens, seq.prompt_len)
+        req.results[seq.index] = GeneratedSample(
+            prompt_index=seq.index // req.group_size, group_index=seq.index % req.group_size,
+            completion_tokens=seq.tokens[seq.prompt_len:], logprobs=seq.logprobs,
+            finish_reason=reason, records=records, policy_version=req.version,
+        )  # fmt: skip
+        req.remaining -= 1
+        if req.remaining == 0:
+            self._complete(req)
+
+    def _complete(self, req: _Request, error: BaseException | None = None) -> None:
+        with self._cond:
+            req.error = error
+            if req in self._admitted:
+                self._admitted.remove(req)
+            req.done.set()
+            self._cond.notify_all()
+
+    def _drop_cancelled(self) -> None:
+        """Free the slots and queue places of requests whose caller has gone."""
+        gone = [r for r in self._admitted if r.cancelled is not None and r.cancelled()]
+        for req in gone:
+            for slot, seq in enumerate(self._slots):
+                if seq is not None and seq.request is req:
+                    self._slots[slot] = None
+            with self._cond:
+                self._waiting = collections.deque(s for s in self._waiting if s.request is not req)
+            self._complete(req, CancelledError("the caller cancelled the request"))
+
+
+class CancelledError(Exception):
+    """The caller of a generate request went away before it finished."""
+
+
+__all__ = [
+    "CancelledError",
+    "SlotScheduler",
+    "StepBackend",
+    "sample_rows",
+    "sequence_seed",
+    "splitmix64",
+    "uniforms",
+]
