@@ -302,6 +302,22 @@ _DEBUG = ModelConfig(
 NAMED_CONFIGS: dict[str, ModelConfig] = {
     "debug": _DEBUG,
     "debug-shared": dataclasses.replace(_DEBUG, shared_expert_intermediate_size=64),
+    # The mid-size GPU shape: about 1B parameters (0.18B active per token) with Qwen3-MoE's
+    # layout; one H200 holds its trainer and two rollout replicas. The vocabulary is the
+    # task tokenizer's (callers replace vocab_size).
+    "mid-1b": ModelConfig(
+        vocab_size=64,
+        hidden_size=1024,
+        num_layers=12,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=64,
+        top_k=8,
+        moe_intermediate_size=384,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+    ),
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151936,
         hidden_size=2048,
