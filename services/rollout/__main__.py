@@ -67,6 +67,7 @@ def main() -> None:
         metrics=rt.metrics,
     )
     servicer.follower = follower
+    servicer.engine_stats = lambda: getattr(factory.engine, "stats", dict)()
     rt.before_drain.append(follower.stop)
     _start_when_bound(rt, follower)
     rt.run(ready=lambda: holder.version >= 0, status=servicer.status)

@@ -57,6 +57,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._tokens = 0
         self._m = _RolloutMetrics(metrics or Metrics("rollout"))
         self.follower: Any = None  # services.rollout.weights.WeightFollower, once wired
+        self.engine_stats: Callable[[], dict[str, float]] = dict  # the engine's counters
 
     def _validate(self, request: rollout_pb2.GenerateRequest) -> SamplingConfig:
         if not request.prompts:
@@ -137,7 +138,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def Status(
         self, request: rollout_pb2.RolloutStatusRequest, context: Any
     ) -> rollout_pb2.RolloutStatusResponse:
-        return rollout_pb2.RolloutStatusResponse(**self.status())
+        fields = rollout_pb2.RolloutStatusResponse.DESCRIPTOR.fields_by_name
+        return rollout_pb2.RolloutStatusResponse(
+            **{k: v for k, v in self.status().items() if k in fields}
+        )
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -152,6 +156,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 "tokens_generated_total": self._tokens,
                 "last_weight_pull_seconds": getattr(self.follower, "last_pull_seconds", 0.0),
                 "weight_pulls_total": getattr(self.follower, "pulls", 0),
+                "engine_stats": self.engine_stats(),
             }
 
 

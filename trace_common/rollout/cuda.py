@@ -4,9 +4,10 @@ serving generate requests through continuous batching (`trace_common.rollout.sch
 One decode step for all `max_batch` slots is one CUDA graph: the engine's step (every layer,
 FP4 experts and FP4 KV or BF16), then the step's records (the compact guidance records of the
 guided layers' `moe_in`, `k` and `v` rows, written by the quantize kernels, and every MoE
-layer's top-k expert ids) gathered into one byte slab and copied into a ring of per-step rows.
-When a sequence finishes, its rows are gathered from the ring and serialized as the same
-`SampleRecords` bytes the PyTorch engine writes.
+layer's top-k expert ids) gathered into one byte slab and scattered into a per-slot history
+at each slot's position. Prompts are prefilled in chunks (`trace_common.rollout.prefill`) that
+write the same caches and history. When a sequence finishes, its history rows are serialized
+as the same `SampleRecords` bytes the PyTorch engine writes.
 
 Weights: a pushed FP4 version is loaded as pushed (the ModelOpt codes and scales are laid out
 for the expert GEMM, never re-quantized), into the buffers the graph reads, so a new version
@@ -47,6 +48,7 @@ from trace_common.rollout.types import GeneratedSample, SamplingConfig
 log = logging.getLogger(__name__)
 
 CAPTURED_SITES = (GSITE_MOE_IN, GSITE_K, GSITE_V)  # what the step's quantize kernels record
+PREFILL_TOKENS = 256  # prompt tokens per prefill chunk (the router's graph-captured maximum)
 _META_MODEL = "trace_model_config"
 _META_QUANT = "trace_quant_config"
 
@@ -177,16 +179,58 @@ def _copy_experts_(dst, src) -> None:  # moe.ExpertWeights
         dst.packed.scales.copy_(src.packed.scales)
 
 
+def record_layout(engine, cfg: ModelConfig, guided_layers: Sequence[int]):
+    """Where one row's records live in an engine's capture buffers: (the buffers as flat
+    bytes, in slab order; the sections (key, part, row bytes); the byte index [R, row bytes]
+    of each engine row's record in the slab built from those buffers)."""
+    r = engine.batch
+    parts: list[torch.Tensor] = []
+    placed: dict[int, tuple[int, int]] = {}  # id(buffer) -> (slab offset, row bytes)
+    sections: list[tuple[object, str, int]] = []
+    index: list[torch.Tensor] = []
+    offset = 0
+    rows = torch.arange(r, dtype=torch.long)
+
+    def add(key: object, part: str, buf: torch.Tensor, row0: int) -> None:
+        nonlocal offset
+        if id(buf) not in placed:
+            flat = buf.view(torch.uint8).reshape(buf.shape[0], -1)
+            placed[id(buf)] = (offset, flat.shape[1])
+            parts.append(flat.reshape(-1))
+            offset += flat.numel()
+        start, rb = placed[id(buf)]
+        sections.append((key, part, rb))
+        index.append(start + (rows + row0)[:, None] * rb + torch.arange(rb)[None, :])
+
+    for li in guided_layers:
+        moe_in, kv = engine.records[li]  # rows [R, H] and [2R, Hkv D] (K rows, then V rows)
+        for part in ("mbits", "block_scales", "row_scales"):
+            add((li, GSITE_MOE_IN), part, getattr(moe_in, part), 0)
+        for site, row0 in ((GSITE_K, 0), (GSITE_V, r)):
+            for part in ("mbits", "block_scales", "row_scales"):
+                add((li, site), part, getattr(kv, part), row0)
+    for li in cfg.moe_layers:
+        add(("routing", li), "ids", engine.plans[li].topk_ids, 0)
+    return parts, sections, torch.cat(index, dim=1)
+
+
 class DecodeBackend:
-    """`StepBackend` on the CUDA-graph decode engine for one policy shape."""
+    """`StepBackend` on the CUDA-graph decode engine for one policy shape.
+
+    Record history: `hist` [B * capacity, row bytes] holds, per slot and position, the
+    records of the token fed there; the decode graph gathers each slot's row from the step's
+    capture buffers into it, the prefill copies its chunk's rows."""
 
     def __init__(self, cfg: ModelConfig, quant: QuantConfig, guidance: GuidanceConfig | None,
                  tensors: dict[str, torch.Tensor], *, batch: int, capacity: int,
-                 device: torch.device, use_graph: bool = True) -> None:  # fmt: skip
+                 device: torch.device, prefill_tokens: int = 256, pad_id: int = 0,
+                 use_graph: bool = True) -> None:  # fmt: skip
         from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
+        from trace_common.rollout.prefill import Prefill
 
         self.cfg, self.quant, self.device = cfg, quant, device
         self.batch, self.capacity, self.vocab = batch, capacity, cfg.vocab_size
+        self.pad_id = pad_id
         self.guided = tuple(guidance.resolve(cfg, quant)) if guidance is not None else ()
         self.guided_layers = tuple(sorted({li for li, _ in self.guided}))
         self.mode = guidance.mode if guidance is not None else ""
@@ -198,61 +242,37 @@ class DecodeBackend:
             EngineShape.from_model_config(cfg), w, batch=batch, capacity=capacity,
             context=min(capacity - 1, 1024), guided_layers=self.guided_layers, device=str(device),
         )  # fmt: skip
-        self._layout()
-        self.ring = torch.empty(capacity, self.slab.numel(), dtype=torch.uint8, device=device)
-        self._ring_row = torch.zeros(1, dtype=torch.long, device=device)
+        self._parts, self.sections, index = record_layout(self.engine, cfg, self.guided_layers)
+        self.slab = torch.empty(sum(p.numel() for p in self._parts), dtype=torch.uint8,
+                                device=device)  # fmt: skip
+        self.slot_index = index.to(device)  # [B, row bytes]
+        self.row_bytes = self.slot_index.shape[1]
+        self.hist = torch.empty(batch * capacity, self.row_bytes, dtype=torch.uint8,
+                                device=device)  # fmt: skip
+        self._hist_rows = torch.zeros(batch, dtype=torch.long, device=device)
+        self._hist_rows_host = torch.zeros(batch, dtype=torch.long, pin_memory=True)
+        self._slot_base = torch.arange(batch, dtype=torch.long) * capacity
         self._lens_host = torch.zeros(batch, dtype=torch.int32, pin_memory=True)
+        self.prefill_tokens = prefill_tokens
+        self._prefill = None
+        if prefill_tokens:
+            self._prefill = Prefill(self.engine, prefill_tokens, device)
+            pparts, _, pindex = record_layout(self._prefill.eng, cfg, self.guided_layers)
+            self._pre_parts = pparts
+            self._pre_slab = torch.empty(sum(p.numel() for p in pparts), dtype=torch.uint8,
+                                         device=device)  # fmt: skip
+            self._pre_index = pindex.to(device)  # [rows, row bytes]
         self.graph: torch.cuda.CUDAGraph | None = None
         if use_graph:
             self._capture()
 
-    @property
-    def ring_size(self) -> int:
-        return self.capacity
-
-    def _layout(self) -> None:
-        """The slab: every record buffer's bytes, in a fixed order; per slot, the byte index
-        of its rows in the slab (`self.slot_index` [B, row_bytes]) and the sections' widths."""
-        e, b = self.engine, self.batch
-        self._parts: list[torch.Tensor] = []  # each buffer once, as flat bytes
-        placed: dict[int, tuple[int, int]] = {}  # id(buffer) -> (slab offset, row bytes)
-        self.sections: list[tuple[object, str, int]] = []  # (key, part, row bytes)
-        index: list[torch.Tensor] = []
-        offset = 0
-        slots = torch.arange(b, dtype=torch.long)
-
-        def add(key: object, part: str, buf: torch.Tensor, row0: int) -> None:
-            nonlocal offset
-            if id(buf) not in placed:
-                flat = buf.view(torch.uint8).reshape(buf.shape[0], -1)
-                placed[id(buf)] = (offset, flat.shape[1])
-                self._parts.append(flat.reshape(-1))
-                offset += flat.numel()
-            start, rb = placed[id(buf)]
-            self.sections.append((key, part, rb))
-            index.append(start + (slots + row0)[:, None] * rb + torch.arange(rb)[None, :])
-
-        for li in self.guided_layers:
-            moe_in, kv = e.records[li]  # rows [B, H] and [2B, Hkv D] (K rows, then V rows)
-            for part in ("mbits", "block_scales", "row_scales"):
-                add((li, GSITE_MOE_IN), part, getattr(moe_in, part), 0)
-            for site, row0 in ((GSITE_K, 0), (GSITE_V, b)):
-                for part in ("mbits", "block_scales", "row_scales"):
-                    add((li, site), part, getattr(kv, part), row0)
-        for li in self.cfg.moe_layers:
-            add(("routing", li), "ids", e.plans[li].topk_ids, 0)
-        self.slab = torch.empty(offset, dtype=torch.uint8, device=self.device)
-        self.slot_index = torch.cat(index, dim=1).to(self.device)  # [B, row bytes]
-
     def _body(self) -> None:
         self.engine.step()
         torch.cat(self._parts, out=self.slab)
-        self.ring.index_copy_(0, self._ring_row, self.slab[None])
+        self.hist.index_copy_(0, self._hist_rows, self.slab[self.slot_index])
 
     def _capture(self) -> None:
         e = self.engine
-        e.pos.zero_()
-        e.lens.fill_(1)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -266,29 +286,40 @@ class DecodeBackend:
             self._body()
         torch.cuda.synchronize(self.device)
 
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor, ring_row: int) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         e = self.engine
         torch.add(pos, 1, out=self._lens_host)
+        torch.add(self._slot_base, pos, out=self._hist_rows_host)
         e.tokens.copy_(tokens, non_blocking=True)
         e.pos.copy_(pos, non_blocking=True)
         e.lens.copy_(self._lens_host, non_blocking=True)
-        self._ring_row.fill_(ring_row)
+        self._hist_rows.copy_(self._hist_rows_host, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
         else:
             self._body()
         return e.logits
 
+    def prefill(self, slots: Sequence[int], starts: Sequence[int],
+                chunks: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
+        assert self._prefill is not None
+        logits = self._prefill.run(slots, starts, chunks, self.pad_id)
+        n = sum(map(len, chunks))
+        rows = torch.cat([torch.arange(st, st + len(c)) + slot * self.capacity
+                          for slot, st, c in zip(slots, starts, chunks, strict=True)])  # fmt: skip
+        torch.cat(self._pre_parts, out=self._pre_slab)
+        self.hist.index_copy_(0, rows.to(self.device), self._pre_slab[self._pre_index[:n]])
+        return logits
+
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def records(self, slot: int, ring_rows: np.ndarray, tokens: Sequence[int],
-                prompt_len: int) -> bytes:  # fmt: skip
-        n = len(ring_rows)
+    def records(self, slot: int, rows: int, tokens: Sequence[int], prompt_len: int) -> bytes:
+        n = rows
         if n != len(tokens) - 1:
             raise AssertionError(f"{n} record rows for {len(tokens)} tokens")
-        rows = torch.from_numpy(ring_rows.astype(np.int64)).to(self.device)
-        got = self.ring[rows[:, None], self.slot_index[slot][None, :]].cpu().numpy()  # [n, rb]
+        base = slot * self.capacity
+        got = self.hist[base : base + n].cpu().numpy()  # [n, row bytes]
         cols: dict[tuple[object, str], np.ndarray] = {}
         c = 0
         for key, part, rb in self.sections:
@@ -340,7 +371,8 @@ class CudaEngine:
 
     def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int,
                  *, device: torch.device | str = "cuda", max_batch: int = 64,
-                 max_context: int = 4096, use_graph: bool = True) -> None:  # fmt: skip
+                 max_context: int = 4096, prefill_tokens: int = PREFILL_TOKENS,
+                 use_graph: bool = True) -> None:  # fmt: skip
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"the CUDA engine needs a CUDA device, got {self.device}")
@@ -353,8 +385,9 @@ class CudaEngine:
             max_context = self.cfg.max_position_embeddings
         self.meta = meta
         self.backend = DecodeBackend(self.cfg, self.quant, meta.guidance, tensors,
-                                     batch=max_batch, capacity=max_context,
-                                     device=self.device, use_graph=use_graph)  # fmt: skip
+                                     batch=max_batch, capacity=max_context, device=self.device,
+                                     prefill_tokens=prefill_tokens, pad_id=meta.pad_id,
+                                     use_graph=use_graph)  # fmt: skip
         self.scheduler = SlotScheduler(self.backend, eos_id=meta.eos_id, pad_id=meta.pad_id,
                                        device=self.device, version=version)  # fmt: skip
 
@@ -387,6 +420,9 @@ class CudaEngine:
         samples, _ = self.scheduler.generate(prompts, group_size, sampling,
                                              with_records=with_records)  # fmt: skip
         return samples
+
+    def stats(self) -> dict[str, float]:
+        return self.scheduler.stats()
 
     def close(self) -> None:
         self.scheduler.close()

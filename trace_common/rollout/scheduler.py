@@ -4,13 +4,16 @@ The step backend (`StepBackend`: the CUDA-graph decode engine, or a fake in unit
 one token for each of its `batch` slots per step. Every slot holds one sequence, which is in
 one of two phases:
 
-  prefill  the slot feeds its next prompt token (position = tokens fed so far); the logits
-           are used only after the last prompt token
+  prefill  its prompt is written into the slot's KV cache and record history: in chunks of up
+           to `prefill_tokens` prompt tokens (several sequences per chunk) by the backend's
+           batched prefill, or, where the backend has none (`prefill_tokens == 0`), one prompt
+           token per decode step
   decode   the slot feeds the token it sampled last
 
-Both phases are the same step, so the prompt's K/V are written by the same append (and its
-records captured by the same kernels) as the completion's. A finished sequence frees its slot
-at once and the next waiting sequence takes it, so long-tail lengths do not idle the batch.
+Each loop round runs one prefill chunk (when a sequence waits for one), samples the first
+token of every sequence whose prompt it completed, then one decode step for the slots in the
+decode phase. A finished sequence frees its slot at once and the next waiting sequence takes
+it, so long-tail lengths do not idle the batch.
 
 Weight versions: `swap` closes the admission door, lets every admitted request finish on the
 old weights, loads the new ones while nothing runs, and opens the door again. A request is
@@ -26,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -117,26 +121,31 @@ def sample_rows(
 
 
 class StepBackend(Protocol):
-    """A fixed-size decode step over `batch` slots of `capacity` tokens each."""
+    """A fixed-size decode step over `batch` slots of `capacity` positions each, with a
+    record history per slot (one row per position)."""
 
     batch: int
     capacity: int
     vocab: int
+    prefill_tokens: int  # most prompt tokens per `prefill` call; 0: no batched prefill
 
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor, ring_row: int) -> torch.Tensor:
-        """Feed tokens (int64 [B], host) at positions (int32 [B], host; the K/V written there
-        and attention over positions 0..pos); capture the step's records into ring row
-        `ring_row`; return the logits [B, V] (valid until the next call)."""
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Feed tokens (int64 [B], host) at positions (int32 [B], host): K/V and the step's
+        records written at that position of each slot, attention over positions 0..pos;
+        return the logits [B, V] (valid until the next call)."""
         ...
 
-    def records(self, slot: int, ring_rows: np.ndarray, tokens: Sequence[int],
-                prompt_len: int) -> bytes:  # fmt: skip
-        """The serialized records of the sequence that ran in `slot` over ring rows
-        `ring_rows` (one per token fed, in order), with its `tokens` (prompt + completion)."""
+    def prefill(self, slots: Sequence[int], starts: Sequence[int],
+                chunks: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
+        """Write prompt chunk i (tokens at positions starts[i]..) into slot slots[i] (K/V and
+        record rows, attention over the slot's positions 0..); return the logits after each
+        chunk's last token [n, V]."""
         ...
 
-    @property
-    def ring_size(self) -> int: ...
+    def records(self, slot: int, rows: int, tokens: Sequence[int], prompt_len: int) -> bytes:
+        """The serialized records of the sequence in `slot`: history rows 0..rows-1 (one per
+        token fed), with its `tokens` (prompt + completion)."""
+        ...
 
     def sync(self) -> None:
         """Wait until the last step has read its inputs (the host reuses their buffers)."""
@@ -166,8 +175,7 @@ class _Seq:
     prompt_len: int
     seed: int
     logprobs: list[float] = field(default_factory=list)
-    fed: int = 0  # tokens fed to the step so far
-    first_step: int = 0  # global step of the first feed
+    fed: int = 0  # tokens written into the slot so far (= the next position)
 
 
 class SlotScheduler:
@@ -188,7 +196,6 @@ class SlotScheduler:
         self._door_open = True
         self._stop = False
         self._broken: BaseException | None = None
-        self._step = 0
         pin = self.device.type == "cuda"
         self._tokens = torch.zeros(b, dtype=torch.long, pin_memory=pin)
         self._pos = torch.zeros(b, dtype=torch.int32, pin_memory=pin)
@@ -198,8 +205,12 @@ class SlotScheduler:
         self._top_p = torch.ones(b, dtype=torch.float32)
         self._params_dirty = True
         self._params_dev: tuple[torch.Tensor, ...] = ()
-        self.steps_total = 0
-        self.tokens_total = 0
+        self.steps_total = 0  # decode steps
+        self.tokens_total = 0  # tokens sampled
+        self.prefill_chunks_total = 0
+        self.prefill_tokens_total = 0
+        self.decode_seconds = 0.0  # host time in decode steps (sampling included)
+        self.prefill_seconds = 0.0  # host time in prefill chunks (first-token sampling included)
         self._thread = threading.Thread(target=self._run, name="slot-scheduler", daemon=True)
         self._thread.start()
 
@@ -273,6 +284,20 @@ class SlotScheduler:
     def active_slots(self) -> int:
         return sum(s is not None for s in self._slots)
 
+    def stats(self) -> dict[str, float]:
+        """Counters for /status and benchmarks."""
+        return {
+            "slots": len(self._slots),
+            "active_slots": self.active_slots,
+            "waiting_sequences": len(self._waiting),
+            "decode_steps_total": self.steps_total,
+            "sampled_tokens_total": self.tokens_total,
+            "prefill_chunks_total": self.prefill_chunks_total,
+            "prefill_tokens_total": self.prefill_tokens_total,
+            "decode_seconds_total": self.decode_seconds,
+            "prefill_seconds_total": self.prefill_seconds,
+        }
+
     # ------------------------------------------------------------------ loop
 
     def _run(self) -> None:
@@ -312,7 +337,6 @@ class SlotScheduler:
         for slot, cur in enumerate(self._slots):
             if cur is None and self._waiting:
                 seq = self._waiting.popleft()
-                seq.first_step = self._step
                 self._slots[slot] = seq
                 sp = seq.request.sampling
                 self._temperature[slot] = sp.temperature
@@ -322,65 +346,116 @@ class SlotScheduler:
         return any(s is not None for s in self._slots)
 
     def _one_step(self) -> None:
+        """One round: a prefill chunk (batched-prefill backends), then a decode step."""
         be = self.backend
-        ring_row = self._step % be.ring_size
-        need: list[int] = []  # slots whose logits are sampled this step
+        if be.prefill_tokens:
+            t0 = time.perf_counter()
+            self._take(self._prefill_chunk())
+            self.prefill_seconds += time.perf_counter() - t0
+        sampled: list[tuple[int, int, float]] = []  # (slot, token, log-prob)
+        tokens, pos = self._tokens, self._pos
+        need: list[int] = []  # slots whose logits this step samples
         for slot, seq in enumerate(self._slots):
-            if seq is None:
-                self._tokens[slot] = self.pad_id
-                self._pos[slot] = 0
-                continue
-            self._tokens[slot] = seq.tokens[seq.fed]
-            self._pos[slot] = seq.fed
-            if seq.fed == len(seq.tokens) - 1:
-                need.append(slot)
-        if need:
-            seeds = np.array([self._slots[s].seed for s in need], dtype=np.uint64)  # type: ignore[union-attr]
-            counters = np.array([len(self._slots[s].tokens) - self._slots[s].prompt_len  # type: ignore[union-attr]
-                                 for s in need], dtype=np.uint64)  # fmt: skip
-            self._u[need] = torch.from_numpy(uniforms(seeds, counters))
-        logits = be.step(self._tokens, self._pos, ring_row)
-        self._step += 1
-        self.steps_total += 1
-        for seq in self._slots:
-            if seq is not None:
-                seq.fed += 1
-        finished: list[tuple[int, FinishReason]] = []
-        if need:
-            tok, logp = self._sample(logits, need)
-        for j, slot in enumerate(need):
-            seq = self._slots[slot]
-            assert seq is not None
-            t = int(tok[j])
-            seq.tokens.append(t)
-            seq.logprobs.append(float(logp[j]))
-            self.tokens_total += 1
-            n_new = len(seq.tokens) - seq.prompt_len
-            if t in seq.request.stops:
-                finished.append((slot, FINISH_STOP))
-            elif n_new >= seq.request.sampling.max_new_tokens:
-                finished.append((slot, FINISH_LENGTH))
-        else:
-            be.sync()
-        for slot, reason in finished:
-            self._finish(slot, reason)
+            if seq is None:  # idle: writes position 0 of a free slot
+                tokens[slot], pos[slot] = self.pad_id, 0
+            elif be.prefill_tokens and seq.fed < seq.prompt_len:
+                # prefilling: writes the position its next chunk overwrites first
+                tokens[slot], pos[slot] = self.pad_id, seq.fed
+            else:
+                tokens[slot], pos[slot] = seq.tokens[seq.fed], seq.fed
+                if seq.fed == len(seq.tokens) - 1:
+                    need.append(slot)
+        stepped = [s for s in range(len(self._slots)) if self._slots[s] is not None
+                   and (not be.prefill_tokens or self._slots[s].fed >= self._slots[s].prompt_len)]  # type: ignore[union-attr]  # fmt: skip
+        if stepped:
+            t0 = time.perf_counter()
+            self._set_uniforms(need)
+            logits = be.step(tokens, pos)
+            self.steps_total += 1
+            for slot in stepped:
+                self._slots[slot].fed += 1  # type: ignore[union-attr]
+            if need:
+                tok, logp = self._sample(logits, need)
+                sampled += [(slot, int(tok[j]), float(logp[j])) for j, slot in enumerate(need)]
+            else:
+                be.sync()
+            self.decode_seconds += time.perf_counter() - t0
+        self._take(sampled)
         self._drop_cancelled()
 
-    def _sample(self, logits: torch.Tensor, need: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _prefill_chunk(self) -> list[tuple[int, int, float]]:
+        """Prefill up to `prefill_tokens` prompt tokens of the slots still in their prompt;
+        sample the first token of each sequence whose prompt this completes."""
+        budget = self.backend.prefill_tokens
+        slots, starts, chunks = [], [], []
+        for slot, seq in enumerate(self._slots):
+            if budget == 0:
+                break
+            if seq is None or seq.fed >= seq.prompt_len:
+                continue
+            n = min(budget, seq.prompt_len - seq.fed)
+            slots.append(slot)
+            starts.append(seq.fed)
+            chunks.append(seq.tokens[seq.fed : seq.fed + n])
+            budget -= n
+        if not slots:
+            return []
+        logits = self.backend.prefill(slots, starts, chunks)
+        self.prefill_chunks_total += 1
+        self.prefill_tokens_total += sum(map(len, chunks))
+        done: list[int] = []
+        rows: list[int] = []
+        for i, slot in enumerate(slots):
+            seq = self._slots[slot]
+            assert seq is not None
+            seq.fed += len(chunks[i])
+            if seq.fed == seq.prompt_len:
+                done.append(slot)
+                rows.append(i)
+        if not done:
+            return []
+        self._set_uniforms(done)
+        idx = torch.tensor(rows, device=logits.device)
+        tok, logp = self._sample(logits.index_select(0, idx), done, rows_are_slots=False)
+        return [(slot, int(tok[j]), float(logp[j])) for j, slot in enumerate(done)]
+
+    def _set_uniforms(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        seqs = [self._slots[s] for s in slots]
+        seeds = np.array([q.seed for q in seqs], dtype=np.uint64)  # type: ignore[union-attr]
+        counters = np.array([len(q.tokens) - q.prompt_len for q in seqs], dtype=np.uint64)  # type: ignore[union-attr]
+        self._u[slots] = torch.from_numpy(uniforms(seeds, counters))
+
+    def _take(self, sampled: list[tuple[int, int, float]]) -> None:
+        """Append sampled tokens; finish the sequences that stop or reach their length."""
+        for slot, t, lp in sampled:
+            seq = self._slots[slot]
+            assert seq is not None
+            seq.tokens.append(t)
+            seq.logprobs.append(lp)
+            self.tokens_total += 1
+            if t in seq.request.stops:
+                self._finish(slot, FINISH_STOP)
+            elif len(seq.tokens) - seq.prompt_len >= seq.request.sampling.max_new_tokens:
+                self._finish(slot, FINISH_LENGTH)
+
+    def _sample(self, logits: torch.Tensor, slots: list[int], *,
+                rows_are_slots: bool = True) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """Sample for `slots` from `logits` (rows indexed by slot, or one row per slot in
+        order when not `rows_are_slots`)."""
+        dev = logits.device
         if self._params_dirty:
-            dev = logits.device
             self._params_dev = (self._temperature.to(dev), self._top_k.to(dev),
                                 self._top_p.to(dev))  # fmt: skip
             self._params_dirty = False
         temp, top_k, top_p = self._params_dev
-        u = self._u.to(logits.device, non_blocking=True)
-        filtered = any(
-            self._top_k[s] > 0 or self._top_p[s] < 1
-            for s in need  # type: ignore[operator]
-        )
-        idx = torch.tensor(need, device=logits.device)
-        tok, logp = sample_rows(logits.index_select(0, idx), temp[idx], top_k[idx], top_p[idx],
-                                u[idx], filtered=filtered)  # fmt: skip
+        u = self._u.to(dev, non_blocking=True)
+        filtered = any(bool(self._top_k[s] > 0) or bool(self._top_p[s] < 1) for s in slots)
+        idx = torch.tensor(slots, device=dev)
+        rows = logits.index_select(0, idx) if rows_are_slots else logits
+        tok, logp = sample_rows(rows, temp[idx], top_k[idx], top_p[idx], u[idx],
+                                filtered=filtered)  # fmt: skip
         return tok.cpu().numpy(), logp.cpu().numpy()
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
@@ -390,8 +465,7 @@ class SlotScheduler:
         req = seq.request
         records = None
         if req.with_records:
-            rows = (seq.first_step + np.arange(seq.fed)) % self.backend.ring_size
-            records = self.backend.records(slot, rows, seq.tokens, seq.prompt_len)
+            records = self.backend.records(slot, seq.fed, seq.tokens, seq.prompt_len)
         req.results[seq.index] = GeneratedSample(
             prompt_index=seq.index // req.group_size, group_index=seq.index % req.group_size,
             completion_tokens=seq.tokens[seq.prompt_len:], logprobs=seq.logprobs,

@@ -34,23 +34,27 @@ def favoured(token: int, pos: int, version: int) -> int:
 
 
 class FakeBackend:
-    """Logits favour `favoured(token, pos)`; each step records (token, pos) per slot in a ring,
-    so `records` proves which rows the scheduler asks for."""
+    """Logits favour `favoured(token, pos)`; every fed (token, pos) is written into the slot's
+    record history, so `records` proves which rows the scheduler asks for. `prefill_tokens`
+    > 0 gives it a batched prefill."""
 
-    def __init__(self, batch: int, capacity: int, *, step_sleep: float = 0.0) -> None:
+    def __init__(self, batch: int, capacity: int, *, step_sleep: float = 0.0,
+                 prefill_tokens: int = 0) -> None:  # fmt: skip
         self.batch, self.capacity, self.vocab = batch, capacity, V
-        self.ring = np.zeros((capacity, batch, 2), dtype=np.int64)
+        self.prefill_tokens = prefill_tokens
+        self.hist = np.full((batch, capacity, 2), -1, dtype=np.int64)
         self.version = 0
         self.step_sleep = step_sleep
         self.steps = 0
+        self.prefills: list[int] = []  # tokens per prefill call
         self.busy = threading.Lock()
-        self.max_active = 0
 
-    @property
-    def ring_size(self) -> int:
-        return self.capacity
+    def _logits(self, t: int, p: int) -> torch.Tensor:
+        row = torch.zeros(V)
+        row[favoured(t, p, self.version)] = MARGIN
+        return row
 
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor, ring_row: int) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         with self.busy:
             if self.step_sleep:
                 time.sleep(self.step_sleep)
@@ -58,17 +62,28 @@ class FakeBackend:
             for b in range(self.batch):
                 t, p = int(tokens[b]), int(pos[b])
                 assert 0 <= p < self.capacity, f"slot {b} fed at position {p}"
-                logits[b, favoured(t, p, self.version)] = MARGIN
-                self.ring[ring_row, b] = (t, p)
+                logits[b] = self._logits(t, p)
+                self.hist[b, p] = (t, p)
             self.steps += 1
             return logits
+
+    def prefill(self, slots, starts, chunks) -> torch.Tensor:
+        with self.busy:
+            n = sum(map(len, chunks))
+            assert 0 < n <= self.prefill_tokens
+            self.prefills.append(n)
+            out = []
+            for slot, start, chunk in zip(slots, starts, chunks, strict=True):
+                for i, t in enumerate(chunk):
+                    self.hist[slot, start + i] = (t, start + i)
+                out.append(self._logits(chunk[-1], start + len(chunk) - 1))
+            return torch.stack(out)
 
     def sync(self) -> None:
         pass
 
-    def records(self, slot: int, ring_rows: np.ndarray, tokens: Sequence[int],
-                prompt_len: int) -> bytes:  # fmt: skip
-        return json.dumps(self.ring[ring_rows, slot].tolist()).encode()
+    def records(self, slot: int, rows: int, tokens: Sequence[int], prompt_len: int) -> bytes:
+        return json.dumps(self.hist[slot, :rows].tolist()).encode()
 
     def load(self, version: int) -> None:
         assert self.busy.acquire(blocking=False), "weights loaded while a step runs"
@@ -104,8 +119,11 @@ def sched_factory():
         s.close()
 
 
-def test_greedy_continuous_batching_matches_reference_and_records_rows(sched_factory) -> None:
-    sched, be = sched_factory(batch=3)
+@pytest.mark.parametrize("prefill_tokens", [0, 5])
+def test_greedy_continuous_batching_matches_reference_and_records_rows(
+    sched_factory, prefill_tokens: int
+) -> None:
+    sched, be = sched_factory(batch=3, prefill_tokens=prefill_tokens)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, V, size=int(n))) for n in (1, 5, 2, 9, 3, 4, 7)]
     sp = SamplingConfig(temperature=0.0, max_new_tokens=12)
@@ -123,8 +141,12 @@ def test_greedy_continuous_batching_matches_reference_and_records_rows(sched_fac
         full = prompt + want
         assert rows == [[t, i] for i, t in enumerate(full[:-1])]
     assert reasons == {"stop", "length"}, "the prompts should exercise both finish reasons"
-    # 14 sequences on 3 slots: far fewer steps than running them one batch at a time
-    assert be.steps < sum(len(prompts[s.prompt_index]) + len(s.completion_tokens) for s in samples)
+    # 14 sequences on 3 slots: far fewer steps than running them one at a time
+    fed = sum(len(prompts[s.prompt_index]) + len(s.completion_tokens) - 1 for s in samples)
+    assert be.steps < fed
+    if prefill_tokens:  # prompts went through the batched prefill, chunked to its budget
+        assert sum(be.prefills) == 2 * sum(map(len, prompts)) and max(be.prefills) <= 5
+        assert be.steps <= fed - sum(be.prefills) + 1
 
 
 def test_stop_token_ids_end_a_sequence(sched_factory) -> None:
@@ -229,7 +251,7 @@ def test_rejects_prompts_that_do_not_fit(sched_factory) -> None:
 
 def test_a_failing_step_fails_requests_and_the_engine() -> None:
     class Broken(FakeBackend):
-        def step(self, tokens, pos, ring_row):
+        def step(self, tokens, pos):
             raise RuntimeError("device lost")
 
     sched = SlotScheduler(Broken(2, 16), eos_id=EOS, pad_id=PAD, device="cpu")
