@@ -1,7 +1,9 @@
 # TRACE developer entry points. Every target creates/updates the local virtual
 # environment by itself, so a fresh clone needs only `make demo` / `make test`.
 #
-# CPU (default): torch is constrained to the CPU wheel (constraints/cpu.txt).
+# CPU (default): torch is constrained to the CPU wheel (constraints/cpu.txt) and every other
+#      runtime dependency to the images' pins (deploy/docker/requirements.lock), so the tests
+#      run the versions the images ship; `make lock` re-resolves and rewrites those pins.
 # GPU: `make GPU=1 test` builds the venv on top of the system's own CUDA torch
 #      (--system-site-packages, no torch constraint) and never replaces it.
 
@@ -9,31 +11,41 @@ PYTHON ?= python3
 VENV   ?= .venv
 GPU    ?= 0
 PY      = $(VENV)/bin/python
+LOCK    = deploy/docker/requirements.lock
 
 ifeq ($(GPU),1)
 VENV_FLAGS  = --system-site-packages
 CONSTRAINTS =
 else
 VENV_FLAGS  =
-CONSTRAINTS = -c constraints/cpu.txt
+CONSTRAINTS = -c constraints/cpu.txt -c $(LOCK)
 endif
 
 STAMP = $(VENV)/.trace-installed
 
-.PHONY: venv test test-unit demo lint fmt protos clean
+.PHONY: venv tools test test-unit demo lint fmt protos lock clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints/cpu.txt
+$(STAMP): pyproject.toml constraints/cpu.txt $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[dev]'
+ifeq ($(GPU),1)
+	rm -f $(VENV)/.trace-lock
+else
+	cp $(LOCK) $(VENV)/.trace-lock
+endif
 	touch $(STAMP)
 
-test: $(STAMP)
+# Command-line tools of the deploy tests: promtool + prometheus (apt) and a pinned helm.
+tools:
+	bash deploy/tools/install-test-tools.sh
+
+test: $(STAMP) tools
 	$(PY) -m pytest -q
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) tools
 	$(PY) -m pytest -q tests/unit
 
 demo: $(STAMP)
@@ -49,6 +61,16 @@ fmt: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) protos/generate.py
+
+# Re-resolve the dependencies (newest versions allowed by pyproject.toml, CPU torch) and
+# rewrite the images' pins from what got installed; commit the new lock with the change.
+lock:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints/cpu.txt --upgrade --upgrade-strategy eager -e '.[dev]'
+	$(PY) deploy/docker/lock_requirements.py
+	cp $(LOCK) $(VENV)/.trace-lock
+	touch $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -149,7 +149,7 @@ class Prometheus:
 
     def start(self) -> Prometheus:
         binary = shutil.which("prometheus")
-        if binary is None:  # must not pass by skipping: CI installs it (.ci/run)
+        if binary is None:  # must not pass by skipping: `make test` installs it
             pytest.fail("prometheus not found: `apt-get install -y prometheus`")
         config = self.workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config))

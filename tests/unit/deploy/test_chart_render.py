@@ -1,5 +1,5 @@
 """The Helm chart rendered by a real `helm template` (helm v3.17.1, installed by
-deploy/tools/install-helm.sh; .ci/run does it) under several value sets. Every manifest is
+deploy/tools/install-helm.sh, which `make test` runs) under several value sets. Every manifest is
 parsed strictly (no duplicate keys), validated against the Kubernetes 1.27 and 1.34 JSON schemas
 (kubernetes-validate, strict: unknown fields fail), and checked for what the chart promises:
 real `trace-rl serve` targets with real settings, hardening, GPUs, probes, discovery, the
@@ -57,7 +57,7 @@ def helm() -> str:
     """helm on PATH or from deploy/tools/install-helm.sh; missing fails, it never skips."""
     path = shutil.which("helm") or (str(HELM_LOCAL) if HELM_LOCAL.exists() else None)
     if path is None:
-        pytest.fail("helm not found: run `bash deploy/tools/install-helm.sh` (.ci/run does)")
+        pytest.fail("helm not found: run `bash deploy/tools/install-helm.sh` (`make test` does)")
     return path
 
 

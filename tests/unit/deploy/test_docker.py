@@ -4,9 +4,12 @@ cover the project's runtime requirements, torch handled per variant, build conte
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import pathlib
 import re
+import sys
 import tomllib
+import types
 
 import pytest
 from packaging.requirements import Requirement
@@ -139,3 +142,31 @@ def test_lock_pins_every_runtime_dependency() -> None:
         elif not req.specifier.contains(pins[name], prereleases=True):
             problems.append(f"{req} but the lock pins {pins[name]}")
     assert not problems, [*problems, "run .venv/bin/python deploy/docker/lock_requirements.py"]
+
+
+def _lock_module() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "lock_requirements", DOCKER / "lock_requirements.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lock_equals_the_installed_closure() -> None:
+    """The lock is exactly what `make` installed: the same lines lock_requirements.py writes
+    from this venv. The CPU venv is built against the lock (`-c requirements.lock`), so a
+    difference means the lock was edited by hand or the venv predates it.
+    Regenerate with `make lock`."""
+    marker = pathlib.Path(sys.prefix) / ".trace-lock"
+    if not marker.exists():
+        pytest.skip(
+            "this venv was not built against the lock (`make GPU=1` keeps the system's "
+            "packages, or it was made by hand); `make test` on CPU checks it"
+        )
+    if marker.read_text() != LOCK.read_text():
+        pytest.fail("the venv was built from an older lock: rerun `make venv`")
+    lock = _lock_module()
+    expected = lock.render(lock.closure(lock.PROJECT, IMAGE_EXTRAS), IMAGE_EXTRAS)
+    assert LOCK.read_text() == expected, "requirements.lock differs from the venv: `make lock`"

@@ -1,4 +1,4 @@
-"""Prometheus files through promtool (Debian's `prometheus` package; .ci/run installs it):
+"""Prometheus files through promtool (Debian's `prometheus` package; `make test` installs it):
 `check config`, `check rules`, and `test rules` with synthetic series so each alert is shown
 to fire when it should and stay quiet when it should not."""
 
