@@ -2,7 +2,7 @@
 and redraw its plot (the .png beside it).
 
     python3 bench/merge_rollout.py --into docs/rollout_gpu_h200.json rg/rollout_gpu.json \
-        rg32/rollout_gpu.json --tree "runs 9-10: abc1234 (session 15)" --note "..." --keep-runs 2
+        rg32/rollout_gpu.json --tree "runs 9-10: abc1234" --note "..." --keep-runs 2
 
 Each new file becomes the next run number, in the order given, its command and copy bandwidth
 appended to the file's lists. An old row is dropped when a new file has a row of the same

@@ -185,7 +185,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profiles", nargs="+", type=pathlib.Path, help="step_profile.py --out JSONs")
     ap.add_argument("--copy-tbs", type=float, default=4.28,
-                    help="copy bandwidth in TB/s (the H200's measured copy, sessions 9-15)")  # fmt: skip
+                    help="copy bandwidth in TB/s (default: an H200's device copy)")  # fmt: skip
     ap.add_argument("--png", type=pathlib.Path, default=None)
     args = ap.parse_args()
     rows = [r for p in args.profiles for r in json.loads(p.read_text())]

@@ -20,9 +20,9 @@ LOG2E = 1.4426950408889634
 ATTN_BLOCK_N = 64  # keys per inner tile
 ATTN_MIN_CHUNK = 256  # keys per split, at least
 TARGET_PROGRAMS = 528  # ~4 programs per SM on a 132-SM H200
-# The CUDA FP4 kernel (3 CTAs of 4 warps per SM) is faster with twice the splits from 8K tokens
-# of context (H200, graph-timed: 32K batch 8 139 -> 121 us, 8K batch 32 130 -> 120 us) and
-# slower at 1K batch 128 (71 -> 80 us): bench/rollout_gpu_kernels.py --attention-only --attn-sweep
+# The CUDA FP4 kernel (3 CTAs of 4 warps per SM) takes twice the splits from this context on:
+# long contexts gain from the extra parallelism, short ones at large batch only pay the extra
+# reduction (bench/rollout_gpu_kernels.py --attention-only --attn-sweep decides it).
 CUDA_FP4_LONG_CONTEXT = 8192
 # The ring CUDA kernel streams each split through a cp.async ring, so a split costs its tokens
 # plus a fixed start (first tiles' latency, the warp merge, the partials): modelled as this many

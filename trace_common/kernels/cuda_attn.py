@@ -48,9 +48,9 @@ TILE = 16  # tokens per warp step
 # shared-memory stages per warp) runs `attn_fp4_ring` (cp.async ring, swapped MMAs); ("regs",
 # warps, CTAs per SM) runs `attn_fp4_split`, the first version (register double buffer).
 # ("regs", 4, 3) fits 168 registers, ("ring", 4, 4, 4) 115, neither spills (nvcc -Xptxas -v,
-# sm_90a); bench/rollout_gpu_kernels.py --attention-only --attn-sweep times them. H200,
-# 2026-12-02, graph-timed split + reduce: the ring kernel takes 0.54-0.70x the time of the
-# regs kernel at every measured shape (32K batch 8: 66.5 vs 123 us; batch 128: 845 vs 1527 us).
+# sm_90a); bench/rollout_gpu_kernels.py --attention-only --attn-sweep times them. The ring
+# kernel is the default: it keeps more bytes in flight than the register double buffer, and
+# was faster at every shape swept on an H200.
 DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
 
 
@@ -59,11 +59,10 @@ DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
 # as "on" plus the standard step's BF16 cache from FUSED_BF16_MIN_CONTEXT tokens of context
 FUSED_MODES = ("auto", "on", "off", "all")
 DEFAULT_FUSED = "auto"
-# The standard step's BF16 attention, fused (attn_bf16_fused) against split + reduce (Triton),
-# H200, 48 layers, 2 interleaved rounds (bench/env_ab.py, "" vs TRACE_ATTN_FUSED=all;
-# docs/benchmarks.md, session 13): batch 8 / 32 at 2K -1.0% / +0.3%, 4K +0.5% / +0.1%, 8K
-# +1.5% / +0.6%, 16K +2.6% / +1.5%, 32K batch 8 / 16 / 21 +5.9% / +6.9% / +3.6%. The FP4
-# cache's fused ring kernel stays off there (32K batch 8 / 16: -2.4% / -2.2%; 1K batch 32 -1.0%).
+# The standard step's BF16 attention, fused (attn_bf16_fused) instead of split + reduce
+# (Triton), from this context on: the saved reduce launch pays once the splits are long
+# (bench/env_ab.py, "" vs TRACE_ATTN_FUSED=all). The FP4 cache's fused ring kernel stays off
+# in the standard step: there it is slower than split + reduce.
 FUSED_BF16_MIN_CONTEXT = 8192
 # attn_bf16_fused: warps per CTA at most (fewer when a split has fewer 16-token tiles), and
 # CTAs per SM its 202 registers x 128 threads allow (nvcc -Xptxas -v, sm_90a, no spills); the
@@ -73,15 +72,13 @@ FUSED_BF16_CTAS_PER_SM = 2
 
 
 # The fused kernels' last CTA reads the splits' partials a batch of 8 at a time: cheap for a
-# few splits, slower than the reduce kernel's (B x HQ programs) for many. H200, batch 1, 48
-# layers, PDL (bench/attn_small_ab.py): 1K context (16 splits) fused 303.7 -> 313.1 tok/s BF16,
-# 317.5 -> 326.8 FP4; 32K (128-256 splits) 237.8 -> 220.6 BF16, 263.9 -> 227.9 FP4 (then with
-# one load per split in flight). So split + reduce beyond this many splits at the context hint.
+# few splits, slower than the reduce kernel's (B x HQ programs) for many
+# (bench/attn_small_ab.py compares them). So split + reduce beyond this many splits at the
+# context hint.
 FUSED_MAX_SPLITS = 16
 # ... and at least this many keys per split: fewer splits for the last CTA to combine where the
-# wave rule would cut a short context finer. H200, 1K, 3 interleaved rounds (bench/env_ab.py,
-# TRACE_ATTN_FUSED_CHUNK), 64 (the wave rule's 17 splits) -> 128: BF16 batch 1 +0.3%, batch 2
-# +1.2%; FP4 +1.6% / +1.0%; 96, 176 and 272 were no better (272: -5.2% BF16 batch 1).
+# wave rule would cut a short context finer (TRACE_ATTN_FUSED_CHUNK sweeps it with
+# bench/env_ab.py).
 FUSED_MIN_CHUNK = 128
 
 

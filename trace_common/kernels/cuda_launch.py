@@ -139,9 +139,9 @@ def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], ar
 # (CUDA >= 12.3). CuPy's launch takes no launch attributes, so this calls the driver's
 # cuLaunchKernelEx through ctypes (structures as in cuda.h, CUDA 12.0+).
 PDL_MODES = ("on", "off")
-# on: BF16 batch 1 (1K context, 48 layers, H200) 293.8 -> 307.6 tok/s, FP4 315.2 -> 319.5
-# (bench/rollout_gpu.py --pdl both, 2026-12-02); graph replay with PDL == plain launches, bit
-# for bit (tests/unit/gpu/test_small_batch_gpu.py)
+# on: a kernel's weight prefetch overlaps the previous kernel's tail (bench/rollout_gpu.py
+# --pdl both compares); graph replay with PDL equals plain launches bit for bit
+# (tests/unit/gpu/test_small_batch_gpu.py)
 DEFAULT_PDL = "on"
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6

@@ -138,8 +138,6 @@ def dq16_permutation(device: torch.device | str = "cpu") -> torch.Tensor:
 # (fastest summed over 1, 8, 32, 128 tokens of each block size; docs/benchmarks.md).
 # TRACE_FP4_CUDA_CONFIGS=<json file> overrides them ({"K,block_m,gated": [RW, WK, KGW, MINB]};
 # 5 numbers: the stream kernel's, 3: the wg kernel's).
-# (768, 8, False) re-picked with the reordered prologue (session 9, H200: 17.2 / 33.9 us at 8 /
-# 32 tokens against (4, 4, 3, 0)'s 18.9 / 34.5; docs/benchmarks.md).
 CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (2048, 8, True): (2, 16, 2, 2),
     (2048, 16, True): (2, 8, 4, 2),
@@ -151,8 +149,8 @@ CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 # `moe_fp4_stream` (the streaming kernel, see cuda/moe_fp4.cu) per (K, token slots, gated):
 # (RW output tiles per item, WK warps along K, KGW 64-wide k groups per warp, S ring stages,
 # MINB CTAs per SM for the register allocator, 0 = none); WK * KGW * 64 == K.
-# Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200 (2026-12-02; fastest summed
-# over 1, 8, 32 tokens for 8 slots, at 128 tokens for 16).
+# Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200 (fastest summed over 1, 8,
+# 32 tokens for 8 slots, at 128 tokens for 16).
 STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
     (2048, 8, True): (1, 4, 8, 3, 3),
     (2048, 16, True): (1, 4, 8, 3, 3),
@@ -162,9 +160,8 @@ STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
 # `moe_fp4_tma` (bulk copies into S item buffers, persistent grid; see cuda/moe_fp4.cu) per
 # (K, token slots, gated): (RW output tiles per item, WK warps along K, KGW 64-wide k groups per
 # warp, S item buffers); WK * KGW * 64 == K. The fastest of `bench/rollout_gpu_kernels.py
-# --cuda-sweep` (H200, 2026-12-03; 2 and 4 CTAs per SM beat deeper buffers in one). Not the
-# default kernel: at 8 / 32 / 128 tokens gate_up 31.2 / 57.9 / 81.3 us and down 20.8 / 36.5 /
-# 54.3 us, against the default kernels' 30.1 / 59.0 / 75.3 and 18.8 / 34.0 / 48.7 us.
+# --cuda-sweep` on an H200 (2 and 4 CTAs per SM beat deeper buffers in one). Not a default
+# kernel: opt-in through TRACE_FP4_CUDA_KERNEL=tma; the sweep compares it with the others.
 TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (2048, 8, True): (1, 8, 4, 2),
     (2048, 16, True): (1, 8, 4, 2),
@@ -174,24 +171,19 @@ TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 CUDA_KERNELS = ("stream", "mma", "tma", "wg")  # moe_fp4_stream, _mma, _tma, moe_fp4_wg
 # `moe_fp4_wg` (warpgroup MMAs, 8- or 16-slot blocks; cuda/moe_fp4_wg.cu) per (K, token slots,
 # gated): (KGW 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA);
-# 16 slots: the fastest of sweeps at 96 / 128 tokens on an H200 (docs/benchmarks.md, sessions
-# 15 and 16: 4 warpgroups per CTA since session 16, FP4 engine 1K batch 96 / 128 +0.9% / +0.9%
-# from down's, then +0.6% / +0.7% from gate_up's).
+# 16 slots: the fastest of `bench/rollout_gpu_kernels.py --cuda-sweep wg` at 96 / 128 tokens on
+# an H200, confirmed in the engine with bench/env_ab.py.
 WG_CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (2048, 16, True): (4, 2, 4),
     (768, 16, False): (6, 2, 4),
 }
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
-# The kernel per (K, token slots, gated): the faster one (same sums) measured on an H200 with
-# `bench/rollout_gpu_kernels.py --cuda-sweep` (2026-12-02, graph-timed, us): 8 slots gate_up
-# mma 97.5 vs stream 98.8, down 58.7 vs 61.7; 16 slots gate_up 97.5 vs 75.7, down 50.3 vs 48.1.
-# 16 slots on sm_90 since 2026-12-04: the warpgroup-MMA kernel (`wg`), FP4 engine 1K batch 96 /
-# 112 / 128 +1.2 / +1.8 / +2.8% against `stream` (bench/env_ab.py; docs/benchmarks.md, session
-# 15); `stream` where wgmma is missing (not sm_90).
-# ... and up to this many pairs (batch 156 at top-8): past them the stream kernel (both with
-# `wave_grid`), FP4 engine 1K (bench/env_ab.py, 2 rounds, 2026-12-04): wg at batch 128 / 136 /
-# 144 / 152 / 156 +4.1 / +4.4 / +4.6 / +3.6 / +1.9%, stream at 160 / 176 / 192 / 224 / 256
-# +2.8 / +7.3 / +8.4 / +2.8 / +2.6% (docs/benchmarks.md, sessions 16-17).
+# The kernel per (K, token slots, gated): the faster one on an H200 (same sums,
+# `bench/rollout_gpu_kernels.py --cuda-sweep`). 16 slots on sm_90: the warpgroup-MMA kernel
+# (`wg`); `stream` where wgmma is missing (not sm_90).
+# ... and `wg` only up to this many pairs (batch 156 at top-8), `stream` past them, where its
+# item-walking grid keeps more CTAs busy (both on `wave_grid`; the crossover measured with
+# bench/env_ab.py is in docs/benchmarks.md, "Expert GEMM defaults").
 WG_MAX_PAIRS = 1248
 KERNEL_FOR: dict[tuple[int, int, bool], str] = {
     (2048, 8, True): "mma",
@@ -375,8 +367,8 @@ GRID_CTA_OVERHEAD_ITEMS = 1.0  # a CTA's fixed cost (its block's B, the ring's f
 
 def expert_grid(value: str | None = None) -> str:
     """How the item-walking expert GEMMs (`moe_fp4_wg`, `moe_fp4_stream`) size their grid:
-    `value`, else TRACE_EXPERT_GRID, else "waves" (`wave_grid`; "even": `stream_grid`, the
-    rule before 2026-12-04)."""
+    `value`, else TRACE_EXPERT_GRID, else "waves" (`wave_grid`; "even": `stream_grid`, one CTA
+    per block once the blocks fill the GPU)."""
     return env_choice("TRACE_EXPERT_GRID", value, EXPERT_GRIDS, "waves")
 
 
@@ -400,10 +392,9 @@ def wave_grid(n_items: int, mean_blocks: float, var_blocks: float, slots: int,
     is least over the block count's distribution (normal, from block_count_moments; at
     most `max_blocks`). One CTA per block while the blocks fit one wave; when they may not
     (e.g. 8-slot blocks at 80 tokens: ~136 blocks on 132 SMs, a second wave of 4 CTAs that
-    each stream a whole block), the block's items split so the last wave stays short.
-    H200, FP4 engine, 1K, wg kernel, against `stream_grid` (bench/env_ab.py, 3 rounds):
-    batch 192 / 224 / 256 +16.7 / +13.8 / +9.8%, 160 -1.3% (16% of its steps need a 133rd
-    block; a short last wave costs less than this model says); batch <= 128 the same grid."""
+    each stream a whole block), the block's items split so the last wave stays short. The
+    model overrates a short last wave where only a few steps spill into it, so near that edge
+    the even grid can be as fast (TRACE_EXPERT_GRID=even compares them)."""
     sd = max(var_blocks, 0.0) ** 0.5
     lo = max(1, math.floor(mean_blocks - 4 * sd))
     hi = min(max_blocks, max(lo, math.ceil(mean_blocks + 4 * sd)))
@@ -717,10 +708,8 @@ def _launch_mma(a: FP4Rows | torch.Tensor, w: ExpertWeights, plan: RoutePlan, ga
 def block_m_for(n_pairs: int, num_experts: int) -> int:
     """Token slots per expert block for the CUDA kernel: TRACE_FP4_BLOCK_M (8 or 16; sweeps and
     engine A/Bs) if set, else 8 while a typical expert sees a few tokens (mean pairs per expert
-    <= 5), else 16 (an expert with more takes several blocks). H200, FP4 engine, 1K context,
-    bench/env_ab.py, 2 rounds (2026-12-04), 8 against 16 slots: batch 32 +12.8%, 48 +8.9%, 64
-    +5.4%, 80 +3.3% (mean 5 pairs), 96 -1.3%, 112 -6.1%, 128 -10.6%; 32K batch 48 +2.0%, 64
-    +0.6%. (The rule was <= 3 until then: batch 48-80 ran 16.)"""
+    <= 5), else 16 (an expert with more takes several blocks). The threshold is where 8 slots
+    stop beating 16 in the FP4 engine on an H200 (bench/env_ab.py with TRACE_FP4_BLOCK_M)."""
     forced = os.environ.get("TRACE_FP4_BLOCK_M")
     if forced:
         if forced not in {str(bm) for bm in BLOCK_MS}:

@@ -67,13 +67,10 @@ RING_STAGES, RING_STAGE_CHUNKS = DEFAULT_RING["RING_STAGES"], DEFAULT_RING["RING
 PROLOGUE_MAX_ROWS = 9
 SMALL_BATCH_MODES = ("auto", "on", "off")
 DEFAULT_SMALL_BATCH = "auto"
-# "auto" takes them up to this batch: faster than the standard kernels at batch 1 on the H200
-# (BF16 261 -> 284 tok/s), slower at batch 8 (889 -> 822): the expert GEMVs re-read an expert
-# per token that chose it, and the fused prologues give way to add_rmsnorm launches there.
-# Rechecked with PDL and the FP4 fusions (2026-12-03, 1K): batch 4 BF16 631 -> 597, FP4 925 ->
-# 879; batch 8 BF16 891 -> 841, FP4 1496 -> 1278 (docs/benchmarks.md, session 5). With the
-# down GEMV streaming before its wait (session 10, 2 rounds): batch 2 BF16 431.7 -> 462.5,
-# FP4 547.0 -> 558.0; batch 4 BF16 630.6 -> 619.8, FP4 951.9 -> 896.6.
+# "auto" takes them up to this batch. On an H200 they beat the standard kernels at batch 1-2
+# and lose from batch 4 on: the expert GEMVs re-read an expert once per token that chose it,
+# and past PROLOGUE_MAX_ROWS the fused prologues give way to add_rmsnorm launches.
+# Re-decide with `bench/env_ab.py --setting TRACE_SMALL_BATCH=on --setting TRACE_SMALL_BATCH=off`.
 AUTO_MAX_BATCH = 2
 
 
@@ -82,20 +79,13 @@ AUTO_MAX_BATCH = 2
 # programmatic dependent launches; "xq": the experts' input quantize (and the `moe_in` record)
 # in router_topk's extra CTA; "act": the activation quantize in the gate_up GEMM (last CTA of
 # each expert block); "kv": the FP4 KV append (and the k, v records) in qkv_rope's last CTA of
-# the k (v) heads. All bit-exact. H200, batch 1, 1K context, 48 layers (bench/
-# small_fp4_fusions.py, median of 3 x 20 replays): none 2.996 ms/step, pdl,xq 2.765 (-7.7%);
-# on top of pdl,xq: act +0.3%, kv +0.3%, all +1.2% (a last-CTA tail costs about what the
-# quantize launch it replaces did). Rechecked on session 10's step (cluster router, reordered
-# expert GEMM; bench/env_ab.py, 3 interleaved rounds): act +3.1% at batch 1 and +1.5% at
-# batch 2, all +2.0% / +2.8%, so act is on by default and kv stays off. "act_in_down": the
-# down GEMM's CTAs quantize act's rows themselves (no tail in gate_up, no launch); it replaces
-# "act" when both are chosen. "kv_attn": the FP4 KV append inside the attention kernel (the
-# CTAs of the split holding the new token, attention.decode_attention's kv_new); it replaces
-# "kv" when both are chosen. Measured on session 11's step (bench/env_ab.py, 3 interleaved
-# rounds; docs/benchmarks.md session 12): kv_attn +2.3% / +3.9% at batch 1 / 2 (1K), +4.4% /
-# +3.1% (32K), so it is on by default; act_in_down (with kv_attn) -3.4% / +1.0%, i.e. slower
-# than act: each of the down GEMM's 64 CTAs per pair waits for its own row quantize before its
-# MMAs, where gate_up's tail did it once. act_in_down stays an option.
+# the k (v) heads. "act_in_down": the down GEMM's CTAs quantize act's rows themselves (no tail
+# in gate_up, no launch); it replaces "act" when both are chosen. "kv_attn": the FP4 KV append
+# inside the attention kernel (the CTAs of the split holding the new token,
+# attention.decode_attention's kv_new); it replaces "kv" when both are chosen. All bit-exact.
+# The default is the set that measured fastest on an H200 at batch 1-2 (bench/env_ab.py,
+# bench/small_fp4_fusions.py). act_in_down loses to act because each of the down GEMM's CTAs
+# waits for its own row quantize before its MMAs, where gate_up's tail does it once per row.
 FP4_FUSE_PARTS = ("pdl", "xq", "act", "kv", "act_in_down", "kv_attn")
 DEFAULT_FP4_FUSE = "pdl,xq,act,kv_attn"
 
@@ -103,25 +93,22 @@ DEFAULT_FP4_FUSE = "pdl,xq,act,kv_attn"
 # router_topk as one thread-block cluster (E / 16 <= 8 CTAs): the logits meet in CTA 0's shared
 # memory behind one cluster barrier instead of a fence, an atomic counter and L2 reads by the
 # last CTA, and the FP4 engine's quantize runs in the last CTA beside CTA 0's tail instead of in
-# an extra CTA the tail waited for (TRACE_ROUTER_CLUSTER=on|off). H200, batch 1, 1K, 3
-# interleaved rounds (bench/env_ab.py): FP4 364.2 -> 378.7 tok/s (+4.0%), BF16 319.9 -> 319.1
-# (-0.3%, noise).
+# an extra CTA the tail waited for (TRACE_ROUTER_CLUSTER=on|off; on is faster for FP4 and
+# even for BF16, bench/env_ab.py).
 ROUTER_CLUSTER_MODES = ("on", "off")
 DEFAULT_ROUTER_CLUSTER = "on"
 
 # qkv_rope in clusters of 8 CTAs, one per head: the head's rows meet in CTA 0's shared memory
 # behind one cluster barrier instead of a fence, a counter per head and L2 reads by the last
-# CTA (TRACE_QKV_CLUSTER=on|off). H200, 1K, 3 interleaved rounds (bench/env_ab.py): BF16
-# batch 1 383.2 -> 394.5 tok/s (+2.9%), batch 2 +3.6%; FP4 batch 1 +2.4%, batch 2 +4.2%.
+# CTA (TRACE_QKV_CLUSTER=on|off; on is faster at batch 1-2 in both engines, bench/env_ab.py).
 QKV_CLUSTER_MODES = ("on", "off")
 DEFAULT_QKV_CLUSTER = "on"
 
 # The small step's expert GEMMs by pairs (one expert per CTA row, from topk_ids) instead of by
 # the router's block layout, which the router then skips: BF16 moe_gate_up here, FP4 the CUDA
 # mma kernel (cuda_moe.moe_gemm_cuda by_pairs) (TRACE_SMALL_GATE_UP=pairs|blocks|auto; auto:
-# pairs up to PAIRS_MAX_BATCH tokens, where tokens rarely share an expert). H200, 1K, 3
-# interleaved rounds (bench/env_ab.py): BF16 batch 1 348.4 -> 359.5 tok/s (+3.2%), batch 2
-# 472.8 -> 486.2 (+2.8%); FP4 batch 1 418.2 -> 437.2 (+4.5%), batch 2 633.7 -> 653.2 (+3.1%).
+# pairs up to PAIRS_MAX_BATCH tokens, where tokens rarely share an expert, so a block layout
+# would only add the router's layout work).
 GATE_UP_MODES = ("auto", "pairs", "blocks")
 DEFAULT_GATE_UP = "auto"
 PAIRS_MAX_BATCH = 2
@@ -216,10 +203,10 @@ DEFAULT_WARPS = {"qkv": 8, "o": 8, "router": 8, "lm_head": 4, "gate_up": 4}
 # Ring stages of one call site instead of RING_STAGES ("<site>_stages" in TRACE_SMALL_CONFIG).
 STAGE_SITES = ("qkv", "router", "gate_up", "down")
 # Launch shapes by token count where the best differs, used unless TRACE_SMALL_CONFIG names
-# the key (H200, 1K, bench/env_ab.py, 3 interleaved rounds): down's ring 5 deep at batch 1
-# (one CTA per SM, whose stages stream while gate_up runs: 3 -> 4 +2.8%, 5 +4.0%; 6 in
-# another run +1.7% where 4 gave +2.3%: it no longer fits beside a gate_up CTA), 3 at batch 2
-# (two CTAs per SM: 4 was 1.6% slower); gate_up on 8 warps at batch 2.
+# the key (bench/small_batch_sweep.py, bench/env_ab.py): down's ring 5 deep at batch 1 (one
+# CTA per SM, whose stages stream while gate_up runs; a sixth stage no longer fits beside a
+# gate_up CTA), 3 at batch 2 (two CTAs per SM share the shared memory); gate_up on 8 warps at
+# batch 2.
 BY_TOKENS: dict[tuple[str, int], int] = {("down_stages", 1): 5, ("down_stages", 2): 3,
                                          ("gate_up", 2): 8}  # fmt: skip
 WARPS = dict(DEFAULT_WARPS)

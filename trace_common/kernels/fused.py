@@ -9,30 +9,11 @@ exactly what the two write, bit for bit (tests/unit/gpu/test_fused_gpu.py):
 - `qk_norm_rope_append`: `attention.qk_norm_rope` + `attention.kv_append` (BF16 or FP4 cache,
   optional compact record of the k/v rows).
 
-Measured on the H200 (2026-12-03, bench/fused_step_ab.py, 1K context, batch 32, FP4 engine):
-norm_quant +0.9%, qk_kv +0.6% tokens/s; both +2.7% at batch 32, +2.2% at 128.
-
 `fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all" (default), "none",
-or a comma-separated subset of FUSED_PARTS.
-
-Not kept (slower):
-- routing top-k + block layout in one launch (the last program to finish its top-k builds the
-  layout): -1.5% at batch 32, worse at 128, because the layout then runs on the one warp that
-  the top-k's bit-exact reduction order needs;
-- the experts' act quantize in gate_up's last CTA per expert block
-  (`cuda_moe.moe_gemm_cuda(quant_out=...)`; an option, off, of the small path): -8.8% at
-  batch 8, -12.8% at batch 32 (2026-12-03, bench/env_ab.py, 2 rounds);
-- the act quantize inside every CTA of the down GEMM (`cuda_moe.moe_gemm_cuda` with bf16 rows;
-  each CTA quantizes its block's 8 rows): -51% at batch 8, -58% at batch 32 (same);
-- the small-batch step's router kernel (`cuda_small.router_topk`: ln2, router GEMV, top-k,
-  block layout and the FP4 input quantize in one launch) in place of the standard step's four
-  or five launches at batch 8: BF16 -2.3% / -1.1%, FP4 -7.1% / -6.0% at 1K / 32K (2026-12-04,
-  bench/env_ab.py, 2 rounds; docs/benchmarks.md, session 13).
-- routing (top-k + block layout) as one CUDA launch whose last CTA lays out the blocks:
-  BF16 -0.6 / -0.2 / -0.0%, FP4 -0.3 / -0.6 / -0.2% at batch 8 / 32 / 128; the experts' act
-  quantize as a CUDA kernel (a few rows per CTA): FP4 -1.2 / -0.3 / +0.1% at batch 8 / 32 /
-  128; the act quantize inside the wg gate_up (one CTA per expert block): -1.2% / -1.3% at
-  batch 96 / 128 (2026-12-04, bench/env_ab.py, 2-3 rounds; docs/benchmarks.md, session 16).
+or a comma-separated subset of FUSED_PARTS; bench/fused_step_ab.py and bench/env_ab.py compare
+them. Both save a launch without serializing work: fusions that would move a step onto fewer
+threads (routing top-k and block layout in one launch, the experts' act quantize inside an
+expert GEMM) cost more than the launch they save in the standard step, so they are not here.
 """
 
 from __future__ import annotations

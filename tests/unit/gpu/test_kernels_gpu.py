@@ -640,8 +640,7 @@ def test_engine_bf16_decode_matches_the_policy():
     prefill KV cache computes the next decode step's logits as the policy does (bf16 rounding
     differs: fused kernels vs PyTorch ops): SQNR > 25 dB (a mis-stacked projection or another
     RoPE convention gives ~0 dB) and the same greedy token wherever the policy's top-2 margin
-    exceeds twice the largest logit difference. Written in session 9 without a GPU: its first
-    run is pending (docs/benchmarks.md, session 9)."""
+    exceeds twice the largest logit difference."""
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
     from trace_common.model.config import ModelConfig
     from trace_common.model.kv_cache import KVCache

@@ -365,9 +365,8 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   if (e < 0) return;
   // The loads in order of need, each chain short: the B fragments (block_expert ->
   // sorted_pair -> activations), the weights (block_expert -> weights), and only then the
-  // epilogue scalars (into registers; stored for the epilogue after the MMAs). Before, a
-  // divergent sorted_pair -> x_g chain with an integer division ran ahead of the weight loads
-  // (docs/benchmarks.md, session 9).
+  // epilogue scalars (into registers; stored for the epilogue after the MMAs), so no divergent
+  // sorted_pair -> x_g chain with an integer division runs ahead of the weight loads.
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int n_w_tiles = (GATED ? 2 * n_out : n_out) / 16;

@@ -160,9 +160,8 @@ struct Ring {
 // keeps register loads only a few instructions ahead of their MMA: too few bytes in flight
 // for HBM); each lane reads back only the 16 bytes it copied, so no barrier is needed.
 // start() issues the first NS - 1 stages (before a prologue, to overlap it); run() the rest.
-// FULL: start() fills all NS stages and a stage is refilled after its MMAs (the down kernel:
-// 12.3 -> 10.8 us per layer at batch 1 on the H200; the router: +1.3% BF16 tok/s; qkv and o
-// were not faster so).
+// FULL: start() fills all NS stages and a stage is refilled after its MMAs (more bytes in
+// flight before the first MMA; used by the down GEMV and the router, where it pays).
 template <int RT, int KCW, int U, int NS, bool FULL = false>
 struct WarpGemv {
   static_assert(KCW % U == 0, "U must divide KCW");
@@ -647,8 +646,7 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
 // GEMMs exactly as moe.align_reference (pairs of an expert in (j, t) order, padded to bm,
 // experts ascending; pad = n_pairs; block_expert -1 past the end; sorted_pair null: no layout,
 // for gate_up by pairs). counter: zero before/after. The top-k picks one expert per warp-wide
-// max of unique keys (topk_key); H200 batch 1: 2.9 -> 1.8 us from the logits to the picks
-// (globaltimer stamps in CTA 0; the old argmax took two shuffle trees per pick).
+// max of unique keys (topk_key): one shuffle tree per pick instead of an argmax's two.
 // QX: one more CTA (the grid's last, no weight tile) NVFP4-quantizes the normalized rows it
 // computed like the others (the FP4 experts' input, as quant.quantize_rows with per-row
 // scale_2): codes q_codes [NT, K/2], e4m3 scales q_scales [NT, K/16], scale_2 q_g [NT], the
@@ -684,8 +682,8 @@ __global__ void __launch_bounds__(WK * 32) router_topk_bf16(
   // fills only after it has read them all
   u16* s_lg = reinterpret_cast<u16*>(s_slots);
   const u16* wt[1] = {w + (long)(quant_cta ? 0 : row0) * K};
-  // FULL: every stage of the warp's K slice in flight before the PDL wait (H200, batch 1: BF16
-  // 318.8 -> 322.8 tok/s, FP4 unchanged; FULL for qkv and o as well was slower, FP4 -3.8%)
+  // FULL: every stage of the warp's K slice in flight before the PDL wait (the router's weights
+  // do not depend on the previous kernel, so they stream while it finishes)
   WarpGemv<1, KCW, U, NS, true> gv(wt, K, warp * KCW * 32,
                                    dyn_ring + warp * Ring<1, U, NS>::UINT4);
   if (!quant_cta) gv.start();  // weight copies in flight during the prologue
@@ -862,7 +860,7 @@ __global__ void __launch_bounds__(WK * 32) moe_gate_up_bf16(
   const u16* wt[2] = {gate, gate + (long)inter * K};
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   // the warps' chunks interleaved (warp w: chunks w, w + WK, ...): at a time a CTA reads
-  // WK U 64 contiguous bytes of each row, not WK pieces a K slice apart (H200 batch 1: +1.9%)
+  // WK U 64 contiguous bytes of each row, not WK pieces a K slice apart
   WarpGemv<2, KCW, U, NS> gv(wt, K, warp * 32, dyn_ring + warp * Ring<2, U, NS>::UINT4, WK * 32);
   gv.start();
   gv.run(xrow, acc);
