@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from trace_common.rollout.types import FinishReason
 
-TRAIN_MODES = ("bf16", "fp4", "rtn", "trace")
+# The training modes (docs/design.md, "Training modes"), declared once: the type and its values.
+#   bf16   high-precision rollout and trainer (no quantization)
+#   fp4    FP4 rollout, high-precision trainer without QAT
+#   rtn    FP4 rollout, vanilla QAT (the trainer rounds to nearest with its own scales)
+#   trace  FP4 rollout with records, rollout-guided QAT with routing replay
 TrainMode = Literal["bf16", "fp4", "rtn", "trace"]
+TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
 
 
 @dataclass(kw_only=True, slots=True)
