@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trace_common.fp4.fake import straight_through
 from trace_common.model.config import (
@@ -450,6 +451,9 @@ class MoECausalLM(nn.Module):
         )
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Training only (autograd on, no cache): recompute each decoder layer's activations in
+        # the backward instead of keeping them (torch.utils.checkpoint, non-reentrant).
+        self.activation_checkpointing = False
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> MoECausalLM:
         """Random init like HF's (normal(0, std) matrices, unit norms); returns self."""
@@ -487,8 +491,12 @@ class MoECausalLM(nn.Module):
         mask = attention_mask(query_cols, key_valid)
         x = self.model.embed_tokens(input_ids, hooks)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        recompute = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, hooks, cache)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, mask, hooks, None, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, hooks, cache)
         if cache is not None:
             cache.advance(t)
         return self.lm_head(self.model.norm(x), hooks)

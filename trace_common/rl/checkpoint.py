@@ -4,6 +4,9 @@ a half checkpoint that resume would pick up.
 
 Layout of ``<dir>/step-<N>/``: ``model.safetensors``, ``optimizer.pt``, ``rng.pt``,
 ``trainer_state.json``; ``<dir>/latest`` names the newest complete one.
+
+Checkpoints move across devices: tensors are read onto the CPU (``map_location``) and the
+learner copies them onto its own device, so one written on a GPU resumes on a CPU and back.
 """
 
 from __future__ import annotations
@@ -41,12 +44,21 @@ class Checkpoint:
 
 
 def capture_rng() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """The CPU and Python generators, and every CUDA device's when CUDA is in use."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore what `capture_rng` saved; CUDA generators only when this machine has as many
+    devices (a GPU checkpoint resumed on a CPU keeps the CPU and Python streams)."""
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
 
 
 def save_checkpoint(root: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:
@@ -59,8 +71,9 @@ def save_checkpoint(root: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    # safetensors refuses shared or non-contiguous storage: save plain contiguous copies.
-    save_file({k: v.detach().contiguous().clone() for k, v in ckpt.model.items()}, tmp / MODEL_FILE)
+    # safetensors refuses shared or non-contiguous storage: save plain contiguous CPU copies.
+    model = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in ckpt.model.items()}
+    save_file(model, tmp / MODEL_FILE)
     torch.save(ckpt.optimizer, tmp / OPTIMIZER_FILE)
     torch.save(ckpt.rng if ckpt.rng is not None else capture_rng(), tmp / RNG_FILE)
     state = {
@@ -92,8 +105,11 @@ def latest_checkpoint(root: str | pathlib.Path) -> pathlib.Path | None:
     return path
 
 
-def load_checkpoint(path: str | pathlib.Path) -> Checkpoint:
-    """Read a checkpoint directory written by :func:`save_checkpoint`."""
+def load_checkpoint(
+    path: str | pathlib.Path, map_location: str | torch.device = "cpu"
+) -> Checkpoint:
+    """Read a checkpoint directory written by :func:`save_checkpoint`, its tensors onto
+    ``map_location`` (the CPU by default, whatever device wrote them)."""
     path = pathlib.Path(path)
     state_file = path / STATE_FILE
     if not state_file.is_file():
@@ -106,9 +122,9 @@ def load_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     return Checkpoint(
         step=int(state["step"]),
         version=int(state["version"]),
-        model=load_file(path / MODEL_FILE),
-        optimizer=torch.load(path / OPTIMIZER_FILE, weights_only=False),
+        model=load_file(path / MODEL_FILE, device=str(map_location)),
+        optimizer=torch.load(path / OPTIMIZER_FILE, map_location=map_location, weights_only=False),
         prompt_state=state["prompt_state"],
         extra=state.get("extra", {}),
-        rng=torch.load(path / RNG_FILE, weights_only=False),
+        rng=torch.load(path / RNG_FILE, map_location="cpu", weights_only=False),
     )

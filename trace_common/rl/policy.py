@@ -6,12 +6,21 @@ Modes (DESIGN.md / issue 5):
   fp4    FP4 rollout (W4A4 + FP4 KV), trainer high precision without QAT
   rtn    FP4 rollout, trainer vanilla QAT (its own round-to-nearest fake quant)
   trace  FP4 rollout with guidance + routing records, trainer rollout-guided QAT + routing replay
+
+Precision and device: the master weights, their gradients and the AdamW state are fp32 on the
+learner's device; the forward and backward run under autocast in `compute_dtype` (bf16 on
+CUDA by default). Autocast rather than a bf16 copy of the weights: one set of parameters, no
+copy to keep in sync after each optimizer step, fp32 gradient accumulation, and the matmuls
+(where the time goes) still run on bf16 tensor cores. The FP4 sites compute their codes and
+scales in fp32 whatever the input dtype, so guided rounding is the same on either path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +48,10 @@ from trace_common.rl.types import TrainSample
 from trace_common.rollout.meta import PolicyMeta
 
 QAT_OF_MODE = {"bf16": "none", "fp4": "none", "rtn": "rtn", "trace": "trace"}
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+# Optimizer param-group keys that pick an implementation for this device, not a training
+# hyperparameter: a checkpoint written elsewhere must not carry them over.
+_OPTIM_IMPL_KEYS = ("fused", "foreach", "capturable")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,17 +69,31 @@ class LearnerConfig:
     temperature: float = 1.0  # the rollout's sampling temperature (log-probs are tempered)
     measure_records: bool = False  # non-trace FP4 modes: have the rollout record guidance too,
     # used only to measure D_act / flip rate, never to steer training
+    compute_dtype: str = "auto"  # autocast dtype of forward/backward: auto = bfloat16 on CUDA,
+    # float32 (no autocast) elsewhere; master weights and optimizer state stay fp32 either way
+    activation_checkpointing: bool = False  # recompute each decoder layer in the backward
+    # instead of keeping its activations (less memory, about one more forward of time)
 
     def __post_init__(self) -> None:
         if self.mode not in QAT_OF_MODE:
             raise ValueError(f"unknown mode {self.mode!r}; expected one of {sorted(QAT_OF_MODE)}")
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"unknown compute_dtype {self.compute_dtype!r}; expected one of {COMPUTE_DTYPES}"
+            )
+
+    def autocast_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The autocast dtype on `device`, or None for plain fp32."""
+        if self.compute_dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else None
+        return torch.bfloat16 if self.compute_dtype == "bfloat16" else None
 
 
 class ModelLearner:
-    """Master weights + AdamW; ``train_step`` is one RL update, ``export_weights`` the
-    quantized policy pushed to the replicas."""
+    """Master weights + AdamW on ``device``; ``train_step`` is one RL update,
+    ``export_weights`` the quantized policy pushed to the replicas (on the CPU)."""
 
     def __init__(
         self,
@@ -77,19 +104,36 @@ class ModelLearner:
         guidance: GuidanceConfig | None,
         eos_id: int,
         pad_id: int,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.model = model
+        self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=torch.float32)  # fp32 master weights
+        self.model.activation_checkpointing = config.activation_checkpointing
         self.config = config
+        self.autocast_dtype = config.autocast_dtype(self.device)
         # bf16 mode: everything high precision, on both sides.
         self.quant = QuantConfig.none() if config.mode == "bf16" else quant
         wants = config.mode == "trace" or (config.measure_records and config.mode != "bf16")
         self.guidance = guidance if wants else None
         self.eos_id = eos_id
         self.pad_id = pad_id
+        # Fused AdamW on CUDA: one kernel over all parameters instead of a launch per tensor.
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+            model.parameters(),
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            fused=True if self.device.type == "cuda" else None,
         )
         quantize_policy(model, self.quant)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """The forward/backward precision: autocast to `autocast_dtype` when it is set."""
+        if self.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
+            yield
 
     # ------------------------------------------------------------------ weights
 
@@ -97,6 +141,8 @@ class ModelLearner:
         """Quantize the master weights once and export them (ModelOpt layout + HP tensors)."""
         quantize_policy(self.model, self.quant)
         tensors, meta = export_quantized_state_dict(self.model)
+        if self.device.type != "cpu":  # what goes on the wire (and into the engines) is CPU
+            tensors = {k: v.cpu() for k, v in tensors.items()}
         meta = dict(meta)
         meta.update(
             PolicyMeta(guidance=self.guidance, eos_id=self.eos_id, pad_id=self.pad_id).to_metadata()
@@ -107,8 +153,21 @@ class ModelLearner:
         return self.model.state_dict(), self.optimizer.state_dict()
 
     def load_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+        """Load a checkpoint's state, wherever it was written: tensors are copied onto this
+        learner's device, and the optimizer keeps this device's implementation (fused on
+        CUDA) instead of the one recorded in the checkpoint."""
         self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(optim_state)
+        saved = optim_state.get("param_groups", [])
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(saved)} parameter groups, this learner "
+                f"{len(self.optimizer.param_groups)}"
+            )
+        groups = [
+            {**g, **{k: ours[k] for k in _OPTIM_IMPL_KEYS if k in ours}}
+            for g, ours in zip(saved, self.optimizer.param_groups, strict=True)
+        ]
+        self.optimizer.load_state_dict({**optim_state, "param_groups": groups})
         quantize_policy(self.model, self.quant)
 
     # ------------------------------------------------------------------ train
@@ -119,6 +178,9 @@ class ModelLearner:
         seqs = [
             list(ts.rollout.prompt_tokens) + list(ts.rollout.completion_tokens) for ts in samples
         ]
+        t_start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         tokens, lengths = pad_right(seqs, self.pad_id)  # [B, T], [B]
         b, t = tokens.shape
         logp_rollout = torch.zeros(b, t - 1)
@@ -129,6 +191,9 @@ class ModelLearner:
             logp_rollout[i, p - 1 : p - 1 + n] = torch.tensor(ts.rollout.logprobs)
             comp_mask[i, p - 1 : p - 1 + n] = True
         adv = torch.tensor([ts.advantage for ts in samples])  # [B]
+        dev = self.device
+        tokens, lengths = tokens.to(dev), lengths.to(dev)
+        logp_rollout, comp_mask, adv = logp_rollout.to(dev), comp_mask.to(dev), adv.to(dev)
         if cfg.mode == "trace" and any(ts.records is None for ts in samples):
             raise ValueError("trace mode needs every sample's records")
         measured = None  # records for the discrepancy metrics (any mode, when present)
@@ -139,7 +204,7 @@ class ModelLearner:
         kw = dict(qat_mode=qat, routing_replay=replay, temperature=cfg.temperature)
 
         self.model.train()
-        with torch.no_grad():
+        with torch.no_grad(), self.compute():
             ref = forward_logprobs(
                 self.model, tokens, lengths=lengths, records=records, collect=True, **kw
             )
@@ -152,13 +217,14 @@ class ModelLearner:
             metrics["logp_abs_diff_mean_stale"] = st.mean_abs
         logp_old = ref.logprobs.detach()
 
-        order = torch.arange(b)
+        order = torch.arange(b, device=dev)
         losses, clip_fracs, tis_means = [], [], []
         for mb in order.chunk(min(cfg.minibatches, b)):
             sub_records = [records[i] for i in mb.tolist()] if records is not None else None
-            out = forward_logprobs(
-                self.model, tokens[mb], lengths=lengths[mb], records=sub_records, **kw
-            )
+            with self.compute():
+                out = forward_logprobs(
+                    self.model, tokens[mb], lengths=lengths[mb], records=sub_records, **kw
+                )
             res = clipped_policy_loss(
                 out.logprobs,
                 logp_old[mb],
@@ -181,6 +247,12 @@ class ModelLearner:
             tis_mean=sum(tis_means) / len(tis_means),
             grad_norm=float(grad_norm),
         )
+        n_tokens = int((lengths - 1).sum())
+        seconds = time.perf_counter() - t_start  # float(loss) above synchronized the device
+        metrics["train_tokens"] = n_tokens
+        metrics["train_tokens_per_s"] = n_tokens / max(seconds, 1e-9)
+        if dev.type == "cuda":
+            metrics["train_peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)
         return metrics
 
     def _discrepancy(
@@ -199,6 +271,7 @@ class ModelLearner:
         rows_per = (lengths - 1).tolist()
         starts = [sum(rows_per[:i]) for i in range(len(rows_per))]
         rows = torch.cat([torch.arange(starts[i], starts[i] + rows_per[i]) for i in idx])
+        rows = rows.to(self.device)
         lp = logprob_discrepancy(ref.logprobs[idx], logp_rollout[idx], mask[idx])
         if records is not None:
             records = [records[i] for i in idx]
@@ -218,13 +291,16 @@ class ModelLearner:
         # not a flipped code.
         full = {k for k, g in records[0].guidance.items() if g.mode == "full"}
         if full:
-            dtype = next(self.model.parameters()).dtype  # what the activations are computed in
+            # Values are compared in the dtype the next GEMM reads them in: the autocast dtype
+            # when there is one (autocast casts the quantized activations to it), else the
+            # master weights' (the rollout's values are cast to it as the rollout used them).
+            dtype = self.autocast_dtype or next(self.model.parameters()).dtype
             roll_values, roll_codes = rollout_reference(records, dtype)
-            train_values = {k: v[rows] for k, v in ref.site_values.items()}
+            train_values = {k: v[rows].to(dtype) for k, v in ref.site_values.items()}
             train_codes = {k: v[rows] for k, v in ref.site_codes.items()}
             for key in sorted(full & set(train_values) & set(train_codes)):
-                dacts.append(d_act(train_values[key], roll_values[key]))
-                flips.append(code_flip_rate(train_codes[key], roll_codes[key]))
+                dacts.append(d_act(train_values[key], roll_values[key].to(self.device)))
+                flips.append(code_flip_rate(train_codes[key], roll_codes[key].to(self.device)))
                 per_layer.setdefault(str(key[0]), []).append(dacts[-1])
         if dacts:
             out["d_act_mean"] = sum(dacts) / len(dacts)
@@ -232,7 +308,7 @@ class ModelLearner:
             out["code_flip_rate"] = sum(flips) / len(flips)
             out["d_act_per_layer"] = {k: max(v) for k, v in per_layer.items()}  # type: ignore[assignment]
         if records[0].routing is not None and ref.own_routing:
-            routed = torch.cat([r.routing for r in records])  # [N, n_moe, k]
+            routed = torch.cat([r.routing for r in records]).to(self.device)  # [N, n_moe, k]
             mism = [
                 routing_mismatch(ref.own_routing[layer][rows], routed[:, j])
                 for j, layer in enumerate(records[0].moe_layers)
