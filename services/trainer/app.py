@@ -19,6 +19,7 @@ from services.trainer.remote import (
     WeightSyncPublisher,
 )
 from trace_common.clients import QuantCacheClient, WeightSyncClient
+from trace_common.device import resolve_device
 from trace_common.model import GuidanceConfig, ModelConfig, MoECausalLM, QuantConfig, get_config
 from trace_common.model.hf import load_native_state_dict
 from trace_common.rl.audit import RecordAudit, state_digest
@@ -119,12 +120,14 @@ class TrainerApp:
             LearnerConfig(
                 mode=s.mode, lr=s.lr, minibatches=s.minibatches, clip_eps=s.clip_eps,
                 tis_cap=s.tis_cap, routing_replay=s.routing_replay, temperature=s.temperature,
-                measure_records=s.measure_records,
+                measure_records=s.measure_records, compute_dtype=s.compute_dtype,
+                activation_checkpointing=s.activation_checkpointing,
             ),
             quant=quant,
             guidance=guidance,
             eos_id=tok.eos_id,
             pad_id=tok.pad_id,
+            device=resolve_device(s.device),
         )  # fmt: skip
         max_new = s.max_new_tokens or self.task.max_answer_chars + 1
         self.core = TrainerCore(
@@ -197,6 +200,7 @@ class TrainerApp:
             "policy_version": self.core.version,
             "rollout_replicas": len(self.directory.replicas()),
             "mode": self.settings.mode,
+            "device": str(self.learner.device),
             "detail": self.detail,
             "resumed_from": self.resumed_from,
             "weights_digest": self.weights_digest,

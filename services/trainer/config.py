@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from trace_common.device import DEVICE_HELP, DEVICE_RE
 from trace_common.model import GuidanceConfig, QuantConfig
 from trace_common.rl.objective import DEFAULT_CLIP_EPS, DEFAULT_MAX_STALENESS, DEFAULT_TIS_CAP
 from trace_common.service import ServiceSettings
@@ -75,6 +76,15 @@ class TrainerSettings(ServiceSettings):
     replica_wait_seconds: float = Field(120.0, gt=0, description="give up without replicas")
     generate_timeout_seconds: float = Field(300.0, gt=0)
     torch_threads: int = Field(1, ge=1)
+    device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="autocast dtype of the train step (auto: bfloat16 on CUDA, float32 on the "
+        "CPU); master weights, gradients and AdamW state stay float32",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer in the backward (less memory)"
+    )
     start_paused: bool = Field(False, description="restore/publish, then wait for Resume")
     record_audit_file: pathlib.Path | None = Field(
         None, description="append a sha256 line per record blob trained on (tests, debugging)"
