@@ -34,7 +34,7 @@ from trace_common.rl.core import TrainerConfig, TrainerCore
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher
 from trace_common.rl.policy import LearnerConfig, ModelLearner
 from trace_common.rollout.types import SamplingConfig
-from trace_common.service import Metrics
+from trace_common.service import Backoff, Metrics
 from trace_common.tasks import PromptStream, exact_match_reward, load_tokenizer, make_task
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ class TrainerApp:
         self.directory = WeightSyncDirectory(
             self.weight_sync, token, generate_timeout=s.generate_timeout_seconds
         )
-        self.publisher = WeightSyncPublisher(self.weight_sync)
+        backoff = Backoff(budget_s=s.store_retry_seconds)
+        self.publisher = WeightSyncPublisher(self.weight_sync, backoff)
         self.learner = ModelLearner(
             model,
             LearnerConfig(
@@ -160,6 +161,7 @@ class TrainerApp:
         self.detail = ""
         self.last_metrics: dict[str, Any] = {}
         self.resumed_from: str | None = None
+        self.republished = 0  # versions pushed again after weight-sync lost them
         self.weights_digest = ""  # sha256 of the master weights at start / last checkpoint
         self._resume = threading.Event()
         if not s.start_paused:
@@ -203,6 +205,7 @@ class TrainerApp:
             "device": str(self.learner.device),
             "detail": self.detail,
             "resumed_from": self.resumed_from,
+            "versions_republished": self.republished,
             "weights_digest": self.weights_digest,
             "last_metrics": self.last_metrics,
         }
@@ -231,6 +234,7 @@ class TrainerApp:
                 if self._stop.is_set():
                     break
                 self.state = "running"
+            self._republish_if_lost()
             m = self.core.step()
             m["weight_pull_seconds_per_replica"] = self.directory.pull_seconds()
             pulls = list(m["weight_pull_seconds_per_replica"].values())
@@ -248,6 +252,19 @@ class TrainerApp:
                 self.checkpoint()
         if self.core.step_index >= s.steps:
             self.state = "finished"
+
+    def _republish_if_lost(self) -> None:
+        """weight-sync keeps versions in memory: after a restart it holds none (or older
+        ones). Push the current weights again under the current version, so replicas that
+        restart or join can load them (replicas re-register on their own)."""
+        latest = self.publisher.latest_version()
+        if latest < self.core.version:
+            log.warning(
+                "weight-sync lost the current version (restarted?): publishing it again",
+                extra={"version": self.core.version, "weight_sync_latest": latest},
+            )
+            self.core.republish()
+            self.republished += 1
 
     def checkpoint(self) -> None:
         assert self.settings.checkpoint_dir is not None

@@ -75,6 +75,12 @@ class TrainerSettings(ServiceSettings):
     metrics_file: pathlib.Path | None = Field(None, description="metrics.jsonl path")
     replica_wait_seconds: float = Field(120.0, gt=0, description="give up without replicas")
     generate_timeout_seconds: float = Field(300.0, gt=0)
+    store_retry_seconds: float = Field(
+        60.0,
+        ge=0,
+        description="how long an unavailable store (weight-sync restarting, a Redis blip) is "
+        "retried, with backoff, before the run fails",
+    )
     torch_threads: int = Field(1, ge=1)
     device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(

@@ -20,6 +20,7 @@ from trace_common.rl.dispatch import GenerateCall, ReplicaBehind, ReplicaUnavail
 from trace_common.rl.types import RolloutSample
 from trace_common.rollout.convert import finish_from_proto, sampling_to_proto
 from trace_common.service.grpc_client import GrpcClient
+from trace_common.service.retry import Backoff, retry_transient
 
 log = logging.getLogger(__name__)
 
@@ -158,19 +159,34 @@ class QuantCacheRecords:
 
 
 class WeightSyncPublisher:
-    """Pushes a version to weight-sync (published atomically once complete)."""
+    """Pushes a version to weight-sync (published atomically once complete). A weight-sync
+    that is unavailable (restarting) is retried within `backoff`'s budget."""
 
-    def __init__(self, client: WeightSyncClient) -> None:
+    def __init__(self, client: WeightSyncClient, backoff: Backoff | None = None) -> None:
         self.client = client
+        self.backoff = backoff or Backoff()
         self.last_push_seconds = 0.0
 
     def publish(
         self, version: int, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]
     ) -> None:
         t0 = time.perf_counter()
-        self.client.push_version(version, tensors, metadata)
+
+        def push() -> None:
+            try:
+                self.client.push_version(version, tensors, metadata)
+            except grpc.RpcError as err:
+                # A retried push whose first attempt was published before its answer was
+                # lost: weight-sync already holds this version (this trainer is its only pusher).
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION or (self._latest() != version):
+                    raise
+
+        retry_transient(push, f"push of version {version} to weight-sync", self.backoff)
         self.last_push_seconds = time.perf_counter() - t0
 
+    def _latest(self) -> int:
+        return max((v.version for v in self.client.versions()), default=-1)
+
     def latest_version(self) -> int:
-        versions = self.client.versions()
-        return max((v.version for v in versions), default=-1)
+        """The latest version weight-sync holds (-1 = none: fresh, or it restarted)."""
+        return retry_transient(self._latest, "weight-sync ListVersions", self.backoff)

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from trace_common.service import check_id, failed_precondition, invalid
+from trace_common.service import check_id, invalid, not_registered
 
 
 @dataclass(slots=True)
@@ -46,9 +46,7 @@ class ReplicaRegistry:
         with self._lock:
             replica = self._replicas.get(replica_id)
         if replica is None:
-            raise failed_precondition(
-                f"replica {replica_id!r} is not registered: call Register first"
-            )
+            raise not_registered(replica_id)
         return replica
 
     def heartbeat(self, replica_id: str, version_held: int) -> Replica:

@@ -17,6 +17,10 @@ the same CRC-32 checks either way:
 - grpc: the PullVersion stream (header, then chunks).
 `data_path="auto"` (the default) takes the direct path when the service offers it and it
 connects, else gRPC from then on (logged); "direct" raises DirectPathError instead.
+
+A weight-sync that restarted has forgotten its replicas: the client remembers the address
+each replica registered with, and a heartbeat or subscribe that weight-sync answers with
+"not registered" registers again and retries once, so a replica rejoins by itself.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from trace_common.clients.tensors import TensorAssembler, tensor_to_wire
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+from trace_common.service.errors import is_not_registered
 from trace_common.service.grpc_client import ClientTLS, GrpcClient
 
 log = logging.getLogger(__name__)
@@ -82,6 +87,8 @@ class WeightSyncClient(GrpcClient):
         self._ssl = None if tls is None else tls.ssl_context()
         self._direct_off = data_path == "grpc"  # auto: set when the plane is not usable
         self._stub = pb_grpc.WeightSyncStub(self.channel)
+        self._registered: dict[str, str] = {}  # replica_id -> address, to register again
+        self._register_lock = threading.Lock()
         # The two bulk RPCs with chunk_wire's codecs: chunks are written and read without
         # protobuf's copies of their data (same bytes on the wire as the generated stub).
         _, push_serialize = chunk_codec(pb.PushChunk)
@@ -215,22 +222,48 @@ class WeightSyncClient(GrpcClient):
         return header.version, tensors, json.loads(header.metadata_json or "{}")
 
     def register(self, replica_id: str, address: str) -> pb.RegisterResponse:
-        return self._stub.Register(
+        """Register (or re-register) a replica; the address is remembered so that a
+        heartbeat or subscribe weight-sync does not recognize registers again."""
+        response = self._stub.Register(
             pb.RegisterRequest(replica_id=replica_id, address=address),
             metadata=self.metadata,
             timeout=self.timeout,
         )
+        with self._register_lock:
+            self._registered[replica_id] = address
+        return response
+
+    def _register_again(self, replica_id: str, err: grpc.RpcError) -> bool:
+        """Register `replica_id` again if weight-sync forgot it (`err` says "not registered")
+        and this client registered it before; True if it did."""
+        with self._register_lock:
+            address = self._registered.get(replica_id)
+        if address is None or not is_not_registered(err):
+            return False
+        log.warning(
+            "weight-sync does not know replica %s (restarted or expired): registering again",
+            replica_id,
+        )
+        self.register(replica_id, address)
+        return True
 
     def heartbeat(self, replica_id: str, version_held: int) -> int:
         """Report the version held; returns the latest published version (-1 = none)."""
         request = pb.HeartbeatRequest(replica_id=replica_id, version_held=version_held)
-        return self._stub.Heartbeat(
-            request, metadata=self.metadata, timeout=self.timeout
-        ).latest_version
+        try:
+            reply = self._stub.Heartbeat(request, metadata=self.metadata, timeout=self.timeout)
+        except grpc.RpcError as err:
+            if not self._register_again(replica_id, err):
+                raise
+            reply = self._stub.Heartbeat(request, metadata=self.metadata, timeout=self.timeout)
+        return reply.latest_version
 
-    def subscribe(self, replica_id: str) -> grpc.Future | Iterator[common_pb2.PolicyVersionInfo]:
+    def subscribe(self, replica_id: str) -> Subscription:
         """Iterator of version notices (the latest at once, then each new one); call
         `.cancel()` on it to stop. No deadline: it lives as long as the replica."""
+        return Subscription(self, replica_id)
+
+    def _subscribe_once(self, replica_id: str) -> Any:
         return self._stub.Subscribe(
             pb.SubscribeRequest(replica_id=replica_id), metadata=self.metadata
         )
@@ -264,6 +297,40 @@ class WeightSyncClient(GrpcClient):
 
         threading.Thread(target=loop, name=f"heartbeat-{replica_id}", daemon=True).start()
         return stop
+
+
+class Subscription:
+    """A Subscribe stream that registers again and resubscribes once when weight-sync
+    answers "not registered" (it restarted); any other end of the stream is raised."""
+
+    def __init__(self, client: WeightSyncClient, replica_id: str) -> None:
+        self._client = client
+        self._replica_id = replica_id
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._call = client._subscribe_once(replica_id)
+
+    def __iter__(self) -> Iterator[common_pb2.PolicyVersionInfo]:
+        retried = False
+        while True:
+            try:
+                yield from self._call
+                return
+            except grpc.RpcError as err:
+                if retried or self._cancelled:
+                    raise
+                if not self._client._register_again(self._replica_id, err):
+                    raise
+                retried = True
+            with self._lock:
+                if self._cancelled:
+                    return
+                self._call = self._client._subscribe_once(self._replica_id)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            self._call.cancel()
 
 
 def receive_version(

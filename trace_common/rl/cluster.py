@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -63,11 +64,7 @@ class LocalCluster:
                 "quant-cache", "services.quant_cache",
                 {**token, "TRACE_REDIS_URL": self.redis.url}, self.log_dir,
             ).launch()  # fmt: skip
-            self.weight_sync = LocalService(
-                "weight-sync", "services.weight_sync",
-                {**token, "TRACE_HEARTBEAT_TIMEOUT_SECONDS": str(cfg.heartbeat_timeout_s)},
-                self.log_dir,
-            ).launch()  # fmt: skip
+            self.weight_sync = self._weight_sync(port=0).launch()
             for svc in (self.quant_cache, self.weight_sync):
                 svc.wait_ports().wait_serving()
             self.start_trainer()
@@ -83,6 +80,30 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _weight_sync(self, port: int) -> LocalService:
+        env = {
+            "TRACE_AUTH_TOKEN": self.config.token,
+            "TRACE_HEARTBEAT_TIMEOUT_SECONDS": str(self.config.heartbeat_timeout_s),
+            "TRACE_GRPC_PORT": str(port),
+        }
+        return LocalService("weight-sync", "services.weight_sync", env, self.log_dir)
+
+    def restart_weight_sync(self, *, down_s: float = 0.0) -> LocalService:
+        """Kill weight-sync (SIGKILL: it loses its versions and registry) and start a fresh
+        one on the same gRPC port after `down_s` seconds (the chaos tests)."""
+        assert self.weight_sync is not None
+        port = self.weight_sync.grpc_port
+        self.weight_sync.kill()
+        time.sleep(down_s)
+        self.weight_sync = self._weight_sync(port).start()
+        return self.weight_sync
+
+    def restart_replica(self, i: int) -> LocalService:
+        """Kill rollout replica `i` and start a fresh one with the same id (no weights)."""
+        self.rollouts[i].kill()
+        self.rollouts[i] = self._rollout(i).launch().wait_ports()
+        return self.rollouts[i]
 
     def _rollout(self, i: int) -> LocalService:
         env = {**self._common(), "TRACE_REPLICA_ID": f"rollout-{i}", **self.config.rollout_env}

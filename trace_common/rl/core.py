@@ -132,6 +132,18 @@ class TrainerCore:
         self._on_event(f"push version={version}")
         return time.perf_counter() - t0
 
+    def republish(self) -> float:
+        """Push the current version again, the same weights under the same number (a
+        weight-sync that restarted lost it; replicas that hold it need not pull it again)."""
+        if self.version < 0:
+            raise RuntimeError("no policy version published yet: call publish() first")
+        t0 = time.perf_counter()
+        tensors, metadata = self.learner.export_weights()
+        metadata = {**metadata, "step": self.step_index, "mode": self.config.mode}
+        self.publisher.publish(self.version, tensors, metadata)
+        self._on_event(f"republish version={self.version}")
+        return time.perf_counter() - t0
+
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics (also what metrics.jsonl gets)."""
         cfg = self.config

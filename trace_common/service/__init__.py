@@ -12,13 +12,17 @@ from trace_common.service.errors import (
     exhausted,
     failed_precondition,
     invalid,
+    is_not_registered,
     not_found,
+    not_registered,
 )
 from trace_common.service.grpc_client import ClientTLS, GrpcClient, RetryPolicy, resolve_token
 from trace_common.service.metrics import Metrics
+from trace_common.service.retry import Backoff, retry_transient
 from trace_common.service.runtime import ServiceRuntime
 
 __all__ = [
+    "Backoff",
     "ClientTLS",
     "GrpcClient",
     "Metrics",
@@ -31,7 +35,10 @@ __all__ = [
     "exhausted",
     "failed_precondition",
     "invalid",
+    "is_not_registered",
     "load_settings",
     "not_found",
+    "not_registered",
     "resolve_token",
+    "retry_transient",
 ]

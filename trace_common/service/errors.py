@@ -40,6 +40,25 @@ def exhausted(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
+# weight-sync's message for a replica it does not know (never registered, expired, or lost in
+# a restart); clients match it to register again (`is_not_registered`).
+NOT_REGISTERED = "is not registered"
+
+
+def not_registered(replica_id: str) -> ServiceError:
+    return failed_precondition(f"replica {replica_id!r} {NOT_REGISTERED}: call Register first")
+
+
+def is_not_registered(err: grpc.RpcError) -> bool:
+    """True for weight-sync's answer to a replica it does not know (FAILED_PRECONDITION, or
+    NOT_FOUND from a service that says so)."""
+    code = err.code() if callable(getattr(err, "code", None)) else None
+    details = err.details() if callable(getattr(err, "details", None)) else ""
+    return code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND) and (
+        NOT_REGISTERED in (details or "")
+    )
+
+
 def check_id(field: str, value: str, pattern: re.Pattern[str] = ID_RE) -> str:
     """Validate an identifier used in keys and labels; INVALID_ARGUMENT names the value."""
     if not pattern.fullmatch(value):

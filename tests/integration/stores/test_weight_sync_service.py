@@ -264,3 +264,35 @@ def test_auth_required_on_every_rpc(service: ServiceProcess) -> None:
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, md
     assert WeightSyncClient(service.grpc_address, TOKEN).replicas() == [], "nothing registered"
     channel.close()
+
+
+def test_replica_registers_again_after_a_weight_sync_restart(service: ServiceProcess) -> None:
+    """A fresh weight-sync knows no replica: the client's heartbeat and subscribe register
+    again with the remembered address, and the replica is listed once more."""
+    replica = WeightSyncClient(service.grpc_address, TOKEN)
+    replica.register("rollout-7", "10.0.0.7:50053")
+    assert replica.heartbeat("rollout-7", -1) == -1
+    port = service.grpc_port
+    service.kill()
+    env = {**{k: v for k, v in service.env.items()
+              if k.startswith("TRACE_") and k != "TRACE_PORTS_FILE"},
+           "TRACE_GRPC_PORT": str(port)}  # fmt: skip
+    with ServiceProcess(WS, env) as fresh:
+        trainer = WeightSyncClient(fresh.grpc_address, TOKEN)
+        assert trainer.replicas() == []
+        # a client that never registered the replica is told so, as before
+        stranger = WeightSyncClient(fresh.grpc_address, TOKEN)
+        with pytest.raises(grpc.RpcError) as err:
+            stranger.heartbeat("rollout-7", 3)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert replica.heartbeat("rollout-7", 3) == -1  # registered again, then the beat
+        (listed,) = trainer.replicas()
+        assert (listed.replica_id, listed.address, listed.version_held) == (
+            "rollout-7", "10.0.0.7:50053", 3)  # fmt: skip
+    # and a Subscribe stream: register again, resubscribe, get the first version pushed
+    with ServiceProcess(WS, env) as fresh:
+        stream = replica.subscribe("rollout-7")
+        WeightSyncClient(fresh.grpc_address, TOKEN).push_version(0, _policy(0), {})
+        notice = next(iter(stream))
+        stream.cancel()
+        assert notice.version == 0

@@ -254,3 +254,18 @@ def test_hung_replica_dropped_from_directory_loses_its_unit_to_another() -> None
     assert {s.replica_id for s in samples} == {"good"}
     assert stats.failed_replicas == ["hung"] and stats.redispatched_units == 1
     assert any("-a1-" in s.sample_id for s in samples)  # the lost unit's next attempt
+
+
+def test_republish_pushes_the_same_version_with_the_same_weights() -> None:
+    log = EventLog()
+    core, _learner, publisher = make_core([FakeReplica("a")], log, {}, mode="bf16")
+    with pytest.raises(RuntimeError, match="no policy version"):
+        core.republish()
+    core.publish()
+    core.step()
+    version = core.version
+    core.republish()
+    assert core.version == version  # the number does not move
+    (v1, meta1), (v2, meta2) = publisher.pushed[-2:]
+    assert v1 == v2 == version and meta1 == meta2  # same step, same export
+    assert log.events[-1] == f"republish version={version}"
