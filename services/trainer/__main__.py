@@ -20,7 +20,11 @@ def main() -> None:
     )
     rt.before_drain.append(app.stop)
     app.start()
-    rt.run(ready=lambda: app.core.version >= 0 and app.state != "failed", status=app.status)
+    rt.run(
+        ready=lambda: app.core.version >= 0 and app.state != "failed",
+        status=app.status,
+        live=lambda: app.state != "failed",  # a dead loop: the liveness probe restarts it
+    )
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ class TrainerApp:
             records=QuantCacheRecords(
                 self.quant_cache,
                 RecordAudit(s.record_audit_file) if s.record_audit_file else None,
+                backoff,
             ),
             learner=self.learner,
             publisher=self.publisher,
@@ -162,6 +163,8 @@ class TrainerApp:
         self.last_metrics: dict[str, Any] = {}
         self.resumed_from: str | None = None
         self.republished = 0  # versions pushed again after weight-sync lost them
+        self.samples_seen = 0  # received from rollout in this process (for the dropped limit)
+        self.samples_dropped = 0  # of those, dropped untrained
         self.weights_digest = ""  # sha256 of the master weights at start / last checkpoint
         self._resume = threading.Event()
         if not s.start_paused:
@@ -222,6 +225,7 @@ class TrainerApp:
             log.exception("trainer failed")
             self.state = "failed"
             self.detail = f"{type(exc).__name__}: {exc}"
+            self.metrics.failed.set(1)
 
     def run(self) -> None:
         s = self.settings
@@ -242,6 +246,7 @@ class TrainerApp:
             m["wall_time"] = time.time()
             self.metrics.record(m)
             self.last_metrics = m
+            self._check_dropped(m)
             log.info(
                 "step done",
                 extra={k: m[k] for k in ("step", "policy_version", "reward_mean", "step_time_s")},
@@ -252,6 +257,20 @@ class TrainerApp:
                 self.checkpoint()
         if self.core.step_index >= s.steps:
             self.state = "finished"
+
+    def _check_dropped(self, m: dict[str, Any]) -> None:
+        """Fail the run (loudly: state failed, /healthz 503, the alert) once more than
+        max_dropped_fraction of the samples received so far went untrained."""
+        self.samples_seen += m["samples"]
+        self.samples_dropped += m["samples_dropped_records"] + m["samples_dropped_stale"]
+        limit = self.settings.max_dropped_fraction
+        if self.samples_seen and self.samples_dropped / self.samples_seen > limit:
+            raise RuntimeError(
+                f"{self.samples_dropped} of {self.samples_seen} samples dropped untrained "
+                f"({self.samples_dropped / self.samples_seen:.0%}) after step {m['step']}, over "
+                f"TRACE_MAX_DROPPED_FRACTION={limit:g}: records lost (quant-cache too small or "
+                "failing?) or replicas too stale"
+            )
 
     def _republish_if_lost(self) -> None:
         """weight-sync keeps versions in memory: after a restart it holds none (or older

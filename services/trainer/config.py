@@ -81,6 +81,13 @@ class TrainerSettings(ServiceSettings):
         description="how long an unavailable store (weight-sync restarting, a Redis blip) is "
         "retried, with backoff, before the run fails",
     )
+    max_dropped_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="the run fails (state failed, /healthz 503) once more than this fraction "
+        "of the samples received so far were dropped untrained (records lost, too stale)",
+    )
     torch_threads: int = Field(1, ge=1)
     device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(

@@ -18,6 +18,7 @@ Documented series (all gauges unless noted; every one is set on every step where
 - ``trace_trainer_step_phase_seconds{phase=rollout|records|train|push}``,
   ``trace_trainer_step_seconds`` (histogram)
 - ``trace_trainer_loss``, ``trace_trainer_clip_frac``, ``trace_trainer_tis_mean``
+- ``trace_trainer_run_failed`` (1 once the run failed: alert TraceTrainerRunFailed)
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class TrainerMetrics:
             "step_phase_seconds", "seconds of the last step by phase", ("phase",)
         )
         self.step_seconds = metrics.histogram("step_seconds", "RL step wall time")
+        self.failed = metrics.gauge("run_failed", "1 once the run failed (state failed)")
+        self.failed.set(0)
 
     def record(self, m: dict[str, Any]) -> None:
         with self._lock:

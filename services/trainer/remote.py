@@ -136,18 +136,37 @@ class WeightSyncDirectory:
 
 
 class QuantCacheRecords:
-    """``fetch`` of record blobs from quant-cache; a missing or corrupt record is an error."""
+    """``fetch`` of record blobs from quant-cache; a missing or corrupt record is an error.
+    An unavailable store (a Redis blip, quant-cache restarting) is retried within
+    `backoff`'s budget before the step fails."""
 
-    def __init__(self, client: QuantCacheClient, audit: RecordAudit | None = None) -> None:
+    def __init__(
+        self,
+        client: QuantCacheClient,
+        audit: RecordAudit | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
         self.client = client
         self.audit = audit
+        self.backoff = backoff or Backoff()
         self.bytes_fetched = 0
+        self.retries = 0
 
     def fetch(
         self, run_id: str, policy_version: int, sample_ids: Sequence[str]
     ) -> dict[str, bytes]:
+        def count(_err: grpc.RpcError) -> None:
+            self.retries += 1
+
         try:
-            got = self.client.get_records(run_id, policy_version, sample_ids, missing_ok=True)
+            got = retry_transient(
+                lambda: self.client.get_records(
+                    run_id, policy_version, sample_ids, missing_ok=True
+                ),
+                f"record read (run {run_id}, version {policy_version})",
+                self.backoff,
+                on_retry=count,
+            )
         except CorruptRecordError as exc:  # never trained on: the caller drops their groups
             log.warning("corrupt records from quant-cache: %s", exc.corrupt)
             got = exc.records

@@ -18,6 +18,8 @@ Two data paths, same records, same errors:
 plane and this process can reach that Redis (a PING at first use), else gRPC, and logs the
 choice; "direct" requires the direct path (DirectPathError otherwise); "grpc" never asks.
 Delete and Stats always go through the service, the authority over the namespace.
+A Redis that is briefly unavailable (UNAVAILABLE: a blip, a restart) is retried with
+backoff within `DIRECT_RETRY` on the direct path, as gRPC's retry policy does on the other.
 Errors are the same on both paths: CorruptRecordError for records failing their checksum,
 KeyError for missing ones when `missing_ok=False`, and a grpc.RpcError with the status code
 (on the direct path a DirectPathError, a grpc.RpcError with `code()` and `details()`) for
@@ -43,6 +45,7 @@ from trace_common.redis_bulk import Joined, bulk_connection_options
 from trace_common.redis_local import redact_url
 from trace_common.service.errors import ServiceError
 from trace_common.service.grpc_client import GrpcClient
+from trace_common.service.retry import Backoff, retry_transient
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,9 @@ PUT_DATA_FIELD = pb.PutRecordsChunk.DESCRIPTOR.fields_by_name["data"].number
 GET_DATA_FIELD = pb.GetRecordsChunk.DESCRIPTOR.fields_by_name["data"].number
 REDIS_CONNECT_TIMEOUT_S = 2.0  # the reachability check of "auto" waits this long at most
 REDIS_TIMEOUT_S = 30.0  # socket timeout of direct-path Redis calls
+# Direct-path reads and writes retried on UNAVAILABLE this long (a blip or a quick restart;
+# callers that can wait longer, like the trainer, retry on top).
+DIRECT_RETRY = Backoff(budget_s=3.0, initial_s=0.1, max_s=1.0)
 
 
 class CorruptRecordError(RuntimeError):
@@ -247,7 +253,9 @@ class QuantCacheClient(GrpcClient):
             raise ValueError("records is empty")
         direct = self.direct()
         if direct is not None:
-            return direct.put_many(run_id, version, records)
+            return retry_transient(
+                lambda: direct.put_many(run_id, version, records), "Redis write", DIRECT_RETRY
+            )
 
         def chunks() -> Iterator[bytes]:
             for sample_id, blob in records.items():
@@ -278,7 +286,11 @@ class QuantCacheClient(GrpcClient):
         """
         direct = self.direct()
         if direct is not None:
-            return direct.get_records(run_id, version, sample_ids, missing_ok)
+            return retry_transient(
+                lambda: direct.get_records(run_id, version, sample_ids, missing_ok),
+                "Redis read",
+                DIRECT_RETRY,
+            )
         request = pb.GetRecordsRequest(
             run_id=run_id, policy_version=version, sample_ids=list(sample_ids)
         )

@@ -22,14 +22,24 @@ def build_app(
     metrics: Metrics,
     ready: Callable[[], bool],
     status: Callable[[], dict[str, Any]],
+    live: Callable[[], bool] = lambda: True,
 ) -> FastAPI:
-    """FastAPI app: liveness (process up), readiness (`ready()`), metrics, status JSON."""
+    """FastAPI app: liveness (`live()`: the process is up and its work has not died, e.g.
+    the trainer's loop), readiness (`ready()`), metrics, status JSON. A liveness probe
+    restarts a process whose /healthz answers 503."""
     app = FastAPI(title=f"trace {component}", docs_url=None, redoc_url=None)
     started = time.time()
 
     @app.get("/healthz")
-    def healthz() -> dict[str, Any]:
-        return {"status": "ok", "component": component}
+    def healthz() -> Response:
+        try:
+            ok = bool(live())
+        except Exception:
+            ok = False
+        return JSONResponse(
+            {"status": "ok" if ok else "failed", "component": component},
+            status_code=200 if ok else 503,
+        )
 
     @app.get("/readyz")
     def readyz() -> Response:

@@ -51,9 +51,11 @@ class ServiceRuntime:
         ready: Callable[[], bool] = lambda: True,
         status: Callable[[], dict[str, Any]] = dict,
         *,
+        live: Callable[[], bool] = lambda: True,
         install_signals: bool = True,
     ) -> None:
-        """Serve until SIGTERM/SIGINT (or `stopping` is set), then shut down gracefully."""
+        """Serve until SIGTERM/SIGINT (or `stopping` is set), then shut down gracefully.
+        `live()` False turns /healthz to 503 (liveness: restart me)."""
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stopping.set())
@@ -61,7 +63,7 @@ class ServiceRuntime:
         http = None
         http_port = 0
         if self.settings.http_enabled:
-            app = build_app(self.component, self.metrics, ready, status)
+            app = build_app(self.component, self.metrics, ready, status, live)
             http = HttpServer(app, self.settings.http_host, self.settings.http_port)
             http_port = http.start()
         self._announce(grpc_port, http_port)

@@ -92,6 +92,11 @@ def test_alert_rules_fire(tmp_path: pathlib.Path) -> None:
                         "series": 'trace_trainer_logp_abs_diff_mean{job="trace-trainer",instance="trainer:8054"}',
                         "values": "0.01x2 0.2x9",
                     },
+                    # the run fails at 5m
+                    {
+                        "series": 'trace_trainer_run_failed{job="trace-trainer",instance="trainer:8054"}',
+                        "values": "0x4 1x7",
+                    },
                 ],
                 "alert_rule_test": [
                     # Down at 2m; `for: 1m` -> firing from 3m, only for replica A.
@@ -124,6 +129,25 @@ def test_alert_rules_fire(tmp_path: pathlib.Path) -> None:
                             {
                                 "exp_labels": {"severity": "warning", "replica_id": ID_A},
                                 "exp_annotations": lag_annotations,
+                            }
+                        ],
+                    ),
+                    # The failed run alerts at once (no `for`: a failed run does not recover).
+                    _alert("TraceTrainerRunFailed", "4m", []),
+                    _alert(
+                        "TraceTrainerRunFailed",
+                        "5m",
+                        [
+                            {
+                                "exp_labels": {
+                                    "severity": "critical",
+                                    "job": "trace-trainer",
+                                    "instance": "trainer:8054",
+                                },
+                                "exp_annotations": {
+                                    "summary": "the trainer's run failed (trainer:8054)",
+                                    "description": "The trainer stopped stepping (state failed; /healthz answers 503): see detail on its /status, e.g. too many samples dropped untrained (TRACE_MAX_DROPPED_FRACTION).",
+                                },
                             }
                         ],
                     ),
