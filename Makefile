@@ -16,9 +16,11 @@ LOCK    = deploy/docker/requirements.lock
 ifeq ($(GPU),1)
 VENV_FLAGS  = --system-site-packages
 CONSTRAINTS =
+DEMO_FLAGS  = --device cuda
 else
 VENV_FLAGS  =
 CONSTRAINTS = -c constraints/cpu.txt -c $(LOCK)
+DEMO_FLAGS  =
 endif
 
 STAMP = $(VENV)/.trace-installed
@@ -48,8 +50,10 @@ test: $(STAMP) tools
 test-unit: $(STAMP) tools
 	$(PY) -m pytest -q tests/unit
 
+# `make GPU=1 demo`: the GPU recipe (mid-1b, everything on the GPU); DEMO_ARGS adds options,
+# e.g. make GPU=1 demo DEMO_ARGS="--steps 50 --replicas 2".
 demo: $(STAMP)
-	$(VENV)/bin/trace-rl demo
+	$(VENV)/bin/trace-rl demo $(DEMO_FLAGS) $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

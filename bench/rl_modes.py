@@ -21,7 +21,7 @@ import torch
 
 from trace_common.model import GuidanceConfig, QuantConfig
 from trace_common.rl.core import TrainerConfig, TrainerCore
-from trace_common.rl.demo import DemoConfig, _tiny_model, evaluate_policy
+from trace_common.rl.demo import DemoConfig, demo_model, evaluate_policy
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher, StaticDirectory
 from trace_common.rl.engine import LocalReplica
 from trace_common.rl.local import LocalPublisher, MemoryRecordStore
@@ -39,7 +39,7 @@ def run_mode(mode: str, init: dict[str, torch.Tensor], args: argparse.Namespace)
     tok = CharTokenizer()
     task = make_task(args.task, args.difficulty)
     torch.manual_seed(args.seed)
-    model = _tiny_model(DemoConfig(), tok.vocab_size)
+    model = demo_model(DemoConfig(), tok.vocab_size)
     model.load_state_dict(init)
     learner = ModelLearner(
         model, LearnerConfig(mode=mode, lr=args.lr, measure_records=True),
@@ -106,7 +106,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tok = CharTokenizer()
     task = make_task(args.task, args.difficulty)
-    model = _tiny_model(DemoConfig(), tok.vocab_size)
+    model = demo_model(DemoConfig(), tok.vocab_size)
     torch.manual_seed(args.seed)
     ws = warm_start(model, PromptStream(task, tok, seed=args.seed),
                     WarmStartConfig(target_accuracy=0.3, eval_every=10),

@@ -15,36 +15,53 @@ def demo(
     out: Annotated[
         Path | None, typer.Option(help="run directory (default: runs/<timestamp>)")
     ] = None,
+    device: str = typer.Option(
+        "cpu",
+        help="auto | cpu | cuda | cuda:N: the warm start, trainer and replicas; a CUDA "
+        "device selects the GPU recipe (mid-1b, addition of 4 digits, 100 steps), which the "
+        "options below override",
+    ),
+    shape: str | None = typer.Option(None, help="named model shape: debug (CPU), mid-1b (GPU)"),
     mode: str = typer.Option("trace", help="bf16 | fp4 | rtn | trace"),
-    steps: int = typer.Option(40, min=1, help="RL steps"),
-    task: str = typer.Option("reverse", help="addition | sort | reverse | mixed"),
-    difficulty: int = typer.Option(3, min=1, help="digits (addition) or sequence length"),
+    steps: int | None = typer.Option(None, min=1, help="RL steps [CPU: 40]"),
+    task: str | None = typer.Option(None, help="addition | sort | reverse | mixed [CPU: reverse]"),
+    difficulty: int | None = typer.Option(
+        None, min=1, help="digits (addition) or sequence length [CPU: 3]"
+    ),
     replicas: int = typer.Option(2, min=1, help="rollout replicas (processes)"),
-    prompts_per_step: int = typer.Option(16, min=1),
-    group_size: int = typer.Option(8, min=2, help="completions per prompt (GRPO group)"),
-    lr: float = typer.Option(1e-3, min=0.0),
-    warmstart_target: float = typer.Option(0.3, help="stop the warm start at this greedy accuracy"),
+    prompts_per_step: int | None = typer.Option(None, min=1, help="[CPU: 16]"),
+    group_size: int | None = typer.Option(
+        None, min=2, help="completions per prompt (GRPO group) [CPU: 8]"
+    ),
+    lr: float | None = typer.Option(None, min=0.0, help="RL learning rate [CPU: 1e-3]"),
+    warmstart_target: float | None = typer.Option(
+        None, help="stop the warm start at this greedy accuracy [CPU: 0.3]"
+    ),
+    rollout_engine: str = typer.Option("auto", help="replicas' engine: auto | native | cuda"),
     rollout_dtype: str = typer.Option(
-        "float32", help="rollout engine compute dtype: float32 | bfloat16 (trainer: float32)"
+        "auto",
+        help="PyTorch engine's compute dtype: auto (bf16 on CUDA, else float32) | "
+        "float32 | bfloat16 (the trainer keeps fp32 master weights)",
     ),
     seed: int = typer.Option(0),
 ) -> None:
-    """Run TRACE end to end on this machine: warm start, then RL of the tiny MoE with a local
+    """Run TRACE end to end on this machine: warm start, then RL of an MoE with a local
     Redis, quant-cache, weight-sync, the trainer and rollout replicas as processes."""
     from trace_common.rl.demo import DemoConfig, run_demo
     from trace_common.rl.types import TRAIN_MODES
 
     if mode not in TRAIN_MODES:
         raise typer.BadParameter(f"unknown mode {mode!r}; choose from {TRAIN_MODES}")
-    if rollout_dtype not in ("float32", "bfloat16"):
-        raise typer.BadParameter(f"unknown rollout dtype {rollout_dtype!r}: float32 | bfloat16")
-    run_demo(
-        DemoConfig(
-            out=out, mode=mode, steps=steps, task=task, difficulty=difficulty, replicas=replicas,
-            prompts_per_step=prompts_per_step, group_size=group_size, lr=lr,
-            warmstart_target=warmstart_target, seed=seed, rollout_dtype=rollout_dtype,
-        )
-    )  # fmt: skip
+    try:
+        cfg = DemoConfig.for_device(
+            device, out=out, mode=mode, steps=steps, task=task, difficulty=difficulty,
+            replicas=replicas, prompts_per_step=prompts_per_step, group_size=group_size, lr=lr,
+            warmstart_target=warmstart_target, seed=seed, shape=shape,
+            rollout_engine=rollout_engine, rollout_dtype=rollout_dtype,
+        )  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    run_demo(cfg)
 
 
 @app.command("numerics-demo")

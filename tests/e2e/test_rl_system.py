@@ -224,12 +224,12 @@ def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -
     ws = WeightSyncClient(cluster.weight_sync.grpc_address, cluster.config.token)  # type: ignore[union-attr]
     _, pushed, _ = ws.pull_version(st["policy_version"])
     from trace_common.model import QuantConfig
-    from trace_common.rl.demo import DemoConfig, _tiny_model
+    from trace_common.rl.demo import DemoConfig, demo_model
     from trace_common.rl.policy import LearnerConfig, ModelLearner
     from trace_common.tasks import CharTokenizer
 
     tok = CharTokenizer()
-    model = _tiny_model(DemoConfig(), tok.vocab_size)
+    model = demo_model(DemoConfig(), tok.vocab_size)
     model.load_state_dict(ckpt.model)
     learner = ModelLearner(model, LearnerConfig(mode="trace"), quant=QuantConfig(), guidance=None,
                            eos_id=tok.eos_id, pad_id=tok.pad_id)  # fmt: skip

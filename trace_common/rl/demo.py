@@ -1,4 +1,7 @@
-"""`trace-rl demo`: RL of the tiny MoE with TRACE, end to end on this machine.
+"""`trace-rl demo`: RL of an MoE with TRACE, end to end on this machine.
+
+On the CPU (the default) it trains the tiny debug shape; with ``--device cuda`` it follows
+``GPU_RECIPE``: the mid-1b shape with the trainer and every replica on the GPU.
 
 1. supervised warm start (in this process) so RL has signal;
 2. a local Redis + quant-cache + weight-sync + trainer + N rollout replicas as processes;
@@ -26,11 +29,32 @@ from trace_common.rl.cluster import ClusterConfig, LocalCluster
 
 EVAL_SEED_OFFSET = 7_777_777  # held-out evaluation prompts, disjoint from training streams
 POLL_S = 0.5
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
+
+# What `--device cuda` changes (any option given explicitly still wins). The task: 4-digit
+# addition. Its 1-5 character answers need carries propagated across digits, exact match scores
+# a whole answer, and the warm start stops at 20% greedy accuracy, so a 1B model has most of
+# the reward range left to climb, one carry pattern at a time, over 100+ steps (reverse and
+# sort of a few digits are solved within tens of steps on the CPU demo's tiny model). The
+# learning rates are the usual scale for a model of this size (untuned: no GPU run yet).
+GPU_RECIPE: dict[str, Any] = {
+    "shape": "mid-1b",
+    "task": "addition",
+    "difficulty": 4,
+    "steps": 100,
+    "prompts_per_step": 32,
+    "group_size": 8,
+    "lr": 1e-4,
+    "warmstart_lr": 5e-4,
+    "warmstart_target": 0.2,
+    "warmstart_max_steps": 400,
+    "checkpoint_every": 100,  # 12 GB per mid-1b checkpoint (weights + AdamW): the last only
+}
 
 
 @dataclass(kw_only=True, slots=True)
 class DemoConfig:
-    """The demo's knobs (defaults: a few minutes on 2 CPU cores)."""
+    """The demo's knobs (defaults: a few minutes on 2 CPU cores; see `GPU_RECIPE`)."""
 
     out: pathlib.Path | None = None
     mode: str = "trace"
@@ -44,22 +68,56 @@ class DemoConfig:
     temperature: float = 1.0
     warmstart_target: float = 0.3
     warmstart_max_steps: int = 300
+    warmstart_lr: float = 3e-3
     eval_prompts: int = 256
-    rollout_dtype: str = "float32"  # bfloat16: a bf16 engine against the fp32 trainer
+    shape: str = "debug"  # named model shape (trace_common.model.config.NAMED_CONFIGS)
+    device: str = "cpu"  # TRACE_DEVICE of the warm start, the trainer and every replica
+    rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas: auto | native | cuda
+    rollout_dtype: str = "auto"  # PyTorch engine's dtype (auto: bf16 on CUDA, else fp32)
+    checkpoint_every: int | None = None  # None: a quarter of the steps
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        from trace_common.device import DEVICE_HELP, DEVICE_RE
+        from trace_common.model import get_config
+
+        if not DEVICE_RE.match(self.device):
+            raise ValueError(f"device {self.device!r}: expected {DEVICE_HELP}")
+        get_config(self.shape)  # ValueError naming the known shapes
+        if self.rollout_engine not in ("auto", "native", "cuda"):
+            raise ValueError(f"rollout engine {self.rollout_engine!r}: auto | native | cuda")
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"rollout dtype {self.rollout_dtype!r}: one of {ROLLOUT_DTYPES}")
+
+    @classmethod
+    def for_device(cls, device: str = "cpu", **options: Any) -> DemoConfig:
+        """The defaults for `device` (`GPU_RECIPE` on CUDA), then the options that are not
+        None."""
+        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        base = dict(GPU_RECIPE) if cuda else {}
+        base.update({k: v for k, v in options.items() if v is not None})
+        return cls(device=device, **base)
 
 
 def default_out_dir() -> pathlib.Path:
     return pathlib.Path("runs") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def _tiny_model(cfg: DemoConfig, vocab_size: int):
+def demo_model(cfg: DemoConfig, vocab_size: int):
+    """The demo's shape, initialized from the seed, on the CPU (callers move it)."""
     from trace_common.model import MoECausalLM, QuantConfig, get_config
     from trace_common.model.quant import quantize_policy
 
-    model = MoECausalLM(get_config("debug").replace(vocab_size=vocab_size)).init_weights(cfg.seed)
+    model = MoECausalLM(get_config(cfg.shape).replace(vocab_size=vocab_size))
+    model.init_weights(cfg.seed)
     quantize_policy(model, QuantConfig.none())
     return model
+
+
+def _device(cfg: DemoConfig) -> torch.device:
+    from trace_common.device import resolve_device
+
+    return resolve_device(cfg.device)
 
 
 @torch.no_grad()
@@ -67,21 +125,27 @@ def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> fl
     """Mean reward of the FP4 rollout path (as the replicas run it) on held-out prompts."""
     from trace_common.model import QuantConfig
     from trace_common.rl.policy import LearnerConfig, ModelLearner
-    from trace_common.rollout.native import NativeEngine
+    from trace_common.rollout.select import EngineSettings, make_engine_factory
     from trace_common.rollout.types import SamplingConfig
     from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
 
     tok = CharTokenizer()
     task = make_task(cfg.task, cfg.difficulty)
-    model = _tiny_model(cfg, tok.vocab_size)
+    model = demo_model(cfg, tok.vocab_size)
     model.load_state_dict(model_state)
     learner = ModelLearner(
         model, LearnerConfig(mode=cfg.mode), quant=QuantConfig(), guidance=None,
         eos_id=tok.eos_id, pad_id=tok.pad_id,
     )  # fmt: skip
-    engine = NativeEngine.from_weights(
-        *learner.export_weights(), dtype=getattr(torch, cfg.rollout_dtype)
+    tensors, meta = learner.export_weights()
+    del learner, model
+    # The engine the replicas build (the same TRACE_ROLLOUT_ENGINE / device / dtype).
+    factory = make_engine_factory(
+        EngineSettings(
+            engine=cfg.rollout_engine, device=_device(cfg), native_dtype=cfg.rollout_dtype
+        )  # type: ignore[arg-type]
     )
+    engine = factory(tensors, {k: v for k, v in meta.items() if isinstance(v, str)}, 0)
     stream = PromptStream(task, tok, seed=cfg.seed + EVAL_SEED_OFFSET)
     prompts = stream.next_batch(cfg.eval_prompts)
     out = engine.generate(
@@ -107,10 +171,10 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
     torch.manual_seed(cfg.seed)
     tok = CharTokenizer()
     task = make_task(cfg.task, cfg.difficulty)
-    model = _tiny_model(cfg, tok.vocab_size)
+    model = demo_model(cfg, tok.vocab_size).to(_device(cfg))
     wcfg = WarmStartConfig(
         max_steps=cfg.warmstart_max_steps, target_accuracy=cfg.warmstart_target, seed=cfg.seed,
-        eval_every=10,
+        eval_every=10, lr=cfg.warmstart_lr,
     )  # fmt: skip
     t0 = time.perf_counter()
     with Progress(
@@ -127,20 +191,24 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
         )  # fmt: skip
         bar.update(job, total=res.steps, completed=res.steps)
     path = out / "warmstart.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    del model
+    save_file(state, path)
     return {
         "steps": res.steps,
         "greedy_accuracy": res.accuracy,
         "loss": res.loss,
         "seconds": time.perf_counter() - t0,
         "weights": str(path),
-        "eval_reward": evaluate_policy(model.state_dict(), cfg),
+        "eval_reward": evaluate_policy(state, cfg),
     }
 
 
 def trainer_env(cfg: DemoConfig, out: pathlib.Path, init: str) -> dict[str, str]:
     return {
         "TRACE_RUN_ID": "demo",
+        "TRACE_DEVICE": cfg.device,
+        "TRACE_MODEL": cfg.shape,
         "TRACE_MODE": cfg.mode,
         "TRACE_STEPS": str(cfg.steps),
         "TRACE_TASK": cfg.task,
@@ -154,8 +222,16 @@ def trainer_env(cfg: DemoConfig, out: pathlib.Path, init: str) -> dict[str, str]
         "TRACE_INIT_WEIGHTS": init,
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
         "TRACE_CHECKPOINT_DIR": str(out / "checkpoints"),
-        "TRACE_CHECKPOINT_EVERY": str(max(1, cfg.steps // 4)),
+        "TRACE_CHECKPOINT_EVERY": str(cfg.checkpoint_every or max(1, cfg.steps // 4)),
         "TRACE_GUIDANCE_MODE": "full",  # full records make D_act measurable every step
+    }
+
+
+def rollout_env(cfg: DemoConfig) -> dict[str, str]:
+    return {
+        "TRACE_DEVICE": cfg.device,
+        "TRACE_ROLLOUT_ENGINE": cfg.rollout_engine,
+        "TRACE_ENGINE_DTYPE": cfg.rollout_dtype,
     }
 
 
@@ -176,7 +252,9 @@ def rl_phase(cluster: LocalCluster, cfg: DemoConfig, console: Any) -> dict[str, 
                     completed=st["step"],
                     description=(
                         f"reward {m['reward_mean']:.2f}  |dlogp| {m.get('logp_abs_diff_mean', 0):.4f}"
-                        f"  {m['rollout_tokens_per_s']:.0f} tok/s  v{st['policy_version']}"
+                        f"  rollout {m['rollout_tokens_per_s']:.0f} tok/s"
+                        f"  train {m.get('train_tokens_per_s', 0):.0f} tok/s"
+                        f"  v{st['policy_version']}"
                     ),
                 )
             if st["state"] in ("finished", "failed"):
@@ -198,7 +276,7 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
     out = cfg.out or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), default=str, indent=2))
-    console.print(f"[bold]TRACE demo[/] -> {out}")
+    console.print(f"[bold]TRACE demo[/] ({cfg.shape} on {cfg.device}) -> {out}")
     warm = warm_start_phase(cfg, out, console)
     console.print(
         f"warm start: {warm['steps']} steps, greedy accuracy {warm['greedy_accuracy']:.2f}, "
@@ -211,7 +289,7 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
         ClusterConfig(
             replicas=cfg.replicas,
             trainer_env=trainer_env(cfg, out, warm["weights"]),
-            rollout_env={"TRACE_ENGINE_DTYPE": cfg.rollout_dtype},
+            rollout_env=rollout_env(cfg),
         ),
         out / "logs",
     )
@@ -261,6 +339,7 @@ def summary_markdown(s: dict[str, Any], cfg: DemoConfig) -> str:
         [
             f"# TRACE demo: {cfg.task} ({cfg.difficulty}), mode {cfg.mode}",
             "",
+            f"- model: {cfg.shape} on {cfg.device} (rollout engine {cfg.rollout_engine})",
             f"- warm start: {w['steps']} supervised steps, greedy accuracy "
             f"{w['greedy_accuracy']:.3f}, {w['seconds']:.0f} s",
             f"- RL: {s['steps']} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} "

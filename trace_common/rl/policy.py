@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +86,25 @@ class LearnerConfig:
 
     def autocast_dtype(self, device: torch.device) -> torch.dtype | None:
         """The autocast dtype on `device`, or None for plain fp32."""
-        if self.compute_dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else None
-        return torch.bfloat16 if self.compute_dtype == "bfloat16" else None
+        return autocast_dtype_of(self.compute_dtype, device)
+
+
+def autocast_dtype_of(compute_dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype a `compute_dtype` setting means on `device` (None: plain fp32)."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"unknown compute_dtype {compute_dtype!r}; expected one of {COMPUTE_DTYPES}"
+        )
+    if compute_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return torch.bfloat16 if compute_dtype == "bfloat16" else None
+
+
+def compute_context(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Autocast to `dtype` on `device`, or a no-op context when `dtype` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 class ModelLearner:
@@ -126,14 +142,9 @@ class ModelLearner:
         )
         quantize_policy(model, self.quant)
 
-    @contextlib.contextmanager
-    def compute(self) -> Iterator[None]:
+    def compute(self) -> Any:
         """The forward/backward precision: autocast to `autocast_dtype` when it is set."""
-        if self.autocast_dtype is None:
-            yield
-            return
-        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
-            yield
+        return compute_context(self.device, self.autocast_dtype)
 
     # ------------------------------------------------------------------ weights
 

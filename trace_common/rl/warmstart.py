@@ -16,6 +16,7 @@ import torch
 
 from trace_common.model import MoECausalLM, SamplingParams, forward_logprobs, generate
 from trace_common.model.train_forward import pad_right
+from trace_common.rl.policy import autocast_dtype_of, compute_context
 from trace_common.tasks.prompts import PromptStream
 from trace_common.tasks.tasks import exact_match_reward
 
@@ -35,6 +36,7 @@ class WarmStartConfig:
     eval_prompts: int = 64
     target_accuracy: float = 0.5  # stop once greedy accuracy reaches this (1.0: never early)
     seed: int = 0
+    compute_dtype: str = "auto"  # autocast dtype (auto: bf16 on CUDA), as the learner's
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +75,8 @@ def warm_start(
     max_new_tokens: int,
     progress: Callable[[int, float, float], None] | None = None,
 ) -> WarmStartResult:
-    """Fit ``model`` (in place, high precision) on answers of ``stream``'s task.
+    """Fit ``model`` (in place, high precision, on its own device) on answers of ``stream``'s
+    task.
 
     ``progress(step, loss, accuracy)`` is called every step (accuracy is the last evaluated).
     Evaluation uses a held-out stream (different seed) so it measures generalization.
@@ -83,7 +86,11 @@ def warm_start(
     held_out = PromptStream(stream.task, tok, seed=stream.seed + 2 * WARMSTART_SEED_OFFSET)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    dev = next(model.parameters()).device
+    dtype = autocast_dtype_of(config.compute_dtype, dev)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, fused=True if dev.type == "cuda" else None
+    )
     acc, loss_v, step = 0.0, float("nan"), 0
     for step in range(1, config.max_steps + 1):
         batch = train.next_batch(config.batch_size)
@@ -93,7 +100,9 @@ def warm_start(
         for i, p in enumerate(batch):
             mask[i, len(p.token_ids) - 1 : int(lengths[i]) - 1] = True  # answer + EOS targets
         model.train()
-        out = forward_logprobs(model, tokens, lengths=lengths, qat_mode="none")
+        with compute_context(dev, dtype):
+            out = forward_logprobs(model, tokens, lengths=lengths, qat_mode="none")
+        mask = mask.to(dev)
         loss = -(out.logprobs * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
