@@ -186,7 +186,7 @@ def measure_service(args, cfg, fp4: bool, batch: int, common: dict, ws: WeightSy
             "decode_share": d["decode_seconds_total"] / (tb - ta),
             "mean_active_slots": b["active_slots"],
         }  # fmt: skip
-        if fp4 and args.swap:
+        if fp4 and args.swap and batch == args.batches[0]:
             tensors, meta = random_policy(cfg, fp4, seed=100 + version)
             tp = time.perf_counter()
             ws.push_version(version + 1, tensors, meta)
@@ -247,7 +247,12 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=30.0)
     ap.add_argument("--raw-context", type=int, default=1536)
     ap.add_argument("--raw-iters", type=int, default=50)
-    ap.add_argument("--no-swap", dest="swap", action="store_false")
+    ap.add_argument(
+        "--no-swap",
+        dest="swap",
+        action="store_false",
+        help="skip timing a new version's push -> served (FP4, first batch)",
+    )
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("rollout_service_gpu.json"))
     args = ap.parse_args()
     cfg = get_config(args.shape)
@@ -280,13 +285,15 @@ def main() -> None:
             print(f"{engine}: pushed {nbytes / 2**30:.1f} GiB in {push_s:.1f} s", flush=True)
             for batch in args.batches:
                 r = measure_service(args, cfg, fp4, batch, common, ws, version, log_dir, token)
-                if fp4 and args.swap:
+                if fp4 and args.swap and batch == args.batches[0]:
                     version += 1
                 r.update(engine=engine, policy_gib=nbytes / 2**30, first_push_seconds=push_s)
                 r["raw_tok_s"] = raw_decode(cfg, fp4, batch, args.raw_context, args.raw_iters)
                 r["service_over_raw"] = r["service_tok_s"] / r["raw_tok_s"]
                 results.append(r)
                 print(json.dumps(r), flush=True)
+                args.out.write_text(json.dumps({"config": cfg.to_dict(), "results": results},
+                                               indent=1))  # fmt: skip
             version += 1
     finally:
         for svc in (wsvc, qc):

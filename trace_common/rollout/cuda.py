@@ -217,7 +217,7 @@ def record_layout(engine, cfg: ModelConfig, guided_layers: Sequence[int]):
 class DecodeBackend:
     """`StepBackend` on the CUDA-graph decode engine for one policy shape.
 
-    Record history: `hist` [B * capacity, row bytes] holds, per slot and position, the
+    Record history: `hist` [B * positions, row bytes] holds, per slot and position, the
     records of the token fed there; the decode graph gathers each slot's row from the step's
     capture buffers into it, the prefill copies its chunk's rows."""
 
@@ -238,8 +238,10 @@ class DecodeBackend:
         w = EngineWeights(*self._reader.top(tensors))
         for li in range(cfg.num_layers):
             w.layers.append(self._reader.layer(tensors, li))
+        # one position more than a sequence may use: the prefill's scratch position
+        self.positions = capacity + 1
         self.engine = DecodeEngine(
-            EngineShape.from_model_config(cfg), w, batch=batch, capacity=capacity,
+            EngineShape.from_model_config(cfg), w, batch=batch, capacity=self.positions,
             context=min(capacity - 1, 1024), guided_layers=self.guided_layers, device=str(device),
         )  # fmt: skip
         self._parts, self.sections, index = record_layout(self.engine, cfg, self.guided_layers)
@@ -247,16 +249,16 @@ class DecodeBackend:
                                 device=device)  # fmt: skip
         self.slot_index = index.to(device)  # [B, row bytes]
         self.row_bytes = self.slot_index.shape[1]
-        self.hist = torch.empty(batch * capacity, self.row_bytes, dtype=torch.uint8,
+        self.hist = torch.empty(batch * self.positions, self.row_bytes, dtype=torch.uint8,
                                 device=device)  # fmt: skip
         self._hist_rows = torch.zeros(batch, dtype=torch.long, device=device)
         self._hist_rows_host = torch.zeros(batch, dtype=torch.long, pin_memory=True)
-        self._slot_base = torch.arange(batch, dtype=torch.long) * capacity
+        self._slot_base = torch.arange(batch, dtype=torch.long) * self.positions
         self._lens_host = torch.zeros(batch, dtype=torch.int32, pin_memory=True)
         self.prefill_tokens = prefill_tokens
         self._prefill = None
         if prefill_tokens:
-            self._prefill = Prefill(self.engine, prefill_tokens, device)
+            self._prefill = Prefill(self.engine, prefill_tokens, device, use_graph=use_graph)
             pparts, _, pindex = record_layout(self._prefill.eng, cfg, self.guided_layers)
             self._pre_parts = pparts
             self._pre_slab = torch.empty(sum(p.numel() for p in pparts), dtype=torch.uint8,
@@ -302,14 +304,16 @@ class DecodeBackend:
 
     def prefill(self, slots: Sequence[int], starts: Sequence[int],
                 chunks: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
+        """One prefill graph per sequence's chunk; its records into the slot's history."""
         assert self._prefill is not None
-        logits = self._prefill.run(slots, starts, chunks, self.pad_id)
-        n = sum(map(len, chunks))
-        rows = torch.cat([torch.arange(st, st + len(c)) + slot * self.capacity
-                          for slot, st, c in zip(slots, starts, chunks, strict=True)])  # fmt: skip
-        torch.cat(self._pre_parts, out=self._pre_slab)
-        self.hist.index_copy_(0, rows.to(self.device), self._pre_slab[self._pre_index[:n]])
-        return logits
+        out = []
+        for slot, start, chunk in zip(slots, starts, chunks, strict=True):
+            out.append(self._prefill.run(slot, start, chunk, self.pad_id).clone())
+            n = len(chunk)
+            rows = torch.arange(start, start + n, device=self.device) + slot * self.positions
+            torch.cat(self._pre_parts, out=self._pre_slab)
+            self.hist.index_copy_(0, rows, self._pre_slab[self._pre_index[:n]])
+        return torch.cat(out)
 
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -318,7 +322,7 @@ class DecodeBackend:
         n = rows
         if n != len(tokens) - 1:
             raise AssertionError(f"{n} record rows for {len(tokens)} tokens")
-        base = slot * self.capacity
+        base = slot * self.positions
         got = self.hist[base : base + n].cpu().numpy()  # [n, row bytes]
         cols: dict[tuple[object, str], np.ndarray] = {}
         c = 0

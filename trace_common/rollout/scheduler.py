@@ -80,12 +80,14 @@ def sample_rows(
     u: torch.Tensor,  # fp64 [B] in (0, 1): the row's random draw
     *,
     filtered: bool,
+    any_greedy: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token int64 [B], log-prob fp32 [B]) per row, as `trace_common.model.sample_next`
     defines them: logits / temperature, then top-k (ties with the k-th kept), then top-p (the
     token that crosses p kept), sampled by inverse CDF with `u`; the log-prob is under that
     truncated distribution. Greedy rows take the argmax and its untempered log-prob.
-    `filtered`: some row has top-k or top-p (sorts the vocabulary; skipped when False)."""
+    `filtered`: some row has top-k or top-p (sorts the vocabulary; skipped when False);
+    `any_greedy`: some row is greedy (None: read it from `temperature`, a device sync)."""
     x = logits.float()
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -112,7 +114,7 @@ def sample_rows(
         target = (u[:, None] * cdf[:, -1:].double()).float()
         tok = torch.searchsorted(cdf, target).clamp(max=v - 1)[:, 0]
         logp = logp_all.gather(1, tok[:, None])[:, 0]
-    if bool(greedy.any()):
+    if bool(greedy.any()) if any_greedy is None else any_greedy:
         lsm = torch.log_softmax(logits.float(), dim=-1)
         g_tok = lsm.argmax(dim=-1)
         tok = torch.where(greedy, g_tok, tok)
@@ -203,6 +205,11 @@ class SlotScheduler:
         self._temperature = torch.ones(b, dtype=torch.float32)
         self._top_k = torch.zeros(b, dtype=torch.long)
         self._top_p = torch.ones(b, dtype=torch.float32)
+        # numpy views of the host buffers: element writes without torch's per-call overhead
+        self._tokens_np, self._pos_np, self._u_np = (
+            self._tokens.numpy(), self._pos.numpy(), self._u.numpy())  # fmt: skip
+        self._temp_np, self._top_k_np, self._top_p_np = (
+            self._temperature.numpy(), self._top_k.numpy(), self._top_p.numpy())  # fmt: skip
         self._params_dirty = True
         self._params_dev: tuple[torch.Tensor, ...] = ()
         self.steps_total = 0  # decode steps
@@ -339,9 +346,9 @@ class SlotScheduler:
                 seq = self._waiting.popleft()
                 self._slots[slot] = seq
                 sp = seq.request.sampling
-                self._temperature[slot] = sp.temperature
-                self._top_k[slot] = sp.top_k
-                self._top_p[slot] = sp.top_p
+                self._temp_np[slot] = sp.temperature
+                self._top_k_np[slot] = sp.top_k
+                self._top_p_np[slot] = sp.top_p
                 self._params_dirty = True
         return any(s is not None for s in self._slots)
 
@@ -353,7 +360,7 @@ class SlotScheduler:
             self._take(self._prefill_chunk())
             self.prefill_seconds += time.perf_counter() - t0
         sampled: list[tuple[int, int, float]] = []  # (slot, token, log-prob)
-        tokens, pos = self._tokens, self._pos
+        tokens, pos = self._tokens_np, self._pos_np
         need: list[int] = []  # slots whose logits this step samples
         for slot, seq in enumerate(self._slots):
             if seq is None:  # idle: writes position 0 of a free slot
@@ -370,7 +377,7 @@ class SlotScheduler:
         if stepped:
             t0 = time.perf_counter()
             self._set_uniforms(need)
-            logits = be.step(tokens, pos)
+            logits = be.step(self._tokens, self._pos)
             self.steps_total += 1
             for slot in stepped:
                 self._slots[slot].fed += 1  # type: ignore[union-attr]
@@ -425,7 +432,7 @@ class SlotScheduler:
         seqs = [self._slots[s] for s in slots]
         seeds = np.array([q.seed for q in seqs], dtype=np.uint64)  # type: ignore[union-attr]
         counters = np.array([len(q.tokens) - q.prompt_len for q in seqs], dtype=np.uint64)  # type: ignore[union-attr]
-        self._u[slots] = torch.from_numpy(uniforms(seeds, counters))
+        self._u_np[slots] = uniforms(seeds, counters)
 
     def _take(self, sampled: list[tuple[int, int, float]]) -> None:
         """Append sampled tokens; finish the sequences that stop or reach their length."""
@@ -443,7 +450,7 @@ class SlotScheduler:
     def _sample(self, logits: torch.Tensor, slots: list[int], *,
                 rows_are_slots: bool = True) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """Sample for `slots` from `logits` (rows indexed by slot, or one row per slot in
-        order when not `rows_are_slots`)."""
+        order when not `rows_are_slots`); one device-to-host copy."""
         dev = logits.device
         if self._params_dirty:
             self._params_dev = (self._temperature.to(dev), self._top_k.to(dev),
@@ -451,12 +458,14 @@ class SlotScheduler:
             self._params_dirty = False
         temp, top_k, top_p = self._params_dev
         u = self._u.to(dev, non_blocking=True)
-        filtered = any(bool(self._top_k[s] > 0) or bool(self._top_p[s] < 1) for s in slots)
+        filtered = bool((self._top_k_np[slots] > 0).any() or (self._top_p_np[slots] < 1).any())
+        greedy = bool((self._temp_np[slots] <= 0).any())
         idx = torch.tensor(slots, device=dev)
         rows = logits.index_select(0, idx) if rows_are_slots else logits
         tok, logp = sample_rows(rows, temp[idx], top_k[idx], top_p[idx], u[idx],
-                                filtered=filtered)  # fmt: skip
-        return tok.cpu().numpy(), logp.cpu().numpy()
+                                filtered=filtered, any_greedy=greedy)  # fmt: skip
+        both = torch.stack([tok.double(), logp.double()]).cpu().numpy()
+        return both[0].astype(np.int64), both[1]
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
         seq = self._slots[slot]
