@@ -312,20 +312,24 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
 
 
 class _Assembly:
-    """One record being received: header space + blob, filled in place."""
+    """One record being received: header space + blob, grown as the data arrives.
+
+    Memory follows the bytes received, never the declared total_bytes: a client that
+    declares a large record and sends little holds little (the declared size is checked
+    against max_record_bytes first, and data past it is refused)."""
 
     def __init__(self, key: pb.RecordKey, total: int, crc32: int) -> None:
         self.key = key
         self.total = total
         self.crc32 = crc32
-        self.value = memoryview(bytearray(HEADER_BYTES + total))
+        self.buffer = bytearray(HEADER_BYTES)
         self.received = 0
 
     def add(self, data: bytes) -> None:
         n = len(data)
         if self.received + n > self.total:
             raise invalid(f"record {self.key.sample_id!r}: more data than total_bytes={self.total}")
-        self.value[HEADER_BYTES + self.received : HEADER_BYTES + self.received + n] = data
+        self.buffer += data
         self.received += n
 
     def finish(self, store: RecordStore) -> tuple[str, memoryview]:
@@ -335,11 +339,12 @@ class _Assembly:
             raise invalid(
                 f"record {sid!r}: stream ended after {self.received} of total_bytes={self.total}"
             )
-        actual = crc32(self.value[HEADER_BYTES:])
+        value = memoryview(self.buffer)
+        actual = crc32(value[HEADER_BYTES:])
         if actual != self.crc32:
             raise ServiceError(
                 grpc.StatusCode.DATA_LOSS,
                 f"record {sid!r}: crc32 {actual:#010x} of received data != declared {self.crc32:#010x}",
             )
-        self.value[:HEADER_BYTES] = encode_header(actual, self.total)
-        return store.key(self.key.run_id, self.key.policy_version, sid), self.value
+        value[:HEADER_BYTES] = encode_header(actual, self.total)
+        return store.key(self.key.run_id, self.key.policy_version, sid), value

@@ -11,12 +11,18 @@ from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc
 from trace_common.service import ServiceRuntime, load_settings
 from trace_common.ws_data_plane import server_ssl_context
 
+STATUS_REPLICAS = 64  # replicas listed on /status at most (ListReplicas has them all)
+
 
 def main() -> None:
     settings = load_settings(WeightSyncSettings)
     rt = ServiceRuntime("weight_sync", settings)
     versions = VersionStore(keep=settings.keep_versions)
-    registry = ReplicaRegistry(settings.heartbeat_timeout_seconds)
+    registry = ReplicaRegistry(
+        settings.heartbeat_timeout_seconds,
+        expire_after_s=settings.replica_expire_seconds,
+        max_replicas=settings.max_replicas,
+    )
     servicer = WeightSyncServicer(
         versions,
         registry,
@@ -39,6 +45,7 @@ def main() -> None:
             servicer.count_pull,
             ticket_seconds=settings.data_plane_ticket_seconds,
             max_tickets=settings.data_plane_max_tickets,
+            max_tickets_per_replica=settings.data_plane_max_tickets_per_replica,
             advertise=settings.data_plane_advertise,
             ssl_context=server_ssl_context(settings),
         )
@@ -46,12 +53,16 @@ def main() -> None:
 
     def status() -> dict[str, object]:
         plane = servicer.data_plane
+        replicas = registry.snapshot()
         return {
             "data_plane_port": None if plane is None else plane.port,
             "latest_version": versions.latest_version(),
             "versions": [
                 {"version": v.version, "bytes": v.header.total_bytes} for v in versions.all()
             ],
+            "replicas_total": len(replicas),
+            "replicas_alive": sum(1 for _, alive, _ in replicas if alive),
+            # the first STATUS_REPLICAS by id: /status stays small however many register
             "replicas": [
                 {
                     "replica_id": r.replica_id,
@@ -59,7 +70,7 @@ def main() -> None:
                     "version_held": r.version_held,
                     "alive": alive,
                 }
-                for r, alive, _ in registry.snapshot()
+                for r, alive, _ in replicas[:STATUS_REPLICAS]
             ],
         }
 

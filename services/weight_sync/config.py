@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.weight_sync.data_plane import parse_advertise
 from trace_common.service import ServiceSettings
@@ -16,6 +16,21 @@ class WeightSyncSettings(ServiceSettings):
     chunk_bytes: int = Field(4 << 20, gt=0, description="PullVersion chunk size")
     heartbeat_timeout_seconds: float = Field(
         30.0, gt=0, description="a replica silent this long is reported dead"
+    )
+    replica_expire_seconds: float = Field(
+        300.0,
+        gt=0,
+        description="a replica silent this long is forgotten (its metric series too); it "
+        "registers again by itself if it comes back",
+    )
+    max_replicas: int = Field(
+        1024, ge=1, description="replicas registered at once at most (more: RESOURCE_EXHAUSTED)"
+    )
+    data_plane_max_tickets_per_replica: int = Field(
+        4,
+        ge=1,
+        description="outstanding tickets per replica_id at most; past either bound a "
+        "client pulls over gRPC (PullVersion) instead",
     )
     data_plane_enabled: bool = Field(
         True,
@@ -39,6 +54,15 @@ class WeightSyncSettings(ServiceSettings):
     data_plane_max_tickets: int = Field(
         1024, ge=1, description="outstanding tickets at most (more: RESOURCE_EXHAUSTED)"
     )
+
+    @model_validator(mode="after")
+    def _check_expiry(self) -> WeightSyncSettings:
+        if self.replica_expire_seconds < self.heartbeat_timeout_seconds:
+            raise ValueError(
+                f"TRACE_REPLICA_EXPIRE_SECONDS={self.replica_expire_seconds} must be >= "
+                f"TRACE_HEARTBEAT_TIMEOUT_SECONDS={self.heartbeat_timeout_seconds}"
+            )
+        return self
 
     @field_validator("data_plane_advertise")
     @classmethod

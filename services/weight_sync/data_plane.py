@@ -64,6 +64,7 @@ class DataPlane:
         *,
         ticket_seconds: float,
         max_tickets: int,
+        max_tickets_per_replica: int | None = None,
         advertise: str = "",
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
@@ -71,8 +72,12 @@ class DataPlane:
             raise ValueError(f"ticket_seconds must be > 0, got {ticket_seconds}")
         if max_tickets < 1:
             raise ValueError(f"max_tickets must be >= 1, got {max_tickets}")
+        per_replica = max_tickets if max_tickets_per_replica is None else max_tickets_per_replica
+        if per_replica < 1:
+            raise ValueError(f"max_tickets_per_replica must be >= 1, got {per_replica}")
         self.ticket_seconds = ticket_seconds
         self.max_tickets = max_tickets
+        self.max_tickets_per_replica = per_replica
         self.tls = ssl_context is not None
         self._ssl = ssl_context
         self._on_pull = on_pull
@@ -96,8 +101,9 @@ class DataPlane:
 
     def issue(self, stored: StoredVersion, replica_id: str) -> bytes:
         """A new ticket for one pull of `stored` (RESOURCE_EXHAUSTED when too many are
-        outstanding). The ticket holds the version: a pull started before the version is
-        dropped still gets it."""
+        outstanding, in all or for this replica_id: clients then pull with PullVersion).
+        The ticket holds the version: a pull started before the version is dropped still
+        gets it."""
         now = time.monotonic()
         ticket = secrets.token_bytes(wire.TICKET_BYTES)
         with self._lock:
@@ -106,6 +112,12 @@ class DataPlane:
                 raise exhausted(
                     f"{len(self._tickets)} data-plane tickets outstanding (max_tickets="
                     f"{self.max_tickets}); retry after {self.ticket_seconds:g} s or use PullVersion"
+                )
+            mine = sum(1 for t in self._tickets.values() if t.replica_id == replica_id)
+            if mine >= self.max_tickets_per_replica:
+                raise exhausted(
+                    f"replica_id={replica_id!r} holds {mine} unused data-plane tickets "
+                    f"(max_tickets_per_replica={self.max_tickets_per_replica}); use PullVersion"
                 )
             self._tickets[ticket] = _Ticket(stored, replica_id, now + self.ticket_seconds)
         return ticket

@@ -1,7 +1,10 @@
 """Which rollout replicas exist, what version each holds, and whether each is alive.
 
 A replica is alive while its last register/heartbeat is at most `heartbeat_timeout_s` old;
-a dead one stays listed (alive = false) until it registers again.
+a dead one stays listed (alive = false) until `expire_after_s` have passed without a beat,
+then it is forgotten (its metric series go with it; it registers again if it comes back).
+At most `max_replicas` are registered at once (more: RESOURCE_EXHAUSTED), so fake
+registrations cannot grow the registry, /status or the metrics without bound.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from trace_common.service import check_id, invalid, not_registered
+from trace_common.service import check_id, exhausted, invalid, not_registered
+
+MAX_ADDRESS_CHARS = 255
 
 
 @dataclass(slots=True)
@@ -22,20 +27,49 @@ class Replica:
 
 
 class ReplicaRegistry:
-    def __init__(self, heartbeat_timeout_s: float) -> None:
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        *,
+        expire_after_s: float | None = None,
+        max_replicas: int = 1024,
+    ) -> None:
+        """`expire_after_s` defaults to 10 heartbeat timeouts."""
         if heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+        expire_after_s = 10 * heartbeat_timeout_s if expire_after_s is None else expire_after_s
+        if expire_after_s < heartbeat_timeout_s:
+            raise ValueError(
+                f"expire_after_s={expire_after_s} must be >= heartbeat_timeout_s="
+                f"{heartbeat_timeout_s} (a replica is reported dead before it is forgotten)"
+            )
+        if max_replicas < 1:
+            raise ValueError(f"max_replicas must be >= 1, got {max_replicas}")
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.expire_after_s = expire_after_s
+        self.max_replicas = max_replicas
         self._replicas: dict[str, Replica] = {}
         self._lock = threading.Lock()
 
+    def _expire(self, now: float) -> None:
+        """Forget replicas silent for expire_after_s (lock held)."""
+        gone = [k for k, r in self._replicas.items() if now - r.last_seen > self.expire_after_s]
+        for key in gone:
+            del self._replicas[key]
+
     def register(self, replica_id: str, address: str) -> Replica:
         check_id("replica_id", replica_id)
-        if len(address) > 255:
-            raise invalid(f"address is {len(address)} characters, over 255")
+        if len(address) > MAX_ADDRESS_CHARS:
+            raise invalid(f"address is {len(address)} characters, over {MAX_ADDRESS_CHARS}")
         with self._lock:
             replica = self._replicas.get(replica_id)
             if replica is None:
+                self._expire(time.monotonic())
+                if len(self._replicas) >= self.max_replicas:
+                    raise exhausted(
+                        f"{len(self._replicas)} replicas registered (max_replicas="
+                        f"{self.max_replicas}); {replica_id!r} refused"
+                    )
                 replica = self._replicas[replica_id] = Replica(replica_id, address)
             replica.address = address
             replica.last_seen = time.monotonic()
@@ -44,6 +78,7 @@ class ReplicaRegistry:
     def require(self, replica_id: str) -> Replica:
         check_id("replica_id", replica_id)
         with self._lock:
+            self._expire(time.monotonic())
             replica = self._replicas.get(replica_id)
         if replica is None:
             raise not_registered(replica_id)
@@ -66,6 +101,7 @@ class ReplicaRegistry:
         """(replica, alive, seconds since heartbeat) for every replica, sorted by id."""
         now = time.monotonic()
         with self._lock:
+            self._expire(now)
             replicas = sorted(self._replicas.values(), key=lambda r: r.replica_id)
             return [
                 (

@@ -16,7 +16,8 @@ the same CRC-32 checks either way:
   over a plain TCP (or TLS) connection straight into each tensor's buffer (recv_into).
 - grpc: the PullVersion stream (header, then chunks).
 `data_path="auto"` (the default) takes the direct path when the service offers it and it
-connects, else gRPC from then on (logged); "direct" raises DirectPathError instead.
+connects, else gRPC from then on (logged); "direct" raises DirectPathError instead. When
+weight-sync has no ticket to give (RESOURCE_EXHAUSTED), "auto" makes that one pull over gRPC.
 
 A weight-sync that restarted has forgotten its replicas: the client remembers the address
 each replica registered with, and a heartbeat or subscribe that weight-sync answers with
@@ -160,11 +161,23 @@ class WeightSyncClient(GrpcClient):
         request = pb.PullTicketRequest(replica_id=replica_id)
         if version is not None:
             request.version = version
-        ticket = offered(
-            lambda: self._stub.GetPullTicket(request, metadata=self.metadata, timeout=self.timeout),
-            strict,
-            "weight-sync",
-        )
+        try:
+            ticket = offered(
+                lambda: self._stub.GetPullTicket(
+                    request, metadata=self.metadata, timeout=self.timeout
+                ),
+                strict,
+                "weight-sync",
+            )
+        except grpc.RpcError as err:
+            # The data plane's tickets are used up (by others, or a flood): this pull only
+            # goes over gRPC; the next one asks for a ticket again.
+            if strict or err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            log.warning(
+                "weight-sync: this pull over gRPC (no data-plane ticket: %s)", err.details()
+            )
+            return None
         if ticket is None:
             self._direct_off = True
             return None

@@ -296,3 +296,47 @@ def test_replica_registers_again_after_a_weight_sync_restart(service: ServicePro
         notice = next(iter(stream))
         stream.cancel()
         assert notice.version == 0
+
+
+def test_ticket_flood_and_fake_registrations_stay_bounded() -> None:
+    """Any token holder can ask for tickets and register replicas: the flood uses up the
+    data plane's tickets, yet an honest replica still pulls (over gRPC, that once); fake
+    registrations beyond max_replicas are refused and /status stays small."""
+    env = {"TRACE_AUTH_TOKEN": TOKEN, "TRACE_DATA_PLANE_MAX_TICKETS": "16",
+           "TRACE_MAX_REPLICAS": "300"}  # fmt: skip
+    with ServiceProcess(WS, env) as svc:
+        trainer = WeightSyncClient(svc.grpc_address, TOKEN)
+        trainer.push_version(1, _policy(1), {})
+        stub = pb_grpc.WeightSyncStub(grpc.insecure_channel(svc.grpc_address))
+        meta = ((AUTH_HEADER, f"Bearer {TOKEN}"),)
+        exhausted = 0
+        for i in range(40):
+            try:
+                stub.GetPullTicket(pb.PullTicketRequest(replica_id=f"flood-{i}"), metadata=meta)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                exhausted += 1
+        assert exhausted == 40 - 16
+        honest = WeightSyncClient(svc.grpc_address, TOKEN)  # data_path="auto"
+        version, tensors, _ = honest.pull_version(replica_id="honest")
+        assert version == 1
+        _assert_exact(tensors, _policy(1))
+        assert honest.path == "direct"  # only that pull fell back; the next asks again
+        strict = WeightSyncClient(svc.grpc_address, TOKEN, data_path="direct")
+        with pytest.raises(grpc.RpcError) as err:
+            strict.pull_version(replica_id="strict")
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        refused = 0
+        for i in range(320):
+            try:
+                stub.Register(pb.RegisterRequest(replica_id=f"fake-{i:04d}", address="x:1"),
+                              metadata=meta)  # fmt: skip
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                refused += 1
+        assert refused == 20
+        reply = httpx.get(f"{svc.http_url}/status")
+        status = reply.json()
+        assert status["replicas_total"] == 300 and len(status["replicas"]) == 64
+        assert len(reply.content) < 16_000, len(reply.content)

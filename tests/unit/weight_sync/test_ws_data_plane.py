@@ -253,3 +253,27 @@ def test_ticket_keeps_a_dropped_version(served: tuple[WeightSyncServicer, DataPl
     assert [v.version for v in s.versions.all()] == [4, 5]
     got = _pull(reply)
     assert {k: bytes(v.numpy()) for k, v in got.items()} == TENSORS
+
+
+def test_tickets_per_replica_are_bounded() -> None:
+    s = make()
+    plane = DataPlane(
+        "127.0.0.1", 0, Metrics("weight_sync"), s.count_pull,
+        ticket_seconds=5, max_tickets=10, max_tickets_per_replica=2,
+    )  # fmt: skip
+    s.data_plane = plane
+    try:
+        s.PushVersion(iter(messages(3, TENSORS)), Ctx())
+        for _ in range(2):
+            s.GetPullTicket(pb.PullTicketRequest(replica_id="greedy"), Ctx())
+        with pytest.raises(ServiceError) as err:
+            s.GetPullTicket(pb.PullTicketRequest(replica_id="greedy"), Ctx())
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "replica_id='greedy' holds 2 unused" in err.value.message
+        # another replica is not affected, and a redeemed ticket frees its slot
+        reply = s.GetPullTicket(pb.PullTicketRequest(replica_id="honest"), Ctx())
+        _pull(reply)
+        s.GetPullTicket(pb.PullTicketRequest(replica_id="honest"), Ctx())
+        s.GetPullTicket(pb.PullTicketRequest(replica_id="honest"), Ctx())
+    finally:
+        plane.close()

@@ -314,3 +314,44 @@ def test_subscribe_sends_latest_then_new_and_ends_on_shutdown() -> None:
     assert next(stream).version == 2
     threading.Timer(0.1, s.shutdown).start()
     assert list(stream) == []
+
+
+def test_silent_replicas_are_forgotten_with_their_metric_series() -> None:
+    metrics = Metrics("weight_sync")
+    registry = ReplicaRegistry(0.05, expire_after_s=0.2, max_replicas=3)
+    s = WeightSyncServicer(
+        VersionStore(2), registry, metrics, max_version_bytes=MAX_VERSION, chunk_bytes=3
+    )
+    for rid in ("a", "b", "c"):
+        s.Register(pb.RegisterRequest(replica_id=rid, address=f"{rid}:1"), Ctx())
+    code, message = code_of(
+        lambda: s.Register(pb.RegisterRequest(replica_id="d", address="d:1"), Ctx())
+    )
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_replicas=3" in message
+    assert 'replica_id="a"' in metrics.exposition().decode()
+    time.sleep(0.1)
+    s.Heartbeat(pb.HeartbeatRequest(replica_id="a", version_held=-1), Ctx())
+    listed = {
+        r.replica_id: r.alive for r in s.ListReplicas(pb.ListReplicasRequest(), Ctx()).replicas
+    }
+    assert listed == {"a": True, "b": False, "c": False}  # dead, not yet forgotten
+    time.sleep(0.15)
+    s.Heartbeat(pb.HeartbeatRequest(replica_id="a", version_held=-1), Ctx())
+    assert [r.replica_id for r in s.ListReplicas(pb.ListReplicasRequest(), Ctx()).replicas] == ["a"]
+    text = metrics.exposition().decode()
+    assert (
+        'replica_id="a"' in text and 'replica_id="b"' not in text and 'replica_id="c"' not in text
+    )
+    # room again; and a forgotten replica's heartbeat says "not registered" (it re-registers)
+    s.Register(pb.RegisterRequest(replica_id="d", address="d:1"), Ctx())
+    code, message = code_of(
+        lambda: s.Heartbeat(pb.HeartbeatRequest(replica_id="b", version_held=1), Ctx())
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "'b' is not registered" in message
+
+
+def test_registry_rejects_bad_bounds() -> None:
+    with pytest.raises(ValueError, match="expire_after_s=1 must be >= heartbeat_timeout_s=2"):
+        ReplicaRegistry(2, expire_after_s=1)
+    with pytest.raises(ValueError, match="max_replicas must be >= 1, got 0"):
+        ReplicaRegistry(2, max_replicas=0)
