@@ -49,6 +49,9 @@ GPU_RECIPE: dict[str, Any] = {
     "warmstart_target": 0.2,
     "warmstart_max_steps": 400,
     "checkpoint_every": 100,  # 12 GB per mid-1b checkpoint (weights + AdamW): the last only
+    # The CUDA engine records compact guidance only (full records would send every replica to
+    # the PyTorch engine); D_act needs full records, so on the GPU it is not measured.
+    "guidance_mode": "compact",
 }
 
 
@@ -75,6 +78,7 @@ class DemoConfig:
     rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas: auto | native | cuda
     rollout_dtype: str = "auto"  # PyTorch engine's dtype (auto: bf16 on CUDA, else fp32)
     checkpoint_every: int | None = None  # None: a quarter of the steps
+    guidance_mode: str = "full"  # full records make D_act measurable every step
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,6 +90,8 @@ class DemoConfig:
         get_config(self.shape)  # ValueError naming the known shapes
         if self.rollout_engine not in ("auto", "native", "cuda"):
             raise ValueError(f"rollout engine {self.rollout_engine!r}: auto | native | cuda")
+        if self.guidance_mode not in ("full", "compact"):
+            raise ValueError(f"guidance mode {self.guidance_mode!r}: full | compact")
         if self.rollout_dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"rollout dtype {self.rollout_dtype!r}: one of {ROLLOUT_DTYPES}")
 
@@ -223,7 +229,7 @@ def trainer_env(cfg: DemoConfig, out: pathlib.Path, init: str) -> dict[str, str]
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
         "TRACE_CHECKPOINT_DIR": str(out / "checkpoints"),
         "TRACE_CHECKPOINT_EVERY": str(cfg.checkpoint_every or max(1, cfg.steps // 4)),
-        "TRACE_GUIDANCE_MODE": "full",  # full records make D_act measurable every step
+        "TRACE_GUIDANCE_MODE": cfg.guidance_mode,
     }
 
 
@@ -318,6 +324,16 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
         "logp_abs_diff_mean": _mean([r.get("logp_abs_diff_mean", float("nan")) for r in rows]),
         "d_act_mean": _mean([r["d_act_mean"] for r in rows if "d_act_mean" in r]),
         "samples_dropped_stale": sum(r["samples_dropped_stale"] for r in rows),
+        "step_time_split_s": {
+            phase: _mean([r.get(f"time_{phase}_s", float("nan")) for r in rows])
+            for phase in ("rollout", "records", "train", "push")
+        },
+        "train_tokens_per_s": _mean([r.get("train_tokens_per_s", float("nan")) for r in rows]),
+        "train_peak_memory_bytes": max(
+            (r.get("train_peak_memory_bytes", 0) for r in rows), default=0
+        ),
+        "weight_push_seconds": _mean([r.get("weight_push_seconds", float("nan")) for r in rows]),
+        "weight_pull_seconds": _mean([r.get("weight_pull_seconds", float("nan")) for r in rows]),
         "rl_seconds": rl_seconds,
         "final_checkpoint": str(ckpt_path),
         "plots": [str(p) for p in plots],
@@ -350,7 +366,18 @@ def summary_markdown(s: dict[str, Any], cfg: DemoConfig) -> str:
             f"- per-step sampled reward: {s['reward_first_5_steps']:.3f} (steps 1-5) -> "
             f"{s['reward_last_5_steps']:.3f} (last 5)",
             f"- train-rollout |dlogp| on fresh samples: {s['logp_abs_diff_mean']:.2e} (mean); "
-            f"D_act at guided sites: {s['d_act_mean']:.2e}",
+            f"D_act at guided sites: {s['d_act_mean']:.2e}"
+            + (" (compact records: not measured)" if cfg.guidance_mode == "compact" else ""),
+            "- step time split (mean s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in s["step_time_split_s"].items()),
+            f"- trainer: {s['train_tokens_per_s']:.0f} tokens/s (whole train step)"
+            + (
+                f", peak {s['train_peak_memory_bytes'] / 2**30:.1f} GiB"
+                if s["train_peak_memory_bytes"]
+                else ""
+            )
+            + f"; weight push "
+            f"{s['weight_push_seconds']:.2f} s + pull {s['weight_pull_seconds']:.2f} s per version",
             f"- samples dropped as stale: {s['samples_dropped_stale']}",
             f"- final checkpoint: {s['final_checkpoint']}",
             "- plots: reward.png, discrepancy.png, overview.png; per-step metrics: metrics.jsonl",

@@ -31,6 +31,7 @@ def test_cuda_takes_the_gpu_recipe_and_explicit_options_win() -> None:
         ({"shape": "huge"}, "unknown model shape 'huge'"),
         ({"rollout_engine": "vllm"}, "rollout engine 'vllm'"),
         ({"rollout_dtype": "float16"}, "rollout dtype 'float16'"),
+        ({"guidance_mode": "half"}, "guidance mode 'half'"),
     ],
 )
 def test_bad_values_are_named(kw: dict, match: str) -> None:
@@ -43,6 +44,7 @@ def test_every_process_gets_the_device_shape_and_engine(tmp_path: pathlib.Path) 
     t = trainer_env(cfg, tmp_path, "w.safetensors")
     assert (t["TRACE_DEVICE"], t["TRACE_MODEL"], t["TRACE_TASK"]) == ("cuda", "mid-1b", "addition")
     assert t["TRACE_CHECKPOINT_EVERY"] == "100" and t["TRACE_INIT_WEIGHTS"] == "w.safetensors"
+    assert t["TRACE_GUIDANCE_MODE"] == "compact"  # what the CUDA engine records
     r = rollout_env(cfg)
     assert r == {"TRACE_DEVICE": "cuda", "TRACE_ROLLOUT_ENGINE": "native",
                  "TRACE_ENGINE_DTYPE": "auto"}  # fmt: skip
@@ -50,3 +52,4 @@ def test_every_process_gets_the_device_shape_and_engine(tmp_path: pathlib.Path) 
     assert (cpu["TRACE_DEVICE"], cpu["TRACE_MODEL"], cpu["TRACE_CHECKPOINT_EVERY"]) == (
         "cpu", "debug", "10",
     )  # fmt: skip
+    assert cpu["TRACE_GUIDANCE_MODE"] == "full"
