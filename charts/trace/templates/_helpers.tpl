@@ -264,8 +264,17 @@ TRACE_REDIS_URL, a Service name in this namespace), so no Redis setting is neede
 {{- end -}}
 
 {{/* Rollout: each pod registers with weight-sync under its pod name at its pod IP. */}}
+{{/* TRACE_DEVICE of a compute component: cuda when its pod requests GPUs (the device plugin
+gives each pod its own, numbered from 0 inside it: every rollout replica has its own GPU),
+else cpu. A component's `env.TRACE_DEVICE` overrides it (e.g. cuda:1 with gpus: 2). */}}
+{{- define "trace.deviceEnv" -}}
+- name: TRACE_DEVICE
+  value: {{ if gt (int (default 0 .gpus)) 0 }}"cuda"{{ else }}"cpu"{{ end }}
+{{- end -}}
+
 {{- define "trace.rolloutEnv" -}}
 {{ include "trace.storeEnv" . }}
+{{ include "trace.deviceEnv" .Values.rollout }}
 - name: TRACE_REPLICA_ID
   value: "$(POD_NAME)"
 - name: TRACE_ADVERTISE_HOST
@@ -275,6 +284,7 @@ TRACE_REDIS_URL, a Service name in this namespace), so no Redis setting is neede
 {{/* Trainer: checkpoints and metrics.jsonl on its PersistentVolumeClaim (/data). */}}
 {{- define "trace.trainerEnv" -}}
 {{ include "trace.storeEnv" . }}
+{{ include "trace.deviceEnv" .Values.trainer }}
 - name: TRACE_CHECKPOINT_DIR
   value: /data/checkpoints
 - name: TRACE_METRICS_FILE

@@ -216,6 +216,21 @@ def test_probes_ports_and_gpus(rendered: tuple[str, list[dict]]) -> None:
             assert gpus is None, (comp, gpus)
 
 
+def test_compute_components_get_their_device(rendered: tuple[str, list[dict]]) -> None:
+    """TRACE_DEVICE: cuda where the pod requests a GPU (each rollout replica its own), cpu
+    where it requests none; the stores compute nothing and get none."""
+    name, docs = rendered
+    for w in _workloads(docs):
+        comp = _component(w)
+        if comp not in TRACE:
+            continue
+        env = {e["name"]: e.get("value") for e in _trace_container(w)["env"]}
+        if comp not in GPU:
+            assert "TRACE_DEVICE" not in env, comp
+        else:
+            assert env["TRACE_DEVICE"] == ("cuda" if name == "defaults" else "cpu"), comp
+
+
 def test_rollout_discovery_and_scaling(rendered: tuple[str, list[dict]]) -> None:
     name, docs = rendered
     services = _by_kind(docs, "Service")

@@ -267,6 +267,9 @@ def test_gpu_override(compose: dict, env: dict[str, str]) -> None:
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], name
         assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile.cuda", name
         assert svc["command"] == compose["services"][name]["command"]
+        # the device: cpu in the base file, cuda with the GPU override (each container's GPU)
+        assert compose["services"][name]["environment"]["TRACE_DEVICE"] == "cpu", name
+        assert svc["environment"]["TRACE_DEVICE"] == "cuda", name
     # The base file alone reserves no GPU: it runs on a CPU host.
     for svc in compose["services"].values():
         assert "deploy" not in svc
