@@ -188,6 +188,18 @@ def decode_parts(header: bytes, pieces: list[bytes | memoryview]) -> Found:
     return Found(Lookup.OK, crc32=crc, parts=[p for p in pieces if len(p)] or [b""])
 
 
+def _refusal(*replies: object) -> Found | None:
+    """A CORRUPT lookup if Redis answered one of a key's commands with an error reply
+    (e.g. WRONGTYPE: something else wrote a hash or list there); connection failures are
+    raised by the pipeline itself, for the whole batch."""
+    for reply in replies:
+        if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
+            raise reply
+        if isinstance(reply, redis.ResponseError):
+            return Found(Lookup.CORRUPT, detail=f"Redis refused the key: {reply}")
+    return None
+
+
 def redis_errors(exc: redis.RedisError) -> ServiceError:
     """Map a Redis failure to a status: OOM at the memory bound -> RESOURCE_EXHAUSTED."""
     text = str(exc)
@@ -259,11 +271,15 @@ class RecordStore:
                 for key in todo:
                     pipe.strlen(key)
                     pipe.getrange(key, 0, HEADER_BYTES + step - 1)
-                replies = pipe.execute()
+                # A key Redis refuses (WRONGTYPE: not a string) fails that key, not the batch.
+                replies = pipe.execute(raise_on_error=False)
                 retry: list[str] = []
                 long: list[tuple[str, int, bytes]] = []  # key, length, header + first piece
                 for key, n, head in zip(todo, replies[::2], replies[1::2], strict=True):
-                    if len(head) == n or (last and len(head) < HEADER_BYTES + step):
+                    refused = _refusal(n, head)
+                    if refused is not None:
+                        found[key] = refused
+                    elif len(head) == n or (last and len(head) < HEADER_BYTES + step):
                         found[key] = decode(head) if head else MISSING
                     elif len(head) == HEADER_BYTES + step and n > len(head):
                         long.append((key, n, head))
@@ -278,11 +294,14 @@ class RecordStore:
                             pipe.getrange(key, start, min(start + step, n) - 1)
                         pipe.strlen(key)
                         pipe.getrange(key, 0, HEADER_BYTES - 1)
-                    rest = iter(pipe.execute())
+                    rest = iter(pipe.execute(raise_on_error=False))
                     for key, n, head in long:
                         pieces = [next(rest) for _ in range(HEADER_BYTES + step, n, step)]
                         same = next(rest) == n and next(rest) == head[:HEADER_BYTES]
-                        if same or last:
+                        refused = _refusal(*pieces)
+                        if refused is not None:  # replaced by another type meanwhile
+                            found[key] = refused
+                        elif same or last:
                             found[key] = decode_parts(
                                 head[:HEADER_BYTES], [memoryview(head)[HEADER_BYTES:], *pieces]
                             )

@@ -59,6 +59,32 @@ def is_not_registered(err: grpc.RpcError) -> bool:
     )
 
 
+# Codes of an upstream call that say nothing about the caller's request: our own credentials
+# were refused upstream, a deployment problem (FAILED_PRECONDITION, not the caller's token).
+_CREDENTIAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def from_upstream(err: grpc.RpcError, upstream: str = "an upstream service") -> ServiceError:
+    """The ServiceError to answer with when a call this service made failed (e.g. the rollout
+    writing records to quant-cache): the upstream code is kept (UNAVAILABLE stays
+    retryable, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, DATA_LOSS... keep their meaning) and the
+    upstream's message is quoted. A refusal of this service's own credentials becomes
+    FAILED_PRECONDITION; an upstream without a code (UNKNOWN), INTERNAL."""
+    code = err.code() if callable(getattr(err, "code", None)) else None
+    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    if code in _CREDENTIAL_CODES:
+        mapped = grpc.StatusCode.FAILED_PRECONDITION
+    elif not isinstance(code, grpc.StatusCode) or code in (
+        grpc.StatusCode.OK,
+        grpc.StatusCode.UNKNOWN,
+    ):
+        mapped = grpc.StatusCode.INTERNAL
+    else:
+        mapped = code
+    return ServiceError(mapped, f"{upstream} answered {name}: {details}")
+
+
 def check_id(field: str, value: str, pattern: re.Pattern[str] = ID_RE) -> str:
     """Validate an identifier used in keys and labels; INVALID_ARGUMENT names the value."""
     if not pattern.fullmatch(value):

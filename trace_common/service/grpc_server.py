@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from trace_common.service.config import ServiceSettings
-from trace_common.service.errors import ServiceError
+from trace_common.service.errors import ServiceError, from_upstream
 from trace_common.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -52,32 +52,75 @@ def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+class _Malformed:
+    """Stands in for a request message that did not parse (see `_tolerant`)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserialize`, returning a `_Malformed` instead of raising: gRPC would answer a
+    deserializer's exception with INTERNAL, but a malformed message is the client's fault
+    (INVALID_ARGUMENT, raised by `_checked` inside the handler)."""
+    if deserialize is None:
+        return None
+
+    def run(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:
+            return _Malformed(f"{type(exc).__name__}: {exc}")
+
+    return run
+
+
+def _malformed(item: _Malformed) -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"malformed request message (not the method's protobuf type): {item.error}",
+    )
+
+
+def _checked(request: Any, request_streaming: bool) -> Any:
+    """The request, or ServiceError(INVALID_ARGUMENT) for a message that did not parse
+    (for a request stream: when the iterator reaches it)."""
+    if request_streaming:
+
+        def messages() -> Iterator[Any]:
+            for item in request:
+                if isinstance(item, _Malformed):
+                    raise _malformed(item)
+                yield item
+
+        return messages()
+    if isinstance(request, _Malformed):
+        raise _malformed(request)
+    return request
+
+
 def _replace_behavior(
     handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool], Callable]
 ) -> grpc.RpcMethodHandler:
-    """Return `handler` with its behaviour wrapped; `wrap(fn, response_streaming)`."""
+    """Return `handler` with its behaviour wrapped (`wrap(fn, response_streaming)`) and a
+    request deserializer that marks malformed messages instead of raising."""
+    deserialize = _tolerant(handler.request_deserializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
-            wrap(handler.unary_unary, False),
-            handler.request_deserializer,
-            handler.response_serializer,
+            wrap(handler.unary_unary, False), deserialize, handler.response_serializer
         )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            wrap(handler.unary_stream, True),
-            handler.request_deserializer,
-            handler.response_serializer,
+            wrap(handler.unary_stream, True), deserialize, handler.response_serializer
         )
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            wrap(handler.stream_unary, False),
-            handler.request_deserializer,
-            handler.response_serializer,
+            wrap(handler.stream_unary, False), deserialize, handler.response_serializer
         )
     return grpc.stream_stream_rpc_method_handler(
-        wrap(handler.stream_stream, True),
-        handler.request_deserializer,
-        handler.response_serializer,
+        wrap(handler.stream_stream, True), deserialize, handler.response_serializer
     )
 
 
@@ -108,7 +151,9 @@ class _CodecServer:
 
 class ServiceInterceptor(grpc.ServerInterceptor):
     """Checks the bearer token of every RPC (UNAUTHENTICATED otherwise), maps `ServiceError`
-    to its status code, and records per-method request counts and latencies."""
+    to its status code, a malformed request message to INVALID_ARGUMENT, a failed call to
+    another service (grpc.RpcError) to that call's code (`from_upstream`), and records
+    per-method request counts and latencies."""
 
     def __init__(self, token: str, metrics: Metrics, exempt_health: bool = True) -> None:
         self._token = f"{BEARER}{token}".encode()
@@ -148,13 +193,18 @@ class ServiceInterceptor(grpc.ServerInterceptor):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
             return _replace_behavior(handler, lambda _fn, _streaming: deny)
-        return _replace_behavior(handler, lambda fn, streaming: self._wrap(method, fn, streaming))
+        request_streaming = bool(handler.request_streaming)
+        return _replace_behavior(
+            handler, lambda fn, streaming: self._wrap(method, fn, streaming, request_streaming)
+        )
 
     def _finish(self, method: str, start: float, code: str) -> None:
         self._latency.labels(method).observe(time.perf_counter() - start)
         self._requests.labels(method, code).inc()
 
-    def _wrap(self, method: str, fn: Callable, streaming: bool) -> Callable:
+    def _wrap(
+        self, method: str, fn: Callable, streaming: bool, request_streaming: bool = False
+    ) -> Callable:
         def _abort(context: grpc.ServicerContext, start: float, err: ServiceError) -> None:
             self._finish(method, start, err.code.name)
             context.abort(err.code, err.message)
@@ -164,9 +214,11 @@ class ServiceInterceptor(grpc.ServerInterceptor):
             def stream_behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 start = time.perf_counter()
                 try:
-                    yield from fn(request, context)
+                    yield from fn(_checked(request, request_streaming), context)
                 except ServiceError as err:
                     _abort(context, start, err)
+                except grpc.RpcError as err:  # a call this service made failed
+                    _abort(context, start, from_upstream(err))
                 except Exception as exc:
                     self._finish(method, start, _code_of(context, exc))
                     raise
@@ -178,9 +230,11 @@ class ServiceInterceptor(grpc.ServerInterceptor):
         def unary_behavior(request: Any, context: grpc.ServicerContext) -> Any:
             start = time.perf_counter()
             try:
-                response = fn(request, context)
+                response = fn(_checked(request, request_streaming), context)
             except ServiceError as err:
                 _abort(context, start, err)
+            except grpc.RpcError as err:  # a call this service made failed
+                _abort(context, start, from_upstream(err))
             except Exception as exc:
                 self._finish(method, start, _code_of(context, exc))
                 raise

@@ -291,8 +291,8 @@ class _RewriteAfterFirstRound:
         pipe = self._client.pipeline(transaction=transaction)
         execute = pipe.execute
 
-        def execute_then_rewrite():
-            replies = execute()
+        def execute_then_rewrite(**kwargs):
+            replies = execute(**kwargs)
             if not self._done:
                 self._done = True
                 self._client.set(self._key, self._value)
@@ -329,3 +329,25 @@ def test_get_many_rereads_a_record_rewritten_between_round_trips(
     assert found.blob() == new, "the record as written last, read again whole"
     assert store.stats()["hits"] == 1, "one lookup counted once"
     client.close()
+
+
+def test_a_key_redis_refuses_fails_only_that_key(servicer: QuantCacheServicer) -> None:
+    """WRONGTYPE (something wrote a hash where a record belongs) is that sample's problem:
+    reported CORRUPT with Redis's words, the other samples of the batch are served."""
+    good = bytes(range(30))  # several pieces of 7: the second round trip too
+    put(servicer, [first(good, k=key(sample="good"))])
+    put(servicer, [first(b"abc", k=key(sample="small"))])
+    servicer.store.client.hset("t:qc:run:1:bad", "field", "value")
+    chunks = get(
+        servicer,
+        pb.GetRecordsRequest(run_id="run", policy_version=1, sample_ids=["good", "bad", "small"]),
+    )
+    status = {c.sample_id: c.status for c in chunks if c.status != pb.RECORD_STATUS_UNSPECIFIED}
+    assert status == {
+        "good": pb.RECORD_STATUS_OK,
+        "bad": pb.RECORD_STATUS_CORRUPT,
+        "small": pb.RECORD_STATUS_OK,
+    }
+    (bad,) = [c for c in chunks if c.sample_id == "bad"]
+    assert "WRONGTYPE" in bad.detail and "Redis refused the key" in bad.detail
+    assert b"".join(c.data for c in chunks if c.sample_id == "good") == good
