@@ -17,6 +17,7 @@ with like.
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import pathlib
 import time
@@ -126,6 +127,14 @@ def _device(cfg: DemoConfig) -> torch.device:
     return resolve_device(cfg.device)
 
 
+def _release_gpu() -> None:
+    """Hand this process's cached CUDA memory back, so that the trainer and the replicas (other
+    processes on the same GPU) get it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @torch.no_grad()
 def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> float:
     """Mean reward of the FP4 rollout path (as the replicas run it) on held-out prompts."""
@@ -141,9 +150,9 @@ def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> fl
     model.load_state_dict(model_state)
     learner = ModelLearner(
         model, LearnerConfig(mode=cfg.mode), quant=QuantConfig(), guidance=None,
-        eos_id=tok.eos_id, pad_id=tok.pad_id,
+        eos_id=tok.eos_id, pad_id=tok.pad_id, device=_device(cfg),
     )  # fmt: skip
-    tensors, meta = learner.export_weights()
+    tensors, meta = learner.export_weights()  # quantized on the device, returned on the CPU
     del learner, model
     # The engine the replicas build (the same TRACE_ROLLOUT_ENGINE / device / dtype).
     factory = make_engine_factory(
@@ -164,6 +173,8 @@ def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> fl
         exact_match_reward(s.completion_tokens, prompts[s.prompt_index].problem.answer, tok)
         for s in out
     ]
+    del engine, factory
+    _release_gpu()
     return sum(rewards) / len(rewards)
 
 
@@ -199,6 +210,7 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
     path = out / "warmstart.safetensors"
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     del model
+    _release_gpu()
     save_file(state, path)
     return {
         "steps": res.steps,
