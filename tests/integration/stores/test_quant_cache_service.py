@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from trace_common.clients import CorruptRecordError, QuantCacheClient
-from trace_common.redis_local import LocalRedis
+from trace_common.redis_local import LocalRedis, redact_url
 from trace_common.service.testing import ServiceProcess
 
 TOKEN = "integration-test-token"
@@ -95,6 +95,21 @@ def test_round_trip_corruption_auth_and_http(
         assert 'code="UNAUTHENTICATED"' in metrics
         status = httpx.get(f"{svc.http_url}/status").json()
         assert status["component"] == "quant_cache" and status["ttl_seconds"] == 3600
+        # the Redis address only with the token (never the password)
+        assert status["redis_url"].startswith("hidden") and "127.0.0.1" not in str(status)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        full = httpx.get(f"{svc.http_url}/status", headers=auth).json()
+        assert (
+            full["redis_url"] == redact_url(local_redis.url)
+            and "***@127.0.0.1" in full["redis_url"]
+        )
+        assert local_redis.password not in httpx.get(f"{svc.http_url}/status", headers=auth).text
+        bad = {"Authorization": "Bearer wrong"}
+        assert (
+            httpx.get(f"{svc.http_url}/status", headers=bad)
+            .json()["redis_url"]
+            .startswith("hidden")
+        )
         assert svc.stop() == 0, "graceful shutdown exits 0"
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from services.trainer.remote import QuantCacheRecords
 from trace_common.clients import QuantCacheClient
-from trace_common.redis_local import LocalRedis, LocalRedisConfig, free_port
+from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.service import Backoff
 from trace_common.service.testing import ServiceProcess
 
@@ -21,12 +21,14 @@ TOKEN = "outage-test-token"
 BLOBS = {f"s-{i}": os.urandom(5000 + i) for i in range(4)}
 
 
-def _restart_later(port: int, down_s: float, started: list[LocalRedis]) -> threading.Thread:
-    """Start a fresh Redis on `port` after `down_s` seconds (nothing persisted)."""
+def _restart_later(down_s: float, started: list[LocalRedis]) -> threading.Thread:
+    """Start a fresh Redis (nothing persisted) on the first one's port and password after
+    `down_s` seconds."""
+    config = LocalRedisConfig(port=started[0].port, password=started[0].password)
 
     def run() -> None:
         time.sleep(down_s)
-        server = LocalRedis(LocalRedisConfig(port=port)).start()
+        server = LocalRedis(config).start()
         started.append(server)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -36,14 +38,13 @@ def _restart_later(port: int, down_s: float, started: list[LocalRedis]) -> threa
 
 @pytest.fixture()
 def setup():
-    port = free_port()
-    first = LocalRedis(LocalRedisConfig(port=port)).start()
+    first = LocalRedis().start()
     started = [first]
     svc = ServiceProcess(
         "services.quant_cache", {"TRACE_AUTH_TOKEN": TOKEN, "TRACE_REDIS_URL": first.url}
     ).start()
     try:
-        yield port, svc, started
+        yield svc, started
     finally:
         svc.stop()
         for server in started:
@@ -51,12 +52,12 @@ def setup():
 
 
 def test_a_redis_blip_during_a_read_is_retried(setup) -> None:
-    port, svc, started = setup
+    svc, started = setup
     client = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")
     client.put_many("run", 1, BLOBS)
     assert client.get_records("run", 1, list(BLOBS)) == BLOBS
     started[0].stop()  # Redis gone: connection refused
-    writer = _restart_later(port, 0.5, started)
+    writer = _restart_later(0.5, started)
 
     got = client.get_records("run", 1, list(BLOBS))  # the client's own backoff covers 0.5 s
     writer.join()
@@ -66,12 +67,12 @@ def test_a_redis_blip_during_a_read_is_retried(setup) -> None:
 
 
 def test_the_trainer_reads_through_a_longer_outage_and_a_too_long_one_fails(setup) -> None:
-    port, svc, started = setup
+    svc, started = setup
     client = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")
     client.put_many("run", 1, BLOBS)
     records = QuantCacheRecords(client, backoff=Backoff(budget_s=20.0, max_s=1.0))
     started[0].stop()
-    writer = _restart_later(port, 4.0, started)  # past the client's own 3 s budget
+    writer = _restart_later(4.0, started)  # past the client's own 3 s budget
 
     t0 = time.monotonic()
     assert records.fetch("run", 1, list(BLOBS)) == {}

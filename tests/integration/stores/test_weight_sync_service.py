@@ -336,7 +336,8 @@ def test_ticket_flood_and_fake_registrations_stay_bounded() -> None:
                 assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 refused += 1
         assert refused == 20
-        reply = httpx.get(f"{svc.http_url}/status")
+        assert httpx.get(f"{svc.http_url}/status").json()["replicas"].startswith("hidden")
+        reply = httpx.get(f"{svc.http_url}/status", headers={"Authorization": f"Bearer {TOKEN}"})
         status = reply.json()
         assert status["replicas_total"] == 300 and len(status["replicas"]) == 64
         assert len(reply.content) < 16_000, len(reply.content)
