@@ -23,12 +23,14 @@ from trace_common.rollout.engine import (
     RolloutRequest,
     run_request,
 )
+from trace_common.rollout.scheduler import CancelledError
 from trace_common.rollout.types import SamplingConfig
 from trace_common.service import Metrics, ServiceError, check_id, failed_precondition, invalid
 from trace_common.service.errors import LONG_ID_RE
 
 MAX_PROMPTS_PER_REQUEST = 4096
 MAX_GROUP_SIZE = 1024
+MAX_SEQUENCES_PER_REQUEST = 16384  # prompts x group_size
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -66,6 +68,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             raise invalid(f"{len(request.prompts)} prompts > max {MAX_PROMPTS_PER_REQUEST}")
         if not 1 <= request.group_size <= MAX_GROUP_SIZE:
             raise invalid(f"group_size={request.group_size} must be in [1, {MAX_GROUP_SIZE}]")
+        n_seq = len(request.prompts) * request.group_size
+        if n_seq > MAX_SEQUENCES_PER_REQUEST:
+            raise invalid(f"{len(request.prompts)} prompts x group_size {request.group_size} = "
+                          f"{n_seq} sequences > max {MAX_SEQUENCES_PER_REQUEST} per request")  # fmt: skip
         if request.min_policy_version < 0:
             raise invalid(f"min_policy_version={request.min_policy_version} must be >= 0")
         check_id("run_id", request.run_id)
@@ -113,10 +119,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         try:
             with self._m.generate_seconds.time():
                 completions = run_request(
-                    engine, version, rollout_request, self.put_record, self.replica_id
-                )
+                    engine, version, rollout_request, self.put_record, self.replica_id,
+                    cancelled=None if context is None else (lambda: not context.is_active()),
+                )  # fmt: skip
         except ReplicaBehind as exc:
             raise failed_precondition(str(exc)) from exc
+        except CancelledError as exc:
+            raise ServiceError(grpc.StatusCode.CANCELLED, str(exc)) from exc
         except ValueError as exc:  # the engine rejected the input
             raise invalid(str(exc)) from exc
         except ConnectionError as exc:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -372,6 +372,7 @@ class CudaEngine:
     """`RolloutEngine` on the CUDA decode engine; one object serves every version."""
 
     name = "cuda"
+    cancellable = True  # generate() takes `cancelled` and frees the caller's slots
 
     def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int,
                  *, device: torch.device | str = "cuda", max_batch: int = 64,
@@ -420,9 +421,10 @@ class CudaEngine:
         sampling: SamplingConfig,
         *,
         with_records: bool,
+        cancelled: Callable[[], bool] | None = None,
     ) -> list[GeneratedSample]:
         samples, _ = self.scheduler.generate(prompts, group_size, sampling,
-                                             with_records=with_records)  # fmt: skip
+                                             with_records=with_records, cancelled=cancelled)  # fmt: skip
         return samples
 
     def stats(self) -> dict[str, float]:

@@ -25,7 +25,8 @@ class ReplicaBehind(Exception):
 
 
 class RolloutEngine(Protocol):
-    """Generates groups of completions with the weights it holds."""
+    """Generates groups of completions with the weights it holds. An engine that can stop
+    early also takes `cancelled`, a callable that turns true when the caller has gone."""
 
     name: str
 
@@ -98,18 +99,22 @@ def run_request(
     request: RolloutRequest,
     put_record: PutRecord | None,
     replica_id: str,
+    *,
+    cancelled: Callable[[], bool] | None = None,
 ) -> list[Completion]:
     """Run `request` on `engine` (held at `version`) and store each completion's records
-    before returning it. Sample ids are ``<prefix>-<prompt_index>-<group_index>``."""
+    before returning it. Sample ids are ``<prefix>-<prompt_index>-<group_index>``.
+    `cancelled` reaches engines that can stop early (`cancellable = True`)."""
     if version < request.min_policy_version:
         raise ReplicaBehind(
             f"replica {replica_id} holds version {version} < minimum {request.min_policy_version}"
         )
     if request.write_records and put_record is None:
         raise RuntimeError("records requested but this replica has no record store")
-    gen = engine.generate(
-        request.prompts, request.group_size, request.sampling, with_records=request.write_records
-    )
+    extra = {} if cancelled is None or not getattr(engine, "cancellable", False) else {
+        "cancelled": cancelled}  # fmt: skip
+    gen = engine.generate(request.prompts, request.group_size, request.sampling,
+                          with_records=request.write_records, **extra)  # fmt: skip
     out = []
     for g in gen:
         sid = f"{request.sample_id_prefix}-{g.prompt_index}-{g.group_index}"

@@ -144,3 +144,39 @@ def test_stop_token_ids_reach_the_engine() -> None:
     sampling = engine.calls[0][2]
     assert sampling.stop_token_ids == (5, 9)
     assert (sampling.temperature, sampling.top_k, sampling.seed) == (0.5, 3, 11)
+
+
+class CancellableEngine(FakeEngine):
+    """Stops as soon as the caller is gone, as the CUDA engine does."""
+
+    cancellable = True
+
+    def generate(self, prompts, group_size, sampling, *, with_records, cancelled=None):
+        from trace_common.rollout.scheduler import CancelledError
+
+        self.saw_cancelled = cancelled
+        if cancelled is not None and cancelled():
+            raise CancelledError("the caller cancelled the request")
+        return super().generate(prompts, group_size, sampling, with_records=with_records)
+
+
+class Context:
+    def __init__(self, active: bool) -> None:
+        self.active = active
+
+    def is_active(self) -> bool:
+        return self.active
+
+
+def test_a_gone_caller_cancels_the_engine_work() -> None:
+    servicer, holder, stored = make()
+    engine = CancellableEngine(7)
+    holder.swap(engine, 0)
+    assert len(list(servicer.Generate(request(), Context(True)))) == 4
+    with pytest.raises(ServiceError) as err:
+        list(servicer.Generate(request(run_id="run2"), Context(False)))
+    assert err.value.code == grpc.StatusCode.CANCELLED
+    assert not [k for k in stored if k[0] == "run2"], "a cancelled request stores no records"
+    plain = FakeEngine(8)  # an engine without `cancellable` is called as before
+    holder.swap(plain, 1)
+    assert len(list(servicer.Generate(request(), Context(True)))) == 4
