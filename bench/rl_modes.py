@@ -13,12 +13,12 @@ Prints one table; writes a PNG of reward and |dlogp| per step for each mode.
 from __future__ import annotations
 
 import argparse
-import functools
 import pathlib
 import time
 
 import torch
 
+from trace_common.device import resolve_device
 from trace_common.model import GuidanceConfig, QuantConfig
 from trace_common.rl.core import TrainerConfig, TrainerCore
 from trace_common.rl.demo import DemoConfig, demo_model, evaluate_policy
@@ -30,7 +30,7 @@ from trace_common.rl.policy import LearnerConfig, ModelLearner
 from trace_common.rl.types import TRAIN_MODES
 from trace_common.rl.warmstart import WarmStartConfig, warm_start
 from trace_common.rollout.engine import EngineHolder
-from trace_common.rollout.native import NativeEngine
+from trace_common.rollout.select import EngineSettings, make_engine_factory
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
 
@@ -58,10 +58,9 @@ def run_mode(mode: str, init: dict[str, torch.Tensor], args: argparse.Namespace)
                               DispatchConfig(prompts_per_unit=args.prompts)),
         scorer=lambda s, p: exact_match_reward(s.completion_tokens, p.answer, tok),
         records=store, learner=learner,
-        publisher=LocalPublisher(
-            [holder],
-            functools.partial(NativeEngine.from_weights, dtype=getattr(torch, args.rollout_dtype)),
-        ),
+        publisher=LocalPublisher([holder], make_engine_factory(EngineSettings(
+            engine=args.rollout_engine, device=resolve_device(args.device),
+            native_dtype=args.rollout_dtype))),
     )  # fmt: skip
     core.publish()
     rows = []
@@ -102,6 +101,9 @@ def main() -> None:
         "--rollout-dtype", default="float32", choices=("float32", "bfloat16"),
         help="rollout engine compute dtype (trainer stays fp32): bfloat16 makes the paths differ",
     )  # fmt: skip
+    ap.add_argument("--rollout-engine", default="native", choices=("auto", "native", "cuda"),
+                    help="the replica's engine (TRACE_ROLLOUT_ENGINE)")  # fmt: skip
+    ap.add_argument("--device", default="cpu", help="the replica's device (TRACE_DEVICE)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = CharTokenizer()
