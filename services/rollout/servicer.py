@@ -101,9 +101,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         sampling = self._validate(request)
         engine, version = self.holder.snapshot()
         if engine is None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no policy weights loaded yet")
+            # a precondition the trainer waits out, as a replica behind the minimum version
+            raise failed_precondition("no policy weights loaded yet (version -1)")
         if request.write_records and self.put_record is None:
-            raise failed_precondition("write_records requested but no quant-cache is configured")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               "write_records requested but no quant-cache is configured")  # fmt: skip
         rollout_request = RolloutRequest(
             run_id=request.run_id,
             prompts=[tuple(p.token_ids) for p in request.prompts],

@@ -80,9 +80,8 @@ class GrpcReplica(GrpcClient):
                 )
         except grpc.RpcError as exc:
             code = exc.code()
-            if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) and (
-                "version" in (exc.details() or "") or "no policy weights" in (exc.details() or "")
-            ):
+            # the rollout answers FAILED_PRECONDITION only when it holds no or too old weights
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise ReplicaBehind(f"{self._replica_id}: {exc.details()}") from exc
             raise ReplicaUnavailable(f"{self._replica_id}: {code.name}: {exc.details()}") from exc
         except ValueError as exc:  # a completion the proto does not allow

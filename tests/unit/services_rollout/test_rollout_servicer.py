@@ -123,11 +123,11 @@ def test_bad_requests_are_invalid_argument(kw, message) -> None:
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_no_weights_is_unavailable_and_old_weights_failed_precondition() -> None:
+def test_no_or_old_weights_are_failed_precondition() -> None:
     servicer, holder, _ = make()
-    with pytest.raises(ServiceError) as err:
+    with pytest.raises(ServiceError, match="no policy weights") as err:
         list(servicer.Generate(request(), None))
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     holder.swap(FakeEngine(7), 2)
     with pytest.raises(ServiceError, match="holds version 2 < minimum 5") as err:
         list(servicer.Generate(request(min_policy_version=5), None))
