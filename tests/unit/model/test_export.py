@@ -1,10 +1,13 @@
 """The HF exports: the NVFP4 directory (ModelOpt's format, as vLLM's modelopt_fp4 loads it)
-reads back bit-exactly, and the BF16 directory is a plain Qwen3-MoE checkpoint."""
+reads back bit-exactly and equals ModelOpt's own tensors; the BF16 directory is a plain
+Qwen3-MoE checkpoint transformers runs with the project's logits."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,6 +36,7 @@ from trace_common.model.export import (
     save_hf_checkpoint,
     save_nvfp4_checkpoint,
 )
+from trace_common.model.quant import _EXPERT_GROUPS
 from trace_common.model.runtime import RolloutHooks
 
 ATTN_TOO = QuantConfig(
@@ -213,3 +217,114 @@ def test_bf16_export_loads_in_transformers_with_the_projects_logits(tmp_path: Pa
         got = ref.eval()(ids).logits
     assert want.abs().max() > 0.1, "test model too close to zero to be a meaningful comparison"
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+
+
+# --- ModelOpt, the reference -------------------------------------------------------------------
+# The NVFP4 export equals what NVIDIA ModelOpt computes from the same master weights and the same
+# calibration amaxes, bit for bit, as far as ModelOpt runs on a CPU: its NVFP4QTensor
+# quantization of every exported GEMM (fused GEMMs sharing one weight_scale_2, as ModelOpt's
+# export unifies them), the activation scale of its NVFP4 input quantizer, and its KV-cache
+# scale post-processing. ModelOpt's end-to-end `export_hf_checkpoint` (calibration hooks on a
+# transformers model) is not run here.
+
+
+def modelopt() -> SimpleNamespace:
+    """ModelOpt's pieces, or a skip naming the extra that provides them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # modelopt warns about the installed transformers
+        qtensor = pytest.importorskip(
+            "modelopt.torch.quantization.qtensor",
+            reason="nvidia-modelopt (the [modelopt] extra) is the reference",
+        )
+        from modelopt.torch.export.quant_utils import postprocess_state_dict
+        from modelopt.torch.quantization.config import QuantizerAttributeConfig
+        from modelopt.torch.quantization.nn import TensorQuantizer
+    return SimpleNamespace(
+        NVFP4QTensor=qtensor.NVFP4QTensor,
+        postprocess_state_dict=postprocess_state_dict,
+        QuantizerAttributeConfig=QuantizerAttributeConfig,
+        TensorQuantizer=TensorQuantizer,
+    )
+
+
+GROUP = 16
+
+
+def modelopt_fused(weights: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """ModelOpt's NVFP4 of the weights one fused GEMM reads: one weight_scale_2 from their
+    joint amax, then (codes, block scales, weight_scale_2) per weight."""
+    scale_2 = modelopt().NVFP4QTensor.get_weights_scaling_factor_2(
+        torch.cat([w.reshape(-1) for w in weights])
+    )
+    out = []
+    for w in weights:
+        q, scale, s2 = modelopt().NVFP4QTensor.quantize(w, GROUP, weights_scaling_factor_2=scale_2)
+        out.append((q._quantized_data, scale, s2))
+    return out
+
+
+def modelopt_input_scale(amax: float) -> torch.Tensor:
+    quantizer = modelopt().TensorQuantizer(
+        modelopt().QuantizerAttributeConfig(
+            num_bits=(2, 1), block_sizes={-1: GROUP, "type": "dynamic", "scale_bits": (4, 3)}
+        )
+    )
+    quantizer.amax = torch.tensor(amax)
+    return modelopt().NVFP4QTensor.get_activation_scaling_factor(quantizer).squeeze()
+
+
+@pytest.fixture(scope="module")
+def modelopt_dirs(tmp_path_factory: pytest.TempPathFactory):
+    model = policy()
+    amax = calibrate_act_amax(model, calib_batches())
+    root = tmp_path_factory.mktemp("modelopt")
+    save_hf_checkpoint(model, root / "master", dtype=torch.float32)
+    save_nvfp4_checkpoint(model, root / "fp4", amax)
+    return amax, load_file(root / "master" / "model.safetensors"), root / "fp4"
+
+
+def fused_groups() -> list[list[str]]:
+    groups = []
+    for layer in range(CFG.num_layers):
+        attn = f"model.layers.{layer}.self_attn"
+        groups += [[f"{attn}.{p}" for p in ("q_proj", "k_proj", "v_proj")], [f"{attn}.o_proj"]]
+        if CFG.is_moe_layer(layer):
+            for e in range(CFG.num_experts):
+                base = f"model.layers.{layer}.mlp.experts.{e}"
+                groups += [[f"{base}.{n}" for n in names] for names in _EXPERT_GROUPS]
+    return groups
+
+
+def test_weights_equal_modelopt(modelopt_dirs: tuple[dict, dict, Path]) -> None:
+    _, master, fp4_dir = modelopt_dirs
+    ours = load_file(fp4_dir / "model.safetensors")
+    for group in fused_groups():
+        ref = modelopt_fused([master[f"{m}.weight"] for m in group])
+        for m, (codes, scale, scale_2) in zip(group, ref, strict=True):
+            assert torch.equal(ours[f"{m}.weight"], codes), f"{m}: packed codes"
+            assert same_bits(ours[f"{m}.weight_scale"], scale), f"{m}: e4m3 block scales"
+            assert same_bits(ours[f"{m}.weight_scale_2"], scale_2.float()), f"{m}: scale_2"
+
+
+def test_static_scales_equal_modelopt(modelopt_dirs: tuple[dict, dict, Path]) -> None:
+    amax, _, fp4_dir = modelopt_dirs
+    ours = load_file(fp4_dir / "model.safetensors")
+    for layer in range(CFG.num_layers):
+        attn = f"model.layers.{layer}.self_attn"
+        want = modelopt_input_scale(amax[(layer, "attn_in")])
+        assert same_bits(ours[f"{attn}.q_proj.input_scale"], want), f"{attn} input_scale"
+        kv = modelopt().postprocess_state_dict(
+            {
+                f"{attn}.k_bmm_quantizer._amax": torch.tensor(amax[(layer, "k")]),
+                f"{attn}.v_bmm_quantizer._amax": torch.tensor(amax[(layer, "v")]),
+            },
+            448,  # ModelOpt's kv_cache_max_bound for FP8 and NVFP4 KV caches
+            "NVFP4",
+        )
+        assert sorted(kv) == [f"{attn}.k_proj.k_scale", f"{attn}.v_proj.v_scale"]
+        for key, value in kv.items():
+            assert same_bits(ours[key], value.float()), key
+        if CFG.is_moe_layer(layer):
+            base = f"model.layers.{layer}.mlp.experts.0"
+            want = modelopt_input_scale(amax[(layer, "down_in")])
+            assert same_bits(ours[f"{base}.down_proj.input_scale"], want)
