@@ -135,7 +135,6 @@ class TrainerApp:
             TrainerConfig(
                 run_id=s.run_id, steps=s.steps, prompts_per_step=s.prompts_per_step,
                 group_size=s.group_size, mode=s.mode, max_staleness=s.max_staleness,
-                tis_cap=s.tis_cap, clip_eps=s.clip_eps,
                 sampling=SamplingConfig(temperature=s.temperature, max_new_tokens=max_new,
                                         seed=s.seed),
                 measure_records=s.measure_records,

@@ -17,9 +17,7 @@ import torch
 
 from trace_common.rl.dispatch import Dispatcher
 from trace_common.rl.objective import (
-    DEFAULT_CLIP_EPS,
     DEFAULT_MAX_STALENESS,
-    DEFAULT_TIS_CAP,
     filter_stale,
     grpo_advantages,
 )
@@ -71,8 +69,6 @@ class TrainerConfig:
     group_size: int = 4  # completions per prompt (GRPO group)
     mode: str = "trace"  # bf16 | fp4 | rtn | trace
     max_staleness: int = DEFAULT_MAX_STALENESS  # samples older than this many versions are dropped
-    tis_cap: float = DEFAULT_TIS_CAP
-    clip_eps: float = DEFAULT_CLIP_EPS
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     measure_records: bool = False  # rollouts write records in every mode (for D_act metrics)
 

@@ -43,7 +43,7 @@ from trace_common.model.discrepancy import (
     routing_mismatch,
 )
 from trace_common.model.train_forward import pad_right
-from trace_common.rl.objective import clipped_policy_loss
+from trace_common.rl.objective import DEFAULT_CLIP_EPS, DEFAULT_TIS_CAP, clipped_policy_loss
 from trace_common.rl.types import TrainSample
 from trace_common.rollout.meta import PolicyMeta
 
@@ -51,7 +51,7 @@ QAT_OF_MODE = {"bf16": "none", "fp4": "none", "rtn": "rtn", "trace": "trace"}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # Optimizer param-group keys that pick an implementation for this device, not a training
 # hyperparameter: a checkpoint written elsewhere must not carry them over.
-_OPTIM_IMPL_KEYS = ("fused", "foreach", "capturable")
+OPTIM_IMPL_KEYS = ("fused", "foreach", "capturable")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,8 +63,8 @@ class LearnerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     minibatches: int = 2  # optimizer steps per RL step (each on a slice of the batch)
-    clip_eps: float = 0.2
-    tis_cap: float = 5.0
+    clip_eps: float = DEFAULT_CLIP_EPS  # PPO ratio clip
+    tis_cap: float = DEFAULT_TIS_CAP  # truncated importance-sampling weight cap
     routing_replay: bool = True  # trace mode: replay the rollout's expert choices
     temperature: float = 1.0  # the rollout's sampling temperature (log-probs are tempered)
     measure_records: bool = False  # non-trace FP4 modes: have the rollout record guidance too,
@@ -175,7 +175,7 @@ class ModelLearner:
                 f"{len(self.optimizer.param_groups)}"
             )
         groups = [
-            {**g, **{k: ours[k] for k in _OPTIM_IMPL_KEYS if k in ours}}
+            {**g, **{k: ours[k] for k in OPTIM_IMPL_KEYS if k in ours}}
             for g, ours in zip(saved, self.optimizer.param_groups, strict=True)
         ]
         self.optimizer.load_state_dict({**optim_state, "param_groups": groups})
@@ -184,6 +184,27 @@ class ModelLearner:
     # ------------------------------------------------------------------ train
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One RL update on `samples`: a reference forward (the old log-probs and the
+        discrepancy metrics), then `minibatches` optimizer steps, each on a slice."""
+        order = torch.arange(len(samples))
+        chunks = [mb.tolist() for mb in order.chunk(min(self.config.minibatches, len(samples)))]
+        return self._train(samples, chunks)
+
+    # A sharded learner (trace_common.rl.distributed) trains a slice of each minibatch per
+    # rank; these three are where its ranks meet. One process: identities.
+    world_size = 1
+
+    def _sum_across_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks that train one batch (here just this one)."""
+        return x
+
+    def _reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The batch's metrics from this rank's (here: the whole batch's)."""
+        return metrics
+
+    def _train(self, samples: Sequence[TrainSample], chunks: list[list[int]]) -> dict[str, float]:
+        """Train on `samples` (this rank's), minibatch i being `samples[chunks[i]]`; every
+        minibatch's loss is a token mean over the whole minibatch, across ranks."""
         cfg = self.config
         qat = QAT_OF_MODE[cfg.mode]
         seqs = [
@@ -228,10 +249,10 @@ class ModelLearner:
             metrics["logp_abs_diff_mean_stale"] = st.mean_abs
         logp_old = ref.logprobs.detach()
 
-        order = torch.arange(b, device=dev)
         losses, clip_fracs, tis_means = [], [], []
-        for mb in order.chunk(min(cfg.minibatches, b)):
-            sub_records = [records[i] for i in mb.tolist()] if records is not None else None
+        for chunk in chunks:
+            mb = torch.tensor(chunk, dtype=torch.long, device=dev)
+            sub_records = [records[i] for i in chunk] if records is not None else None
             with self.compute():
                 out = forward_logprobs(
                     self.model, tokens[mb], lengths=lengths[mb], records=sub_records, **kw
@@ -245,20 +266,31 @@ class ModelLearner:
                 clip_eps=cfg.clip_eps,
                 tis_cap=cfg.tis_cap,
             )
+            # This rank's share of the minibatch's tokens: the loss is a token mean over the
+            # whole minibatch, and a sharded learner's gradients are averaged over ranks.
+            n_here = comp_mask[mb].sum().float()
+            share = n_here / self._sum_across_ranks(n_here.clone()).clamp_min(1.0)
             self.optimizer.zero_grad(set_to_none=True)
-            res.loss.backward()
+            (res.loss * (share * self.world_size)).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.optimizer.step()
-            losses.append(float(res.loss.detach()))
-            clip_fracs.append(res.clip_frac)
-            tis_means.append(res.tis_mean)
+            parts = torch.stack(
+                [res.loss.detach() * share, res.clip_frac * share, res.tis_mean * share]
+            )
+            loss, clip_frac, tis_mean = self._sum_across_ranks(parts).tolist()
+            losses.append(loss)
+            clip_fracs.append(clip_frac)
+            tis_means.append(tis_mean)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every rank's shard
+            grad_norm = grad_norm.full_tensor()
         metrics.update(
             loss=sum(losses) / len(losses),
             clip_frac=sum(clip_fracs) / len(clip_fracs),
             tis_mean=sum(tis_means) / len(tis_means),
             grad_norm=float(grad_norm),
         )
-        n_tokens = int((lengths - 1).sum())
+        metrics = self._reduce_metrics(metrics)
+        n_tokens = int(self._sum_across_ranks((lengths - 1).sum()))
         seconds = time.perf_counter() - t_start  # float(loss) above synchronized the device
         metrics["train_tokens"] = n_tokens
         metrics["train_tokens_per_s"] = n_tokens / max(seconds, 1e-9)
