@@ -64,6 +64,51 @@ def demo(
     run_demo(cfg)
 
 
+@app.command()
+def export(
+    out: Annotated[Path, typer.Argument(help="output directory (must be empty or absent)")],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="trainer checkpoint: its directory (uses `latest`) or a step-N dir"),
+    ] = None,
+    model: str = typer.Option(
+        "debug", help="the run's TRACE_MODEL: a named shape or an HF checkpoint directory"
+    ),
+    tokenizer: str = typer.Option("char", help="the run's TRACE_TOKENIZER"),
+    quant_sites: str = typer.Option(
+        "default", help="the run's TRACE_QUANT_SITES: default or comma-separated sites"
+    ),
+    task: str = typer.Option("reverse", help="calibration prompts: the run's task"),
+    difficulty: int = typer.Option(3, min=1, help="the run's task difficulty"),
+    calib_samples: int = typer.Option(64, min=1, help="calibration sequences"),
+    dtype: str = typer.Option("bfloat16", help="high-precision tensors: bfloat16 | float32"),
+    master: bool = typer.Option(True, help="also write the master weights (OUT/master)"),
+) -> None:
+    """Write the FP4 policy as a ModelOpt NVFP4 checkpoint (OUT/nvfp4: vLLM's modelopt_fp4
+    loads it) and its master weights as a plain Hugging Face Qwen3-MoE checkpoint (OUT/master)."""
+    import torch
+
+    from trace_common.export_job import ExportConfig, run_export
+    from trace_common.model import QuantConfig
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    try:
+        if dtype not in dtypes:
+            raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(dtypes)}")
+        sites = [s.strip() for s in quant_sites.split(",") if s.strip()]
+        quant = QuantConfig() if quant_sites == "default" else QuantConfig(sites=frozenset(sites))
+        cfg = ExportConfig(
+            out=out, model=model, checkpoint=checkpoint, tokenizer=tokenizer, quant=quant,
+            task=task, difficulty=difficulty, calib_samples=calib_samples, dtype=dtypes[dtype],
+            master=master,
+        )  # fmt: skip
+        written = run_export(cfg)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from None
+    for name, path in written.items():
+        typer.echo(f"{name}: {path}")
+
+
 @app.command("numerics-demo")
 def numerics_demo() -> None:
     """The FP4 numerics demonstration: rollout-guided rounding against plain round-to-nearest
