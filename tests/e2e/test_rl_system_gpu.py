@@ -134,6 +134,7 @@ def test_gpu_cuda_engine_survives_a_replica_kill(root: pathlib.Path) -> None:
     out = root / "kill"
     env = {
         "TRACE_RUN_ID": "gpu-kill",
+        "TRACE_MODEL": "gpu-small",  # the debug shape's 32-wide experts run on the PyTorch engine
         "TRACE_STEPS": "3",
         "TRACE_PROMPTS_PER_STEP": "8",
         "TRACE_GROUP_SIZE": "8",

@@ -302,6 +302,21 @@ _DEBUG = ModelConfig(
 NAMED_CONFIGS: dict[str, ModelConfig] = {
     "debug": _DEBUG,
     "debug-shared": dataclasses.replace(_DEBUG, shared_expert_intermediate_size=64),
+    # The smallest shape the CUDA rollout engine serves (head_dim 128, 8 q heads per kv head,
+    # expert widths in groups of 64): GPU tests of the whole system.
+    "gpu-small": ModelConfig(
+        vocab_size=64,
+        hidden_size=512,
+        num_layers=4,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=128,
+        num_experts=32,
+        top_k=8,
+        moe_intermediate_size=256,
+        max_position_embeddings=1024,
+        rope_theta=1_000_000.0,
+    ),
     # The mid-size GPU shape: about 1B parameters (0.18B active per token) with Qwen3-MoE's
     # layout; one H200 holds its trainer and two rollout replicas. The vocabulary is the
     # task tokenizer's (callers replace vocab_size).

@@ -48,6 +48,7 @@ from trace_common.rollout.types import GeneratedSample, SamplingConfig
 log = logging.getLogger(__name__)
 
 CAPTURED_SITES = (GSITE_MOE_IN, GSITE_K, GSITE_V)  # what the step's quantize kernels record
+EXPERT_K_MULTIPLE = 64  # the FP4 expert GEMM's K group (cuda_moe.K_GROUP)
 PREFILL_TOKENS = 256  # prompt tokens per prefill chunk (the router's graph-captured maximum)
 _META_MODEL = "trace_model_config"
 _META_QUANT = "trace_quant_config"
@@ -72,6 +73,11 @@ def unsupported_reason(cfg: ModelConfig, quant: QuantConfig,
         EngineShape.from_model_config(cfg)
     except ValueError as exc:
         return str(exc)
+    widths = {"hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size}
+    narrow = {k: v for k, v in widths.items() if v % EXPERT_K_MULTIPLE}
+    if quant.sites and narrow:
+        return (f"expert GEMM widths {narrow}: the FP4 expert kernels read K in groups of "
+                f"{EXPERT_K_MULTIPLE}")  # fmt: skip
     if quant.sites and (quant.format != "nvfp4" or quant.sites != DEFAULT_QUANT_SITES):
         return (f"FP4 {quant.format} at sites {sorted(quant.sites)}: the CUDA engine runs "
                 f"NVFP4 at {sorted(DEFAULT_QUANT_SITES)} or no FP4 at all")  # fmt: skip

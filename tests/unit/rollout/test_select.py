@@ -52,6 +52,8 @@ def test_cuda_engine_needs_a_cuda_device() -> None:
 def test_unsupported_reasons_name_what_the_cuda_engine_refuses() -> None:
     _, meta = exported()
     cfg, quant = policy_configs(meta)
+    assert "groups of 64" in unsupported_reason(cfg, quant, GuidanceConfig())  # debug: 32 wide
+    cfg = get_config("mid-1b")
     assert unsupported_reason(cfg, quant, GuidanceConfig()) is None
     assert "mode 'full'" in unsupported_reason(cfg, quant, GuidanceConfig(mode="full"))
     every = QuantConfig.every_site(cfg)
@@ -59,6 +61,6 @@ def test_unsupported_reasons_name_what_the_cuda_engine_refuses() -> None:
     assert "sites ['attn_in']" in unsupported_reason(cfg, quant, GuidanceConfig(sites=("attn_in",)))
     assert "mxfp4" in unsupported_reason(cfg, QuantConfig(format="mxfp4"), None)
     shared = get_config("debug-shared")
-    assert "shared_expert" in unsupported_reason(shared, quant, None)
+    assert "shared_expert" in unsupported_reason(shared, QuantConfig.none(), None)
     assert unsupported_reason(cfg, QuantConfig.none(), None) is None
     assert "needs FP4" in unsupported_reason(cfg, QuantConfig.none(), GuidanceConfig())
