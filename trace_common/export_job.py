@@ -94,8 +94,8 @@ def run_export(cfg: ExportConfig) -> dict[str, Path]:
         raise FileExistsError(f"export directory {str(out)!r} exists and is not empty")
     tok = load_tokenizer(cfg.tokenizer)
     model = _model(cfg, tok.vocab_size).eval()
+    check_nvfp4_exportable(cfg.quant, model.cfg)  # before anything is written
     quantize_policy(model, cfg.quant)
-    check_nvfp4_exportable(model)  # before anything is written
     amax = calibrate_act_amax(model, calibration_batches(cfg))
     written = {NVFP4_DIR: save_nvfp4_checkpoint(model, out / NVFP4_DIR, amax, dtype=cfg.dtype)}
     if cfg.master:

@@ -93,6 +93,19 @@ def quant_of(settings: TrainerSettings, model_cfg: ModelConfig) -> QuantConfig:
     return quant
 
 
+def export_checkpoint(settings: TrainerSettings, path: pathlib.Path, quant: QuantConfig) -> None:
+    """`trace-rl export` of a checkpoint just written, into `<path>/export`."""
+    from trace_common.export_job import ExportConfig, run_export
+
+    run_export(
+        ExportConfig(
+            out=path / "export", model=settings.model, checkpoint=path,
+            tokenizer=settings.tokenizer, quant=quant, task=settings.task,
+            difficulty=settings.task_difficulty,
+        )
+    )  # fmt: skip
+
+
 class TrainerApp:
     """Owns the core loop and its state; the gRPC servicer and HTTP status read it."""
 
@@ -107,6 +120,11 @@ class TrainerApp:
         quant = quant_of(s, model.cfg)
         guidance = guidance_of(s, model.cfg.num_layers)
         guidance.resolve(model.cfg, quant)  # a guided site whose FP4 site is off stops start-up
+        if s.checkpoint_export:
+            from trace_common.model.export import check_nvfp4_exportable
+
+            check_nvfp4_exportable(quant, model.cfg)  # an inexpressible policy stops start-up
+        self.quant = quant
         self.weight_sync = WeightSyncClient(s.weight_sync_address, token)
         self.quant_cache = QuantCacheClient(
             s.quant_cache_address, token, data_path=s.quant_cache_data_path
@@ -288,7 +306,7 @@ class TrainerApp:
         assert self.settings.checkpoint_dir is not None
         model_state, optim_state = self.learner.state()
         self.weights_digest = state_digest(model_state)
-        save_checkpoint(
+        path = save_checkpoint(
             self.settings.checkpoint_dir,
             Checkpoint(
                 step=self.core.step_index,
@@ -303,6 +321,8 @@ class TrainerApp:
                 },
             ),
         )
+        if self.settings.checkpoint_export:
+            export_checkpoint(self.settings, path, self.quant)
 
     def _restore_or_publish(self) -> None:
         """Resume from the latest checkpoint (same step, same weights) or publish version 0."""

@@ -72,6 +72,11 @@ class TrainerSettings(ServiceSettings):
     checkpoint_dir: pathlib.Path | None = Field(None, description="where checkpoints go")
     checkpoint_every: int = Field(10, ge=1)
     resume: bool = Field(True, description="continue from checkpoint_dir/latest if present")
+    checkpoint_export: bool = Field(
+        False,
+        description="also write <checkpoint>/export/{nvfp4,master}: the policy as a ModelOpt "
+        "NVFP4 and a plain HF checkpoint, calibrated on the task (docs/export.md)",
+    )
     metrics_file: pathlib.Path | None = Field(None, description="metrics.jsonl path")
     replica_wait_seconds: float = Field(120.0, gt=0, description="give up without replicas")
     generate_timeout_seconds: float = Field(300.0, gt=0)

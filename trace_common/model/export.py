@@ -193,9 +193,9 @@ def calibrate_act_amax(
     return hooks.amax
 
 
-def check_nvfp4_exportable(model: MoECausalLM) -> None:
-    """ValueError unless ModelOpt's NVFP4 format (as vLLM loads it) expresses the policy."""
-    quant = quant_config_of(model)
+def check_nvfp4_exportable(quant: QuantConfig, cfg: ModelConfig) -> None:
+    """ValueError unless ModelOpt's NVFP4 format (as vLLM loads it) expresses a policy of
+    architecture `cfg` quantized per `quant`."""
     if quant.format != "nvfp4":
         raise ValueError(
             f"the policy is {quant.format}: ModelOpt's NVFP4 checkpoint holds NVFP4 only "
@@ -215,7 +215,7 @@ def check_nvfp4_exportable(model: MoECausalLM) -> None:
             f"no weight site is FP4 (sites={sorted(quant.sites)}): nothing for an NVFP4 "
             "checkpoint to hold; use save_hf_checkpoint"
         )
-    hf_config_dict(model.cfg)  # ValueError for a shared expert
+    hf_config_dict(cfg)  # ValueError for a shared expert
 
 
 def _input_scale(amax: Mapping[tuple[int, str], float], key: tuple[int, str]) -> torch.Tensor:
@@ -327,7 +327,7 @@ def save_nvfp4_checkpoint(
     unquantized GEMMs) in `dtype`. The TRACE model and quant configs ride in the safetensors
     metadata, so `load_nvfp4_checkpoint` never infers the format from names.
     """
-    check_nvfp4_exportable(model)
+    check_nvfp4_exportable(quant_config_of(model), model.cfg)
     tensors, metadata = export_quantized_state_dict(model)
     for key, t in tensors.items():
         if not key.endswith(_PACKED_SUFFIXES) and t.dtype in _HP_DTYPES:
