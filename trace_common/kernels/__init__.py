@@ -1,6 +1,7 @@
 """GPU fast path (Triton) for the FP4 rollout on Hopper: quantize + guidance capture, grouped
 routed-expert matmuls with packed NVFP4 weights, an FP4 KV cache with decode attention, and a
-CUDA-graph decode engine used by `bench/rollout_gpu.py`.
+CUDA-graph decode engine (served by the rollout's CUDA engine, `trace_common.rollout.cuda`;
+benchmarked alone by `bench/rollout_gpu.py`).
 
 Importing this package (and its API modules) needs no Triton and no GPU; the kernels are
 imported on first use, and a missing Triton raises ImportError with the install command.

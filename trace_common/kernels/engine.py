@@ -11,12 +11,9 @@ vs NVFP4 codes + scales). Attention projections, router, norms, embeddings and t
 BF16 in both (the paper's sites). Guidance capture (FP4 only) writes the compact records of
 the `moe_in`, `k` and `v` sites of `guided_layers` from inside the quantize kernels.
 
-This is the benchmark's engine (bench/rollout_gpu.py), run there on random weights of the
+The rollout service's CUDA engine (`trace_common.rollout.cuda`) runs it on a pushed policy's
+weights with continuous batching; bench/rollout_gpu.py runs it alone on random weights of the
 model's shapes (shape, weights and memory sizing live in `engine_model`, re-exported here).
-`EngineShape.from_model_config` / `EngineWeights.from_model` take a policy's
-(`trace_common.model.MoECausalLM`) shape and weights instead (on a GPU the BF16 engine's
-next-step logits then match the policy's: tests/unit/gpu); the rollout service does not use
-the engine yet.
 """
 
 from __future__ import annotations
@@ -49,11 +46,9 @@ from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
 
 # The standard step's BF16 projections that may run on `cuda_small.gemv` (tensor-core GEMV,
 # <= 32 tokens) instead of cuBLAS; TRACE_STEP_GEMV = "auto" (the default: AUTO_STEP_GEMV up to
-# AUTO_STEP_GEMV_MAX_BATCH tokens), "all", "none" or a comma list of them. H200,
-# bench/env_ab.py, 2 interleaved rounds (2026-12-04), o + router against cuBLAS, 1K / 32K
-# context: BF16 batch 4 +2.0% / +1.4%, 8 +1.6 / +1.0, 16 +0.7 / +0.2, 32 -0.1 / (does not
-# fit); FP4 batch 4 +4.0 / +2.4, 8 +2.9 / +2.1, 16 +2.0 / +0.8, 32 -0.3 / -0.1. With qkv too:
-# 0-0.4 points less at batch <= 8, 0.3-1.2 less at 16, -1.9% to -3.6% in all at 32.
+# AUTO_STEP_GEMV_MAX_BATCH tokens), "all", "none" or a comma list of them. The default is the
+# fastest choice bench/env_ab.py found on the H200 (docs/kernels.md): the GEMV wins for o and
+# router up to 16 tokens, loses from 32, and qkv on it loses at every batch.
 STEP_GEMV_SITES = ("qkv", "o", "router")
 AUTO_STEP_GEMV = "o,router"
 AUTO_STEP_GEMV_MAX_BATCH = 16
