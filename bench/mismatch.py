@@ -37,7 +37,7 @@ from trace_common.model import (
     ModelConfig,
     MoECausalLM,
     QuantConfig,
-    SamplingParams,
+    SamplingConfig,
     export_quantized_state_dict,
     forward_logprobs,
     generate,
@@ -172,7 +172,7 @@ def evaluate(
     out = generate(
         engine,
         [p for p, _, _ in batch],
-        SamplingParams(
+        SamplingConfig(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             stop_token_ids=(tok.eos_id,),

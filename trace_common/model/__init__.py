@@ -6,7 +6,7 @@ Public API:
   hf:            load_hf_checkpoint(path, expected=...)
   quant:         quantize_policy(model, quant), export_quantized_state_dict(model),
                  load_quantized_state_dict(tensors, metadata)
-  generate:      generate(model, prompts, SamplingParams, guidance=..., record_routing=...)
+  generate:      generate(model, prompts, SamplingConfig, guidance=..., record_routing=...)
   train_forward: forward_logprobs(model, tokens, qat_mode=..., records=..., routing_replay=...)
   records:       SampleRecords (to_bytes/from_bytes: the quant-cache blob)
   discrepancy:   d_act, code_flip_rate, logprob_discrepancy, routing_mismatch
@@ -20,7 +20,7 @@ from trace_common.model.config import (
     QuantConfig,
     get_config,
 )
-from trace_common.model.generate import GenerateOutput, SamplingParams, generate
+from trace_common.model.generate import GenerateOutput, SamplingConfig, generate
 from trace_common.model.hf import load_hf_checkpoint
 from trace_common.model.model import MoECausalLM
 from trace_common.model.quant import (
@@ -38,7 +38,7 @@ __all__ = [
     "ModelConfig",
     "QuantConfig",
     "SampleRecords",
-    "SamplingParams",
+    "SamplingConfig",
     "TrainForwardOutput",
     "export_quantized_state_dict",
     "forward_logprobs",

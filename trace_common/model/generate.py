@@ -9,6 +9,7 @@ sample keeps occupying its column (masked, its outputs ignored) until the batch 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,27 +27,40 @@ FINISH_STOP = "stop"  # sampled a stop token (included in the output)
 FINISH_LENGTH = "length"  # hit max_new_tokens
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class SamplingParams:
-    """temperature 0 = greedy; top_k 0 and top_p 1.0 = no truncation."""
+MAX_STOP_TOKENS = 64  # stop token ids one sampling config may name
+DEFAULT_MAX_NEW_TOKENS = 64  # what generate() decodes when given no sampling config
 
-    max_new_tokens: int = 64
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SamplingConfig:
+    """How completions are sampled, from the trainer's settings through the rollout proto to
+    every engine: temperature 0 = greedy; top_k 0 and top_p 1 = no truncation; `seed` is the
+    base seed (engines derive one per sequence); `stop_token_ids` end a completion besides
+    the policy's EOS (an engine adds its EOS)."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 8
     seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        stops = tuple(int(t) for t in self.stop_token_ids)
+        if len(stops) > MAX_STOP_TOKENS:
+            raise ValueError(f"{len(stops)} stop_token_ids > max {MAX_STOP_TOKENS}")
+        bad = [t for t in stops if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be >= 0, got {bad[:5]}")
+        object.__setattr__(self, "stop_token_ids", stops)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,7 +108,7 @@ def prompts_to_lists(
 
 
 def sample_next(
-    logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator
+    logits: torch.Tensor, sp: SamplingConfig, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (token [B], log-prob [B] under the sampling distribution)."""
     logits = logits.float()
@@ -120,7 +134,7 @@ def sample_next(
 def generate(
     model: MoECausalLM,
     prompts: Sequence[Sequence[int]] | torch.Tensor,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingConfig | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
     guidance: GuidanceConfig | None = None,
@@ -132,7 +146,7 @@ def generate(
     guidance=None records no guidance; record_routing adds top-k ids of every MoE layer.
     Records (if any) are returned per sample, covering prompt and generated tokens.
     """
-    sp = sampling or SamplingParams()
+    sp = sampling or SamplingConfig(max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
     cfg = model.cfg
     plist = prompts_to_lists(prompts, attention_mask)
     if not plist:

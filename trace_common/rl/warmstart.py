@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_common.model import MoECausalLM, SamplingParams, forward_logprobs, generate
+from trace_common.model import MoECausalLM, SamplingConfig, forward_logprobs, generate
 from trace_common.model.train_forward import pad_right
 from trace_common.rl.policy import autocast_dtype_of, compute_context
 from trace_common.tasks.prompts import PromptStream
@@ -54,7 +54,7 @@ def greedy_accuracy(model: MoECausalLM, stream: PromptStream, n: int, max_new_to
     out = generate(
         model,
         [list(p.token_ids) for p in problems],
-        SamplingParams(
+        SamplingConfig(
             max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_id,)
         ),
         record_routing=False,

@@ -4,6 +4,7 @@ the CUDA kernels do not run."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -11,7 +12,6 @@ import torch
 from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,
-    SamplingParams,
     generate,
     load_quantized_state_dict,
 )
@@ -66,14 +66,7 @@ class NativeEngine:
         with_records: bool,
     ) -> list[GeneratedSample]:
         flat = [list(p) for p in prompts for _ in range(group_size)]  # prompt-major
-        sp = SamplingParams(
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            stop_token_ids=(self.eos_id, *sampling.stop_token_ids),
-            seed=sampling.seed,
-        )
+        sp = dataclasses.replace(sampling, stop_token_ids=(self.eos_id, *sampling.stop_token_ids))
         out = generate(
             self.model,
             flat,

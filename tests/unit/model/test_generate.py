@@ -8,7 +8,7 @@ import torch
 from trace_common.model import (
     MoECausalLM,
     QuantConfig,
-    SamplingParams,
+    SamplingConfig,
     forward_logprobs,
     generate,
     get_config,
@@ -70,7 +70,7 @@ def test_kv_cache_decode_logits_equal_full_forward(hp_model: MoECausalLM) -> Non
 
 
 def test_generate_logprobs_equal_full_forward_high_precision(hp_model: MoECausalLM) -> None:
-    out = generate(hp_model, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))
+    out = generate(hp_model, PROMPTS, SamplingConfig(max_new_tokens=12, temperature=0))
     assert [len(t) for t in out.tokens] == [12] * 4
     got = torch.tensor([lp for row in out.logprobs for lp in row])
     torch.testing.assert_close(completion_logprobs(hp_model, out), got, rtol=0, atol=HP_LOGITS_ATOL)
@@ -80,7 +80,7 @@ def test_generate_fp4_kv_matches_full_forward_within_tolerance(hp_model: MoECaus
     model = MoECausalLM(hp_model.cfg).eval()
     model.load_state_dict(hp_model.state_dict())
     quantize_policy(model, QuantConfig(sites=frozenset({"kv"})))
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))
+    out = generate(model, PROMPTS, SamplingConfig(max_new_tokens=12, temperature=0))
     got = torch.tensor([lp for row in out.logprobs for lp in row])
     train = completion_logprobs(model, out, qat_mode="rtn")
     assert (train - got).abs().max() <= FP4_KV_LOGP_ATOL
@@ -89,7 +89,7 @@ def test_generate_fp4_kv_matches_full_forward_within_tolerance(hp_model: MoECaus
 
 
 def test_padding_side_and_batch_composition_do_not_change_results(debug_model) -> None:
-    sp = SamplingParams(max_new_tokens=6, temperature=0)
+    sp = SamplingConfig(max_new_tokens=6, temperature=0)
     ref = generate(debug_model, PROMPTS, sp)
     width = max(map(len, PROMPTS))
     left = torch.zeros(len(PROMPTS), width, dtype=torch.long)
@@ -107,18 +107,18 @@ def test_padding_side_and_batch_composition_do_not_change_results(debug_model) -
 
 
 def test_sampling_seed_stop_tokens_and_truncation(debug_model) -> None:
-    a = generate(debug_model, PROMPTS, SamplingParams(max_new_tokens=8, seed=7))
-    b = generate(debug_model, PROMPTS, SamplingParams(max_new_tokens=8, seed=7))
-    c = generate(debug_model, PROMPTS, SamplingParams(max_new_tokens=8, seed=8))
+    a = generate(debug_model, PROMPTS, SamplingConfig(max_new_tokens=8, seed=7))
+    b = generate(debug_model, PROMPTS, SamplingConfig(max_new_tokens=8, seed=7))
+    c = generate(debug_model, PROMPTS, SamplingConfig(max_new_tokens=8, seed=8))
     assert a.tokens == b.tokens and a.tokens != c.tokens
     # top_k=1 is greedy, and the sampling distribution puts all mass on the chosen token.
-    g = generate(debug_model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
-    k1 = generate(debug_model, PROMPTS, SamplingParams(max_new_tokens=8, top_k=1, seed=3))
+    g = generate(debug_model, PROMPTS, SamplingConfig(max_new_tokens=8, temperature=0))
+    k1 = generate(debug_model, PROMPTS, SamplingConfig(max_new_tokens=8, top_k=1, seed=3))
     assert k1.tokens == g.tokens and all(lp == 0.0 for row in k1.logprobs for lp in row)
     # Stop on the first token sampled by sample 0: it ends there with reason "stop".
     stop_tok = a.tokens[0][2]
     s = generate(
-        debug_model, PROMPTS, SamplingParams(max_new_tokens=8, seed=7, stop_token_ids=(stop_tok,))
+        debug_model, PROMPTS, SamplingConfig(max_new_tokens=8, seed=7, stop_token_ids=(stop_tok,))
     )
     first = a.tokens[0].index(stop_tok)
     assert s.tokens[0] == a.tokens[0][: first + 1] and s.finish_reasons[0] == "stop"
@@ -131,7 +131,7 @@ def test_generate_rejects_bad_input(debug_model) -> None:
     with pytest.raises(ValueError, match=r"token ids \[99\]"):
         generate(debug_model, [[1, 99]])
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
+        SamplingConfig(top_p=0.0)
     with pytest.raises(ValueError, match="not contiguous"):
         generate(
             debug_model,
@@ -140,4 +140,4 @@ def test_generate_rejects_bad_input(debug_model) -> None:
         )
     cfg = get_config("debug")
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        generate(debug_model, [[1]], SamplingParams(max_new_tokens=cfg.max_position_embeddings))
+        generate(debug_model, [[1]], SamplingConfig(max_new_tokens=cfg.max_position_embeddings))

@@ -9,7 +9,7 @@ from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,
     QuantConfig,
-    SamplingParams,
+    SamplingConfig,
     forward_logprobs,
     generate,
     get_config,
@@ -37,7 +37,7 @@ def test_cuda_trace_reproduces_rollout_exactly(dtype: torch.dtype, all_sites: bo
     out = generate(
         model,
         PROMPTS,
-        SamplingParams(max_new_tokens=8, seed=1),
+        SamplingConfig(max_new_tokens=8, seed=1),
         guidance=GuidanceConfig(layers=tuple(range(cfg.num_layers)), sites=sites, mode="full"),
     )
     seqs = [p + t for p, t in zip(out.prompts, out.tokens, strict=True)]
@@ -59,7 +59,7 @@ def test_cuda_trace_reproduces_rollout_exactly(dtype: torch.dtype, all_sites: bo
 @pytest.mark.gpu
 def test_cuda_high_precision_decode_matches_full_forward() -> None:
     model = MoECausalLM(get_config("debug")).init_weights(seed=0, std=0.1).to("cuda").eval()
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
+    out = generate(model, PROMPTS, SamplingConfig(max_new_tokens=8, temperature=0))
     seqs = [p + t for p, t in zip(out.prompts, out.tokens, strict=True)]
     res = forward_logprobs(model, seqs)
     train = torch.cat(

@@ -14,7 +14,7 @@ from trace_common.model import (
     MoECausalLM,
     QuantConfig,
     SampleRecords,
-    SamplingParams,
+    SamplingConfig,
     export_quantized_state_dict,
     forward_logprobs,
     generate,
@@ -33,7 +33,7 @@ def rollout(debug_model: MoECausalLM):
     """Sampled rollout with full guidance at every layer and site, plus routing."""
     guidance = GuidanceConfig(layers=ALL_LAYERS, mode="full")
     return generate(
-        debug_model, PROMPTS, SamplingParams(max_new_tokens=10, seed=11), guidance=guidance
+        debug_model, PROMPTS, SamplingConfig(max_new_tokens=10, seed=11), guidance=guidance
     )
 
 
@@ -89,7 +89,7 @@ def test_mixed_precision_rollout_rtn_flips_codes_trace_does_not(debug_model):
     out = generate(
         engine,
         PROMPTS[:2],
-        SamplingParams(max_new_tokens=6, seed=1),
+        SamplingConfig(max_new_tokens=6, seed=1),
         guidance=GuidanceConfig(layers=ALL_LAYERS, mode="full"),
     )
     seqs = seqs_of(out)
@@ -102,7 +102,7 @@ def test_mixed_precision_rollout_rtn_flips_codes_trace_does_not(debug_model):
 def test_record_sizes_equal_the_formula(debug_model):
     cfg = debug_model.cfg
     out = generate(
-        debug_model, PROMPTS, SamplingParams(max_new_tokens=5, seed=2), guidance=GuidanceConfig()
+        debug_model, PROMPTS, SamplingConfig(max_new_tokens=5, seed=2), guidance=GuidanceConfig()
     )  # default: deeper half, compact
     guided_layers = range(cfg.num_layers // 2, cfg.num_layers)
     h, kv = cfg.hidden_size, cfg.kv_width
@@ -117,7 +117,7 @@ def test_record_sizes_equal_the_formula(debug_model):
     full = generate(
         debug_model,
         PROMPTS[:1],
-        SamplingParams(max_new_tokens=5, seed=2),
+        SamplingConfig(max_new_tokens=5, seed=2),
         guidance=GuidanceConfig(mode="full"),
     ).records[0]
     per_token_full = (h // 2 + h // 16 + 4) + 2 * (kv // 2 + kv // 16 + 4)
@@ -208,7 +208,7 @@ def test_mxfp4_trace_reproduces_rollout_exactly(hp_model):
     out = generate(
         model,
         PROMPTS[:2],
-        SamplingParams(max_new_tokens=6, seed=5),
+        SamplingConfig(max_new_tokens=6, seed=5),
         guidance=GuidanceConfig(layers=ALL_LAYERS, mode="full"),
     )
     assert out.records[0].fmt == "mxfp4"
@@ -222,8 +222,8 @@ def test_mxfp4_trace_reproduces_rollout_exactly(hp_model):
 
 
 def test_generate_without_records(debug_model):
-    out = generate(debug_model, PROMPTS[:2], SamplingParams(max_new_tokens=3), record_routing=False)
+    out = generate(debug_model, PROMPTS[:2], SamplingConfig(max_new_tokens=3), record_routing=False)
     assert out.records is None
-    routing_only = generate(debug_model, PROMPTS[:2], SamplingParams(max_new_tokens=3))
+    routing_only = generate(debug_model, PROMPTS[:2], SamplingConfig(max_new_tokens=3))
     assert all(r.guidance == {} and r.routing is not None for r in routing_only.records)
     assert SampleRecords.from_bytes(routing_only.records[0].to_bytes()).mode == ""

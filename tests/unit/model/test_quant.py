@@ -12,7 +12,7 @@ from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,
     QuantConfig,
-    SamplingParams,
+    SamplingConfig,
     export_quantized_state_dict,
     forward_logprobs,
     generate,
@@ -76,7 +76,7 @@ def test_load_reuses_codes_and_reproduces_rollout(fmt, sites, hp_model, monkeypa
         assert mod.dequant.keys() == loaded[name].dequant.keys(), name
         for w, deq in mod.dequant.items():
             assert torch.equal(deq, loaded[name].dequant[w]), f"{name}.{w}"
-    sp = SamplingParams(max_new_tokens=6, seed=4)
+    sp = SamplingConfig(max_new_tokens=6, seed=4)
     g = GuidanceConfig(mode="full")
     x, y = generate(policy, PROMPTS, sp, guidance=g), generate(engine, PROMPTS, sp, guidance=g)
     assert x.tokens == y.tokens and x.logprobs == y.logprobs
@@ -106,7 +106,7 @@ def test_qat_gradients_reach_master_weights_and_router(debug_model) -> None:
     model.load_state_dict(debug_model.state_dict())
     quantize_policy(model, QuantConfig())
     out = generate(
-        model, PROMPTS, SamplingParams(max_new_tokens=4, seed=0), guidance=GuidanceConfig()
+        model, PROMPTS, SamplingConfig(max_new_tokens=4, seed=0), guidance=GuidanceConfig()
     )
     seqs = [p + t for p, t in zip(out.prompts, out.tokens, strict=True)]
     for mode in ("rtn", "trace"):
@@ -123,5 +123,5 @@ def test_unquantized_forward_needs_no_codes() -> None:
     model = MoECausalLM(get_config("debug")).init_weights(seed=1)
     quantize_policy(model, QuantConfig(sites=frozenset({"expert_acts"})))
     assert model.moe_blocks()[0][1].experts.dequant == {}
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=3))
+    out = generate(model, PROMPTS, SamplingConfig(max_new_tokens=3))
     assert all(len(t) == 3 for t in out.tokens)

@@ -19,7 +19,7 @@ from trace_common.model import (
     MoECausalLM,
     QuantConfig,
     SampleRecords,
-    SamplingParams,
+    SamplingConfig,
     export_quantized_state_dict,
     forward_logprobs,
     generate,
@@ -154,7 +154,7 @@ def test_rollout_and_training_read_bit_identical_weights(master_state, monkeypat
         return w
 
     monkeypatch.setattr(FP4Weights, "effective_weight", spy)
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=5, seed=1, temperature=0.0))
+    out = generate(model, PROMPTS, SamplingConfig(max_new_tokens=5, seed=1, temperature=0.0))
     assert out.num_forward_steps == 5  # prefill + 4 decode steps
     rollout, seen = seen, {}
     seqs = [p + t for p, t in zip(out.prompts, out.tokens, strict=True)]
@@ -203,7 +203,7 @@ def test_export_load_round_trip_is_bit_exact_without_requantizing(master_state, 
         m.setattr(trace_common.fp4.mxfp4, "quantize", refuse)
         engine = load_quantized_state_dict(tensors, meta)
     assert torch.equal(prefill_logits(engine), prefill_logits(model))
-    sp = SamplingParams(max_new_tokens=6, seed=4)
+    sp = SamplingConfig(max_new_tokens=6, seed=4)
     x, y = generate(model, PROMPTS, sp), generate(engine, PROMPTS, sp)
     assert x.tokens == y.tokens and x.logprobs == y.logprobs
 
@@ -238,7 +238,7 @@ def test_trace_all_layers_all_sites_reproduces_rollout_exactly(master_state, mod
     model = policy(master_state, ALL_SITES)
     layers = tuple(range(CFG.num_layers))
     guidance = GuidanceConfig(layers=layers, sites=GUIDED_SITES, mode="full")
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, seed=5), guidance=guidance)
+    out = generate(model, PROMPTS, SamplingConfig(max_new_tokens=8, seed=5), guidance=guidance)
     expected = {(la, s) for la in layers for s in GUIDED_SITES if CFG.has_act_site(la, s)}
     assert set(out.records[0].guidance) == expected
     order = [3, 1, 0, 2]

@@ -9,7 +9,7 @@ from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,
     QuantConfig,
-    SamplingParams,
+    SamplingConfig,
     forward_logprobs,
     generate,
     get_config,
@@ -32,7 +32,7 @@ def test_variant_decode_matches_and_trace_is_exact(name: str) -> None:
     out = generate(
         model,
         prompts,
-        SamplingParams(max_new_tokens=6, seed=3),
+        SamplingConfig(max_new_tokens=6, seed=3),
         guidance=GuidanceConfig(layers=tuple(range(cfg.num_layers)), mode="full"),
     )
     rec = out.records[0]
