@@ -15,7 +15,7 @@ to weight-sync (ModelOpt layout, HF names: `<module>.weight` uint8 [out, in/2],
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -77,16 +77,23 @@ def _quantize_group(fmt: FP4Format, weights: list[torch.Tensor]) -> list[QTensor
 
 
 @torch.no_grad()
-def quantize_policy(model: MoECausalLM, quant: QuantConfig) -> MoECausalLM:
+def quantize_policy(
+    model: MoECausalLM, quant: QuantConfig, *, only: Callable[[str], bool] | None = None
+) -> MoECausalLM:
     """Attach `quant` to the model and quantize the weights of its weight sites once.
 
     Call again after every optimizer step that should produce a new policy version.
     ValueError (QuantConfig.check_model) if the config does not fit the architecture.
+    `only(module_name)` limits the work to the modules it accepts (a sharded trainer
+    quantizes one decoder layer at a time, while that layer's parameters are gathered).
     """
     quant.check_model(model.cfg)
     set_quant_config(model, quant)
     fmt = get_format(quant.format)
-    for _, block in model.moe_blocks():
+    module_names = {id(m): n for n, m in model.named_modules()}
+    for layer, block in model.moe_blocks():
+        if only is not None and not only(f"model.layers.{layer}.mlp.experts"):
+            continue
         ex = block.experts
         ex.clear_quantized()
         if not quant.has(ex.weight_site):
@@ -99,8 +106,11 @@ def quantize_policy(model: MoECausalLM, quant: QuantConfig) -> MoECausalLM:
                 for n, q in zip(names, qs, strict=True):
                     ex.quantized[n].append(q)
         ex.refresh_dequant()
-    model.lm_head.clear_quantized()
+    if only is None or only("lm_head"):
+        model.lm_head.clear_quantized()
     for group in _fused_groups(model):
+        if only is not None and not only(module_names[id(group[0])]):
+            continue
         for mod in group:
             mod.clear_quantized()
         if quant.has(group[0].weight_site):
@@ -129,7 +139,7 @@ def _put_qtensor(tensors: dict[str, torch.Tensor], base: str, q: QTensor) -> Non
 
 
 def export_quantized_state_dict(
-    model: MoECausalLM,
+    model: MoECausalLM, *, only: Callable[[str], bool] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of the quantized policy, for weight-sync / safetensors.
 
@@ -137,21 +147,28 @@ def export_quantized_state_dict(
     experts under HF per-expert names), everything else high precision under its HF name.
     Metadata (all str, safetensors-ready) carries the model and quant configs and the format
     version: what is packed is read from there, never guessed from names or dtypes.
+    `only(module_name)` exports just the modules it accepts, read from the parameters as
+    they are registered now (a sharded trainer's gathered layer), not from `state_dict()`.
     """
     quant = quant_config_of(model)
     tensors: dict[str, torch.Tensor] = {}
-    for key, t in model.state_dict().items():
+    items = model.state_dict().items() if only is None else model.named_parameters()
+    for key, t in items:
+        if only is not None and not only(key.rpartition(".")[0]):
+            continue
         if ".mlp.experts." in key:
             continue
         if key == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
         tensors[key] = t.detach().clone()
     for name, mod in fp4_modules(model):
-        if "weight" in mod.quantized:
+        if "weight" in mod.quantized and (only is None or only(name)):
             _put_qtensor(tensors, name, mod.quantized["weight"])
     for layer, block in model.moe_blocks():
         ex = block.experts
         prefix = f"model.layers.{layer}.mlp.experts"
+        if only is not None and not only(prefix):
+            continue
         for name in EXPERT_PROJS:
             for e in range(ex.num_experts):
                 base = f"{prefix}.{e}.{name}"

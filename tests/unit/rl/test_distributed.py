@@ -1,0 +1,206 @@
+"""The sharded learner (FSDP2 over gloo, on the CPU) against one process: 2 ranks train like
+one (loss and weights within float tolerance), the streamed FP4 export equals the
+single-process export bit for bit, and a sharded checkpoint resumes at 1 and at 2 ranks.
+
+One module fixture runs three small jobs (torch.multiprocessing spawn, 1 thread per rank):
+  A  2 ranks: export at init, train steps 1-2 (each followed by an export, as the trainer
+     publishes every step), sharded checkpoint (ckpt-2r)
+  B  1 rank: resume ckpt-2r, train step 3, sharded checkpoint (ckpt-1r)
+  C  2 ranks: resume ckpt-1r, train step 4
+and the reference trains the same samples in one process (ModelLearner) for steps 1-4.
+A resume quantizes the resumed weights, i.e. the version the last export published.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
+from trace_common.rl.distributed import (
+    ShardedLearner,
+    load_sharded_checkpoint,
+    rank_chunks,
+    save_sharded_checkpoint,
+)
+from trace_common.rl.policy import LearnerConfig, ModelLearner
+from trace_common.rl.types import RolloutSample, TrainSample
+from trace_common.rollout.native import NativeEngine
+from trace_common.rollout.types import SamplingConfig
+from trace_common.tasks import CharTokenizer
+
+TOK = CharTokenizer()
+GUIDANCE = GuidanceConfig(layers=(0, 1, 2, 3), mode="full")
+PROMPTS = [
+    [TOK.bos_id, *TOK.encode("12+34=")],
+    [TOK.bos_id, *TOK.encode("5+6=")],
+    [TOK.bos_id, *TOK.encode("7+80=")],
+]
+LOSS_TOL = 1e-5  # float summation order differs across ranks (sums of per-rank parts)
+# AdamW divides each gradient by its own running RMS, so an element whose gradient is near
+# zero moves by up to lr per step whatever float noise it carries: after 4 steps at lr 1e-3
+# (up to 4e-3 of movement) the sharded and single runs agree to 5e-5, about 1% of that.
+WEIGHT_TOL = 5e-5
+
+
+def _model() -> MoECausalLM:
+    return MoECausalLM(get_config("debug").replace(vocab_size=TOK.vocab_size)).init_weights(0)
+
+
+def _config() -> LearnerConfig:
+    return LearnerConfig(mode="trace", lr=1e-3, minibatches=2)
+
+
+def _learner_kw() -> dict[str, Any]:
+    return dict(quant=QuantConfig(), guidance=GUIDANCE, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+
+
+def _samples(lrn: ModelLearner) -> list[TrainSample]:
+    """Three prompts x two completions (with records) from the learner's exported policy;
+    uneven lengths, so the ranks' token shares differ."""
+    engine = NativeEngine.from_weights(*lrn.export_weights())
+    out = engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=6, seed=5), with_records=True)
+    samples = []
+    for i, g in enumerate(out):
+        rollout = RolloutSample(
+            sample_id=f"s{i}", prompt_id=g.prompt_index, group_index=g.group_index,
+            prompt_tokens=tuple(PROMPTS[g.prompt_index]),
+            completion_tokens=list(g.completion_tokens), logprobs=list(g.logprobs),
+            policy_version=0, finish_reason=g.finish_reason,
+        )  # fmt: skip
+        adv = (1.0, -0.5, 0.25)[i % 3]
+        samples.append(TrainSample(rollout=rollout, reward=0.0, advantage=adv, records=g.records))
+    return samples
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, job: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        root = pathlib.Path(tmp)
+        samples = torch.load(root / "samples.pt", weights_only=False)
+        lrn = ShardedLearner(_model(), _config(), **_learner_kw())
+        out: dict[str, Any] = {}
+        if job == "A":
+            out["export0"] = lrn.export_weights()
+            out["losses"] = [lrn.train_step(samples)["loss"]]
+            lrn.export_weights()  # each step publishes: the QAT forward reads that version
+            out["losses"].append(lrn.train_step(samples)["loss"])
+            out["export2"] = lrn.export_weights()
+            save_sharded_checkpoint(root / "ckpt-2r", lrn, step=2, version=2)
+        elif job == "B":
+            out["state"] = load_sharded_checkpoint(root / "ckpt-2r" / "step-000002", lrn)
+            out["resumed"] = lrn.full_state_dict()
+            out["losses"] = [lrn.train_step(samples)["loss"]]
+            save_sharded_checkpoint(root / "ckpt-1r", lrn, step=3, version=3)
+        else:
+            out["state"] = load_sharded_checkpoint(root / "ckpt-1r" / "step-000003", lrn)
+            out["resumed"] = lrn.full_state_dict()
+            out["losses"] = [lrn.train_step(samples)["loss"]]
+        out["weights"] = lrn.full_state_dict()
+        if rank == 0:
+            torch.save(out, root / f"out-{job}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, tmp: pathlib.Path, job: str) -> dict[str, Any]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, port, str(tmp), job), nprocs=world, join=True)
+    return torch.load(tmp / f"out-{job}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("sharded")
+    ref = ModelLearner(_model(), _config(), **_learner_kw())
+    samples = _samples(ref)
+    torch.save(samples, tmp / "samples.pt")
+    export0 = ref.export_weights()
+    losses, weights = [], []
+    for _ in range(4):
+        losses.append(ref.train_step(samples)["loss"])
+        weights.append({k: v.clone() for k, v in ref.model.state_dict().items()})
+        ref.export_weights()  # publish (re-quantize), as the trainer does after every step
+    return {
+        "ref": {"export0": export0, "losses": losses, "weights": weights},
+        "A": _spawn(2, tmp, "A"),
+        "B": _spawn(1, tmp, "B"),
+        "C": _spawn(2, tmp, "C"),
+    }
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        err = float((got[k] - want[k]).abs().max())
+        assert err <= WEIGHT_TOL, f"{k}: max |sharded - single| = {err} > {WEIGHT_TOL}"
+
+
+def _assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        bits_got, bits_want = (
+            got[k].reshape(-1).view(torch.uint8),
+            want[k].reshape(-1).view(torch.uint8),
+        )
+        assert torch.equal(bits_got, bits_want), k
+
+
+def test_rank_chunks_split_each_minibatch_like_one_process() -> None:
+    assert rank_chunks(6, 2, 1) == [[[0, 1, 2], [3, 4, 5]]]
+    assert rank_chunks(6, 2, 2) == [[[0, 1], [3, 4]], [[2], [5]]]
+    with pytest.raises(ValueError, match="without a sample"):
+        rank_chunks(3, 2, 2)
+
+
+def test_two_ranks_train_like_one(runs: dict[str, Any]) -> None:
+    ref, a = runs["ref"], runs["A"]
+    for got, want in zip(a["losses"], ref["losses"][:2], strict=True):
+        assert abs(got - want) <= LOSS_TOL, (got, want)
+    assert ref["losses"][0] != ref["losses"][1]  # the steps changed the policy
+    _assert_close(a["weights"], ref["weights"][1])
+    moved = max(
+        float((ref["weights"][1][k] - w).abs().max()) for k, w in _model().state_dict().items()
+    )
+    assert moved > 20 * WEIGHT_TOL, f"two steps moved the weights by only {moved}"
+
+
+def test_sharded_export_is_bit_exact(runs: dict[str, Any]) -> None:
+    """At init (same weights) and after training: the sharded export of the trained weights
+    equals one process's export of those same weights, bit for bit."""
+    ref, a = runs["ref"], runs["A"]
+    tensors, meta = a["export0"]
+    _assert_bit_exact(tensors, ref["export0"][0])
+    assert meta == ref["export0"][1]
+    single = ModelLearner(_model(), _config(), **_learner_kw())
+    single.model.load_state_dict(a["weights"])
+    want, want_meta = single.export_weights()
+    got, got_meta = a["export2"]
+    _assert_bit_exact(got, want)
+    assert got_meta == want_meta
+
+
+def test_sharded_checkpoint_resumes_at_one_and_two_ranks(runs: dict[str, Any]) -> None:
+    ref, a, b, c = runs["ref"], runs["A"], runs["B"], runs["C"]
+    assert b["state"]["step"] == 2 and b["state"]["world_size"] == 2
+    assert c["state"]["step"] == 3 and c["state"]["world_size"] == 1
+    _assert_bit_exact(b["resumed"], a["weights"])  # 2 ranks -> 1 rank: exact weights
+    _assert_bit_exact(c["resumed"], b["weights"])  # 1 rank -> 2 ranks
+    # The optimizer state came back too: the resumed steps continue the reference run.
+    assert abs(b["losses"][0] - ref["losses"][2]) <= LOSS_TOL
+    assert abs(c["losses"][0] - ref["losses"][3]) <= LOSS_TOL
+    _assert_close(b["weights"], ref["weights"][2])
+    _assert_close(c["weights"], ref["weights"][3])
