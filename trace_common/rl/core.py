@@ -167,7 +167,9 @@ class TrainerCore:
         self._on_event(f"score groups={len(kept_groups)}")
 
         dropped_records = 0
-        if cfg.writes_records and train_samples:
+        # A sharded learner's ranks pull the records of the samples each trains themselves.
+        pulled_by_learner = getattr(self.learner, "pulls_records", False)
+        if cfg.writes_records and train_samples and not pulled_by_learner:
             train_samples, dropped_records = self._attach_records(train_samples)
             self._on_event("records")
         t_records = time.perf_counter()

@@ -233,40 +233,49 @@ class ShardedLearner(ModelLearner):
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One RL update; `samples` is the whole batch, the same list on every rank. This
-        rank trains its slice of each minibatch, pulling those samples' records first when
-        they are not attached and a record store was given."""
-        per_rank = rank_chunks(len(samples), self.config.minibatches, self.world_size)
-        mine = [i for chunk in per_rank[self.rank] for i in chunk]
-        local = [samples[i] for i in mine]
-        local = self._pull_records(local)
+        rank trains its slice of each minibatch and pulls those samples' records itself
+        (when they are not attached and a record store was given). A group with a record
+        missing on any rank is dropped whole on every rank (its advantages were normalized
+        together) and the batch is split again: `samples_dropped_records` counts them."""
+        samples, dropped = list(samples), 0
+        while True:
+            if not samples:
+                return {"samples_dropped_records": dropped}
+            per_rank = rank_chunks(len(samples), self.config.minibatches, self.world_size)
+            local = [samples[i] for chunk in per_rank[self.rank] for i in chunk]
+            lacking: list[Any] = [None] * self.world_size
+            dist.all_gather_object(lacking, self._pull_records(local))
+            drop = set().union(*lacking)
+            if not drop:
+                break
+            kept = [ts for ts in samples if ts.rollout.prompt_id not in drop]
+            dropped += len(samples) - len(kept)
+            samples = kept
         chunks, start = [], 0
         for chunk in per_rank[self.rank]:
             chunks.append(list(range(start, start + len(chunk))))
             start += len(chunk)
-        return self._train(local, chunks)
+        metrics = self._train(local, chunks)
+        metrics["samples_dropped_records"] = dropped
+        return metrics
 
-    def _pull_records(self, local: list[TrainSample]) -> list[TrainSample]:
-        """Attach this rank's samples' records from the store (one fetch per version). A
-        record the store lacks is an error here: the trainer drops such groups before the
-        batch is split (TrainerCore._attach_records), so a miss now means it expired between
-        the two reads."""
-        needs = self.records is not None and any(ts.records is None for ts in local)
-        if not needs:
-            return local
-        assert self.records is not None
+    def _pull_records(self, local: list[TrainSample]) -> set[int]:
+        """Attach the records of this rank's samples that lack them (one fetch per policy
+        version); returns the prompt ids of groups whose record the store does not have."""
+        todo = [ts for ts in local if ts.records is None]
+        if self.records is None or not todo:
+            return set()
         by_version: dict[int, list[TrainSample]] = {}
-        for ts in local:
-            if ts.records is None:
-                by_version.setdefault(ts.rollout.policy_version, []).append(ts)
+        for ts in todo:
+            by_version.setdefault(ts.rollout.policy_version, []).append(ts)
+        lacking = set()
         for version, group in sorted(by_version.items()):
-            ids = [ts.rollout.sample_id for ts in group]
-            blobs = self.records.fetch(self.run_id, version, ids)
-            missing = [i for i in ids if i not in blobs]
-            if missing:
-                raise RuntimeError(f"rank {self.rank}: no record for samples {missing}")
+            blobs = self.records.fetch(self.run_id, version, [ts.rollout.sample_id for ts in group])
             for ts in group:
-                ts.records = blobs[ts.rollout.sample_id]
-        return local
+                ts.records = blobs.get(ts.rollout.sample_id)
+                if ts.records is None:
+                    lacking.add(ts.rollout.prompt_id)
+        return lacking
 
     # ------------------------------------------------------------------ weights
 
@@ -319,6 +328,66 @@ class ShardedLearner(ModelLearner):
 
     def load_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
         raise NotImplementedError("a sharded learner resumes with load_sharded_checkpoint")
+
+
+class LeaderLearner:
+    """Rank 0's face of a `ShardedLearner`, the `Learner` that TrainerCore drives: each call
+    is broadcast to the other ranks (which run `follow`) and then run here, so all ranks
+    enter the same collectives in the same order. Samples go out without record blobs: each
+    rank pulls its own slice's records (`pulls_records`: TrainerCore then leaves them)."""
+
+    def __init__(self, learner: ShardedLearner) -> None:
+        if learner.rank != 0:
+            raise ValueError(f"LeaderLearner runs on rank 0, this is rank {learner.rank}")
+        self.learner = learner
+        self.pulls_records = learner.records is not None
+
+    def _order(self, *command: Any) -> None:
+        dist.broadcast_object_list([command], src=0)
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        samples = [_without_records(ts) if self.pulls_records else ts for ts in samples]
+        self._order("train", samples)
+        return self.learner.train_step(samples)
+
+    def export_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        self._order("export")
+        return self.learner.export_weights()
+
+    def save(self, root: str | pathlib.Path, **state: Any) -> pathlib.Path:
+        self._order("save", str(root), state)
+        return save_sharded_checkpoint(root, self.learner, **state)
+
+    def load(self, path: str | pathlib.Path) -> dict[str, Any]:
+        self._order("load", str(path))
+        return load_sharded_checkpoint(path, self.learner)
+
+    def stop(self) -> None:
+        """Release the followers (their `follow` returns)."""
+        self._order("stop")
+
+
+def follow(learner: ShardedLearner) -> int:
+    """Ranks 1..N-1: run what rank 0's `LeaderLearner` orders until it says stop; returns
+    the number of train steps run."""
+    steps = 0
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        command, *args = box[0]
+        if command == "train":
+            learner.train_step(args[0])
+            steps += 1
+        elif command == "export":
+            learner.export_weights()
+        elif command == "save":
+            save_sharded_checkpoint(args[0], learner, **args[1])
+        elif command == "load":
+            load_sharded_checkpoint(args[0], learner)
+        elif command == "stop":
+            return steps
+        else:
+            raise RuntimeError(f"unknown command from rank 0: {command!r}")
 
 
 def _export_metadata(model: MoECausalLM) -> dict[str, str]:

@@ -25,7 +25,9 @@ import torch.multiprocessing as mp
 
 from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
 from trace_common.rl.distributed import (
+    LeaderLearner,
     ShardedLearner,
+    follow,
     load_sharded_checkpoint,
     rank_chunks,
     save_sharded_checkpoint,
@@ -80,6 +82,19 @@ def _samples(lrn: ModelLearner) -> list[TrainSample]:
     return samples
 
 
+class _Store:
+    """The records of the test's samples, minus `missing`; logs which ids were fetched."""
+
+    def __init__(self, samples: list[TrainSample]) -> None:
+        self.blobs = {ts.rollout.sample_id: ts.records for ts in samples}
+        self.missing: set[str] = set()
+        self.fetched: list[str] = []
+
+    def fetch(self, run_id: str, policy_version: int, sample_ids: Any) -> dict[str, bytes]:
+        self.fetched += sample_ids
+        return {i: self.blobs[i] for i in sample_ids if i not in self.missing}  # type: ignore[misc]
+
+
 def _worker(rank: int, world: int, port: int, tmp: str, job: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -87,24 +102,17 @@ def _worker(rank: int, world: int, port: int, tmp: str, job: str) -> None:
     try:
         root = pathlib.Path(tmp)
         samples = torch.load(root / "samples.pt", weights_only=False)
+        if job == "A":
+            _job_a(rank, root, samples)
+            return
         lrn = ShardedLearner(_model(), _config(), **_learner_kw())
         out: dict[str, Any] = {}
-        if job == "A":
-            out["export0"] = lrn.export_weights()
-            out["losses"] = [lrn.train_step(samples)["loss"]]
-            lrn.export_weights()  # each step publishes: the QAT forward reads that version
-            out["losses"].append(lrn.train_step(samples)["loss"])
-            out["export2"] = lrn.export_weights()
-            save_sharded_checkpoint(root / "ckpt-2r", lrn, step=2, version=2)
-        elif job == "B":
-            out["state"] = load_sharded_checkpoint(root / "ckpt-2r" / "step-000002", lrn)
-            out["resumed"] = lrn.full_state_dict()
-            out["losses"] = [lrn.train_step(samples)["loss"]]
+        ckpt = "ckpt-2r/step-000002" if job == "B" else "ckpt-1r/step-000003"
+        out["state"] = load_sharded_checkpoint(root / ckpt, lrn)
+        out["resumed"] = lrn.full_state_dict()
+        out["losses"] = [lrn.train_step(samples)["loss"]]
+        if job == "B":
             save_sharded_checkpoint(root / "ckpt-1r", lrn, step=3, version=3)
-        else:
-            out["state"] = load_sharded_checkpoint(root / "ckpt-1r" / "step-000003", lrn)
-            out["resumed"] = lrn.full_state_dict()
-            out["losses"] = [lrn.train_step(samples)["loss"]]
         out["weights"] = lrn.full_state_dict()
         if rank == 0:
             torch.save(out, root / f"out-{job}.pt")
@@ -113,11 +121,47 @@ def _worker(rank: int, world: int, port: int, tmp: str, job: str) -> None:
         dist.destroy_process_group()
 
 
+def _job_a(rank: int, root: pathlib.Path, samples: list[TrainSample]) -> None:
+    """Rank 0 drives a LeaderLearner as TrainerCore does, rank 1 follows; the samples come
+    without records and each rank pulls its own from the store."""
+    store = _Store(samples)
+    lrn = ShardedLearner(_model(), _config(), **_learner_kw(), records=store)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        leader = LeaderLearner(lrn)
+        bare = [
+            TrainSample(rollout=ts.rollout, reward=0.0, advantage=ts.advantage) for ts in samples
+        ]
+        out["export0"] = leader.export_weights()
+        out["losses"] = [leader.train_step(bare)["loss"]]
+        leader.export_weights()  # each step publishes: the QAT forward reads that version
+        out["losses"].append(leader.train_step(bare)["loss"])
+        out["export2"] = leader.export_weights()
+        leader.save(root / "ckpt-2r", step=2, version=2)
+        leader.stop()
+    else:
+        out["follower_steps"] = follow(lrn)
+    out["weights"] = lrn.full_state_dict()
+    out["fetched"] = list(store.fetched)
+    # A record missing on one rank (s5: prompt 2, trained by rank 1) drops its group on both.
+    store.missing = {"s5"}
+    if rank == 0:
+        out["dropped_step"] = leader.train_step(bare)
+        leader.stop()
+    else:
+        follow(lrn)
+    torch.save(out, root / f"out-A{rank}.pt")
+    dist.barrier()
+
+
 def _spawn(world: int, tmp: pathlib.Path, job: str) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_worker, args=(world, port, str(tmp), job), nprocs=world, join=True)
+    if job == "A":
+        ranks = [torch.load(tmp / f"out-A{r}.pt", weights_only=False) for r in range(world)]
+        return {**ranks[0], "ranks": ranks}
     return torch.load(tmp / f"out-{job}.pt", weights_only=False)
 
 
@@ -204,3 +248,15 @@ def test_sharded_checkpoint_resumes_at_one_and_two_ranks(runs: dict[str, Any]) -
     assert abs(c["losses"][0] - ref["losses"][3]) <= LOSS_TOL
     _assert_close(b["weights"], ref["weights"][2])
     _assert_close(c["weights"], ref["weights"][3])
+
+
+def test_each_rank_pulls_the_records_of_the_samples_it_trains(runs: dict[str, Any]) -> None:
+    """rank_chunks(6, 2, 2): rank 0 trains s0 s1 | s3 s4, rank 1 trains s2 | s5; three train
+    steps (the third with s5 missing)."""
+    rank0, rank1 = runs["A"]["ranks"]
+    assert rank1["follower_steps"] == 2
+    assert set(rank0["fetched"]) == {"s0", "s1", "s3", "s4"}
+    assert set(rank1["fetched"]) == {"s2", "s5"}
+    assert len(rank0["fetched"]) == 2 * 4 and len(rank1["fetched"]) == 2 * 2  # no refetch
+    assert rank0["dropped_step"]["samples_dropped_records"] == 2  # prompt 2's group
+    assert rank0["dropped_step"]["train_tokens"] > 0  # the other groups still trained
