@@ -20,7 +20,12 @@ choice; "direct" requires the direct path (DirectPathError otherwise); "grpc" ne
 Delete and Stats always go through the service, the authority over the namespace.
 A Redis that is briefly unavailable (UNAVAILABLE: a blip, a restart) is retried with
 backoff within `DIRECT_RETRY` on the direct path, as gRPC's retry policy does on the other.
-Errors are the same on both paths: CorruptRecordError for records failing their checksum,
+Records are authenticated end to end: the writer puts an HMAC-SHA256 tag (keyed from the
+deployment's shared token, over run, version, sample id and blob) in front of each blob, and
+the reader checks and strips it, so a record altered or written in Redis by anyone without
+the token (a valid CRC is easy to forge) is refused as corrupt. The service and the store see
+the tagged bytes as opaque data.
+Errors are the same on both paths: CorruptRecordError for records failing their checksum or tag,
 KeyError for missing ones when `missing_ok=False`, and a grpc.RpcError with the status code
 (on the direct path a DirectPathError, a grpc.RpcError with `code()` and `details()`) for
 bad input, oversize records, an unreachable or full Redis.
@@ -28,6 +33,8 @@ bad input, oversize records, an unreachable or full Redis.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -44,7 +51,7 @@ from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as p
 from trace_common.redis_bulk import Joined, bulk_connection_options
 from trace_common.redis_local import redact_url
 from trace_common.service.errors import ServiceError
-from trace_common.service.grpc_client import GrpcClient
+from trace_common.service.grpc_client import GrpcClient, resolve_token
 from trace_common.service.retry import Backoff, retry_transient
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,23 @@ REDIS_TIMEOUT_S = 30.0  # socket timeout of direct-path Redis calls
 # Direct-path reads and writes retried on UNAVAILABLE this long (a blip or a quick restart;
 # callers that can wait longer, like the trainer, retry on top).
 DIRECT_RETRY = Backoff(budget_s=3.0, initial_s=0.1, max_s=1.0)
+RECORD_TAG_BYTES = 32  # HMAC-SHA256 tag in front of every stored record blob
+_TAG_KEY_CONTEXT = b"trace quant-cache record tag v1\0"
+
+
+def record_tag_key(token: str) -> bytes:
+    """The records' HMAC key, derived from the deployment's shared token."""
+    return hashlib.sha256(_TAG_KEY_CONTEXT + token.encode()).digest()
+
+
+def record_tag(
+    key: bytes, run_id: str, version: int, sample_id: str, blob: bytes | memoryview
+) -> bytes:
+    """HMAC-SHA256 over the record's key fields and its blob: a tag that binds the bytes to
+    the place they were written for (a record copied to another key fails too)."""
+    mac = hmac.new(key, f"{run_id}\0{version}\0{sample_id}\0".encode(), hashlib.sha256)
+    mac.update(blob)
+    return mac.digest()
 
 
 class CorruptRecordError(RuntimeError):
@@ -165,6 +189,7 @@ class QuantCacheClient(GrpcClient):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
+        self._tag_key = record_tag_key(resolve_token(token))
         self.data_path = check_data_path(data_path)
         self._direct: DirectPath | None = None
         self._resolved = data_path == "grpc"
@@ -251,18 +276,45 @@ class QuantCacheClient(GrpcClient):
         stored. Each record is all-or-nothing; on an error the records before it are stored."""
         if not records:
             raise ValueError("records is empty")
+        sealed = {sid: self._seal(run_id, version, sid, blob) for sid, blob in records.items()}
+        tags = RECORD_TAG_BYTES * len(sealed)
         direct = self.direct()
         if direct is not None:
-            return retry_transient(
-                lambda: direct.put_many(run_id, version, records), "Redis write", DIRECT_RETRY
+            return (
+                retry_transient(
+                    lambda: direct.put_many(run_id, version, sealed), "Redis write", DIRECT_RETRY
+                )
+                - tags
             )
 
         def chunks() -> Iterator[bytes]:
-            for sample_id, blob in records.items():
+            for sample_id, blob in sealed.items():
                 yield from self._chunks(run_id, version, sample_id, blob)
 
         response = self._put(chunks(), metadata=self.metadata, timeout=self.timeout)
-        return response.stored_bytes
+        return response.stored_bytes - tags
+
+    def _seal(self, run_id: str, version: int, sample_id: str,
+              blob: bytes | bytearray | memoryview) -> bytes:  # fmt: skip
+        view = memoryview(blob).cast("B")
+        return record_tag(self._tag_key, run_id, version, sample_id, view) + bytes(view)
+
+    def _open(self, run_id: str, version: int, sealed: dict[str, bytes],
+              corrupt: dict[str, str]) -> dict[str, bytes]:  # fmt: skip
+        """The blobs of records whose tag checks out; the others into `corrupt`."""
+        good: dict[str, bytes] = {}
+        for sid, data in sealed.items():
+            view = memoryview(data)
+            body = view[RECORD_TAG_BYTES:]
+            if len(view) < RECORD_TAG_BYTES or not hmac.compare_digest(
+                bytes(view[:RECORD_TAG_BYTES]),
+                record_tag(self._tag_key, run_id, version, sid, body),
+            ):
+                corrupt[sid] = ("record tag mismatch: written without this deployment's token, "
+                                "altered in the store, or copied from another key")  # fmt: skip
+            else:
+                good[sid] = bytes(body)
+        return good
 
     def _chunks(
         self, run_id: str, version: int, sample_id: str, blob: bytes | bytearray | memoryview
@@ -279,11 +331,24 @@ class QuantCacheClient(GrpcClient):
     def get_records(
         self, run_id: str, version: int, sample_ids: Sequence[str], *, missing_ok: bool = True
     ) -> dict[str, bytes]:
-        """Records of `sample_ids` that exist, each verified against its CRC-32.
+        """Records of `sample_ids` that exist, each verified against its CRC-32 and its tag.
 
         Missing ones (never written, expired, evicted) are left out, or raise KeyError when
         `missing_ok` is False. Corrupt ones raise CorruptRecordError (good ones attached).
         """
+        try:
+            sealed, corrupt = self._get_sealed(run_id, version, sample_ids, missing_ok), {}
+        except CorruptRecordError as exc:
+            sealed, corrupt = exc.records, dict(exc.corrupt)
+        good = self._open(run_id, version, sealed, corrupt)
+        if corrupt:
+            raise CorruptRecordError(corrupt, good)
+        return good
+
+    def _get_sealed(
+        self, run_id: str, version: int, sample_ids: Sequence[str], missing_ok: bool
+    ) -> dict[str, bytes]:
+        """The stored (tagged) bytes of the records, CRC-checked."""
         direct = self.direct()
         if direct is not None:
             return retry_transient(

@@ -45,9 +45,6 @@ def test_direct_and_grpc_paths_share_records_counters_ttl_and_delete(
         assert via_grpc.get_records("run", 1, list(blobs)) == blobs
         assert via_grpc.put_many("run", 2, blobs) == sum(map(len, blobs.values()))
         assert direct.get_records("run", 2, list(blobs)) == blobs
-        # The same bytes in Redis whichever path wrote them.
-        for sid in blobs:
-            assert raw_redis.get(f"trace:qc:run:1:{sid}") == raw_redis.get(f"trace:qc:run:2:{sid}")
 
         # TTL: direct puts carry the service's TTL.
         ttl = raw_redis.ttl("trace:qc:run:1:small")
@@ -81,6 +78,11 @@ def test_direct_and_grpc_paths_share_records_counters_ttl_and_delete(
         assert direct.get_records("run", 1, list(blobs)) == {}
         assert direct.get_records("run", 2, ["small"]) == {"small": blobs["small"]}
         assert via_grpc.delete("run") == 3
+        # The same bytes in Redis whichever path wrote them.
+        direct.put_many("run", 3, blobs)
+        by_direct = {sid: raw_redis.get(f"trace:qc:run:3:{sid}") for sid in blobs}
+        via_grpc.put_many("run", 3, blobs)
+        assert {sid: raw_redis.get(f"trace:qc:run:3:{sid}") for sid in blobs} == by_direct
         for qc in (direct, via_grpc, auto):
             qc.close()
 
@@ -163,3 +165,34 @@ def test_auto_falls_back_to_grpc(local_redis: LocalRedis) -> None:
             QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct").path  # noqa: B018
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "127.0.0.1:1" in err.value.details() and "secret" not in err.value.details()
+
+
+def test_records_written_without_the_token_are_refused(
+    local_redis: LocalRedis, raw_redis: redis.Redis
+) -> None:
+    """A record overwritten in Redis with a valid layout and CRC, or copied from another key,
+    or written by a client holding another token, fails its tag on both paths."""
+    from trace_common.quant_cache_store import encode
+
+    with _service(local_redis.url) as svc:
+        direct = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")
+        via_grpc = QuantCacheClient(svc.grpc_address, TOKEN, data_path="grpc")
+        direct.put_many("run", 0, {"a": b"guidance-a", "b": b"guidance-b", "c": b"guidance-c"})
+        forged = b"\0" * 32 + b"forged guidance"  # valid layout and CRC, no valid tag
+        raw_redis.set("trace:qc:run:0:a", encode(forged))
+        raw_redis.set("trace:qc:run:0:b", raw_redis.get("trace:qc:run:0:c"))  # c's bytes at b
+        for qc in (direct, via_grpc):
+            with pytest.raises(CorruptRecordError) as err:
+                qc.get_records("run", 0, ["a", "b", "c"])
+            assert set(err.value.corrupt) == {"a", "b"}, err.value.corrupt
+            assert "tag mismatch" in err.value.corrupt["a"]
+            assert err.value.records == {"c": b"guidance-c"}, "good records still come back"
+        # another deployment's token: its writes do not verify here
+        svc_env_token = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")
+        other = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")
+        other._tag_key = b"\1" * 32  # stands for a client keyed from a different token
+        other.put_records("run", 1, "x", b"from elsewhere")
+        with pytest.raises(CorruptRecordError, match="tag mismatch"):
+            svc_env_token.get_records("run", 1, ["x"])
+        for qc in (direct, via_grpc, svc_env_token, other):
+            qc.close()
