@@ -13,13 +13,13 @@ import torch
 
 from services.trainer.config import TrainerSettings, site_names
 from services.trainer.metrics import TrainerMetrics
+from services.trainer.ranks import build_learner
 from services.trainer.remote import (
     QuantCacheRecords,
     WeightSyncDirectory,
     WeightSyncPublisher,
 )
 from trace_common.clients import QuantCacheClient, WeightSyncClient
-from trace_common.device import resolve_device
 from trace_common.model import GuidanceConfig, ModelConfig, MoECausalLM, QuantConfig, get_config
 from trace_common.model.hf import load_native_state_dict
 from trace_common.rl.audit import RecordAudit, state_digest
@@ -32,7 +32,7 @@ from trace_common.rl.checkpoint import (
 )
 from trace_common.rl.core import TrainerConfig, TrainerCore
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher
-from trace_common.rl.policy import LearnerConfig, ModelLearner
+from trace_common.rl.distributed import LeaderLearner
 from trace_common.rollout.types import SamplingConfig
 from trace_common.service import Backoff, Metrics
 from trace_common.tasks import PromptStream, exact_match_reward, load_tokenizer, make_task
@@ -134,19 +134,15 @@ class TrainerApp:
         )
         backoff = Backoff(budget_s=s.store_retry_seconds)
         self.publisher = WeightSyncPublisher(self.weight_sync, backoff)
-        self.learner = ModelLearner(
-            model,
-            LearnerConfig(
-                mode=s.mode, lr=s.lr, minibatches=s.minibatches, clip_eps=s.clip_eps,
-                tis_cap=s.tis_cap, routing_replay=s.routing_replay, temperature=s.temperature,
-                measure_records=s.measure_records, compute_dtype=s.compute_dtype,
-                activation_checkpointing=s.activation_checkpointing,
-            ),
-            quant=quant,
-            guidance=guidance,
-            eos_id=tok.eos_id,
-            pad_id=tok.pad_id,
-            device=resolve_device(s.device),
+        records = QuantCacheRecords(
+            self.quant_cache,
+            RecordAudit(s.record_audit_file) if s.record_audit_file else None,
+            backoff,
+        )
+        # One process, or rank 0 of N under torchrun (services/trainer/ranks.py).
+        self.learner = build_learner(
+            s, model, quant=quant, guidance=guidance, eos_id=tok.eos_id, pad_id=tok.pad_id,
+            records=records,
         )  # fmt: skip
         max_new = s.max_new_tokens or self.task.max_answer_chars + 1
         self.core = TrainerCore(
@@ -166,11 +162,7 @@ class TrainerApp:
             scorer=lambda sample, problem: exact_match_reward(
                 sample.completion_tokens, problem.answer, tok
             ),
-            records=QuantCacheRecords(
-                self.quant_cache,
-                RecordAudit(s.record_audit_file) if s.record_audit_file else None,
-                backoff,
-            ),
+            records=records,
             learner=self.learner,
             publisher=self.publisher,
         )  # fmt: skip
@@ -223,6 +215,7 @@ class TrainerApp:
             "rollout_replicas": len(self.directory.replicas()),
             "mode": self.settings.mode,
             "device": str(self.learner.device),
+            "world_size": self.learner.world_size,
             "detail": self.detail,
             "resumed_from": self.resumed_from,
             "versions_republished": self.republished,
@@ -274,6 +267,8 @@ class TrainerApp:
                 self.checkpoint()
         if self.core.step_index >= s.steps:
             self.state = "finished"
+        if isinstance(self.learner, LeaderLearner):
+            self.learner.stop()  # the other ranks' follow() returns
 
     def _check_dropped(self, m: dict[str, Any]) -> None:
         """Fail the run (loudly: state failed, /healthz 503, the alert) once more than
@@ -304,6 +299,13 @@ class TrainerApp:
 
     def checkpoint(self) -> None:
         assert self.settings.checkpoint_dir is not None
+        if isinstance(self.learner, LeaderLearner):  # every rank writes its own shards
+            self.learner.save(
+                self.settings.checkpoint_dir, step=self.core.step_index,
+                version=self.core.version, prompt_state=self.core.prompts.state_dict(),
+                extra={"run_id": self.settings.run_id, "mode": self.settings.mode},
+            )  # fmt: skip
+            return
         model_state, optim_state = self.learner.state()
         self.weights_digest = state_digest(model_state)
         path = save_checkpoint(
@@ -330,9 +332,16 @@ class TrainerApp:
         path = latest_checkpoint(s.checkpoint_dir) if s.checkpoint_dir and s.resume else None
         latest = self.publisher.latest_version()
         if path is None:
-            self.weights_digest = state_digest(self.learner.state()[0])
+            if not isinstance(self.learner, LeaderLearner):  # sharded: no gathered digest
+                self.weights_digest = state_digest(self.learner.state()[0])
             self.core.version = latest  # next publish is latest + 1 (0 on a fresh weight-sync)
             self.core.publish()
+            return
+        if isinstance(self.learner, LeaderLearner):
+            state = self.learner.load(path)  # at any world size; restores each rank's RNG
+            self.core.prompts.load_state_dict(state["prompt_state"])
+            self.core.step_index = state["step"]
+            self._continue_version(path, latest, state["version"])
             return
         ckpt = load_checkpoint(path)
         self.learner.load_state(ckpt.model, ckpt.optimizer)
@@ -340,16 +349,21 @@ class TrainerApp:
         self.core.step_index = ckpt.step
         if ckpt.rng is not None:
             restore_rng(ckpt.rng)
-        self.resumed_from = str(path)
         self.weights_digest = state_digest(self.learner.state()[0])
-        if latest == ckpt.version:
-            self.core.version = ckpt.version  # replicas already hold exactly these weights
-            self.core.version_floor = ckpt.version
+        self._continue_version(path, latest, ckpt.version)
+
+    def _continue_version(self, path: pathlib.Path, latest: int, version: int) -> None:
+        """After a resume: keep the checkpoint's version if weight-sync holds it, else push."""
+        self.resumed_from = str(path)
+        if latest == version:
+            self.core.version = version  # replicas already hold exactly these weights
+            self.core.version_floor = version
         else:
             # weight-sync holds other weights (pushed after the checkpoint, or lost): push the
             # checkpoint's weights as a version newer than anything it has.
-            self.core.version = max(latest, ckpt.version - 1)
+            self.core.version = max(latest, version - 1)
             self.core.publish()
         log.info(
-            "resumed", extra={"path": str(path), "step": ckpt.step, "version": self.core.version}
+            "resumed",
+            extra={"path": str(path), "step": self.core.step_index, "version": self.core.version},
         )

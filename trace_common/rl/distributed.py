@@ -341,6 +341,7 @@ class LeaderLearner:
             raise ValueError(f"LeaderLearner runs on rank 0, this is rank {learner.rank}")
         self.learner = learner
         self.pulls_records = learner.records is not None
+        self.device, self.world_size = learner.device, learner.world_size
 
     def _order(self, *command: Any) -> None:
         dist.broadcast_object_list([command], src=0)

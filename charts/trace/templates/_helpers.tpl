@@ -124,7 +124,13 @@ hardened security context, the token Secret, writable /tmp and /data.
 - name: {{ $name }}
   image: {{ include "trace.image" $root | quote }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
+  {{- if gt (int (default 1 $c.ranks)) 1 }}
+  {{- /* N learner ranks in this pod, one GPU each (LOCAL_RANK); rank 0 serves. */}}
+  command: ["torchrun"]
+  args: ["--standalone", "--nproc-per-node={{ $c.ranks }}", "--no-python", "trace-rl", "serve", {{ $name | quote }}]
+  {{- else }}
   args: ["serve", {{ $name | quote }}]
+  {{- end }}
   env:
     {{- include "trace.commonEnv" $root | nindent 4 }}
     - name: TRACE_GRPC_PORT
@@ -183,6 +189,9 @@ hardened security context, the token Secret, writable /tmp and /data.
     - {name: auth-token, mountPath: /var/run/secrets/trace, readOnly: true}
     - {name: tmp, mountPath: /tmp}
     - {name: data, mountPath: /data}
+    {{- if gt (int (default 1 $c.ranks)) 1 }}
+    - {name: dshm, mountPath: /dev/shm}
+    {{- end }}
 {{- end -}}
 
 {{/* Volumes of the TRACE container; the trainer replaces `data` by its PVC. */}}

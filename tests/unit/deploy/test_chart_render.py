@@ -342,3 +342,40 @@ def test_bad_values_fail_with_a_clear_message(args: list[str], message: str) -> 
     res = helm_template(*args)
     assert res.returncode != 0, "helm accepted bad values"
     assert message in res.stderr, res.stderr
+
+
+def test_trainer_ranks_run_under_torchrun_one_gpu_each() -> None:
+    """trainer.ranks = 4: the trainer pod runs 4 learner ranks under torchrun (standalone
+    rendezvous in the pod, rank 0 serves), requests 4 GPUs and gets a larger /dev/shm; the
+    rollout is untouched, and the default (1) keeps the plain `serve trainer`."""
+    base = VALUE_SETS["defaults"]
+    res = helm_template(*base, "--set", "trainer.ranks=4", "--set", "trainer.gpus=4")
+    assert res.returncode == 0, res.stderr
+    docs = [d for d in yaml.load_all(res.stdout, Loader=_StrictLoader) if d]
+    for doc in docs:
+        if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    workloads = {_component(w): w for w in _workloads(docs)}
+    trainer = _trace_container(workloads["trainer"])
+    assert trainer["command"] == ["torchrun"]
+    assert trainer["args"] == [
+        "--standalone", "--nproc-per-node=4", "--no-python", "trace-rl", "serve", "trainer",
+    ]  # fmt: skip
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+    volumes = {v["name"]: v for v in workloads["trainer"]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    rollout = _trace_container(workloads["rollout"])
+    assert "command" not in rollout and rollout["args"] == ["serve", "rollout"]
+    single = helm_template(*base)
+    one = {_component(w): w for w in _workloads(list(yaml.safe_load_all(single.stdout)))}
+    assert _trace_container(one["trainer"])["args"] == ["serve", "trainer"]
+    assert "command" not in _trace_container(one["trainer"])
+
+
+def test_trainer_ranks_need_one_gpu_each() -> None:
+    res = helm_template(
+        *VALUE_SETS["defaults"], "--set", "trainer.ranks=4", "--set", "trainer.gpus=2"
+    )
+    assert res.returncode != 0, "helm accepted 4 ranks on 2 GPUs"
+    assert "trainer.ranks=4 needs trainer.gpus=4" in res.stderr, res.stderr

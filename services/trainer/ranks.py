@@ -1,0 +1,97 @@
+"""The trainer as N ranks under torchrun: rank 0 is the trainer service (RL loop, gRPC, HTTP),
+ranks 1..N-1 hold their shards of the learner and run what rank 0 orders
+(`trace_common.rl.distributed`). With WORLD_SIZE unset or 1 the trainer is one process, as
+before. Each rank pulls the records of the samples it trains from quant-cache itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from services.trainer.config import TrainerSettings
+from trace_common.device import resolve_device
+from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig
+from trace_common.rl.core import RecordStore
+from trace_common.rl.distributed import (
+    LeaderLearner,
+    ShardedLearner,
+    follow,
+    init_distributed,
+)
+from trace_common.rl.policy import LearnerConfig, ModelLearner
+
+log = logging.getLogger(__name__)
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE (1 when the trainer was started without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def learner_config(s: TrainerSettings) -> LearnerConfig:
+    return LearnerConfig(
+        mode=s.mode, lr=s.lr, minibatches=s.minibatches, clip_eps=s.clip_eps,
+        tis_cap=s.tis_cap, routing_replay=s.routing_replay, temperature=s.temperature,
+        measure_records=s.measure_records, compute_dtype=s.compute_dtype,
+        activation_checkpointing=s.activation_checkpointing,
+    )  # fmt: skip
+
+
+def build_learner(
+    s: TrainerSettings,
+    model: MoECausalLM,
+    *,
+    quant: QuantConfig,
+    guidance: GuidanceConfig,
+    eos_id: int,
+    pad_id: int,
+    records: RecordStore,
+) -> ModelLearner | LeaderLearner | ShardedLearner:
+    """One process: a ModelLearner on TRACE_DEVICE. N ranks: join the process group (NCCL,
+    one GPU per rank by LOCAL_RANK; gloo on the CPU) and shard; rank 0 gets the
+    LeaderLearner that TrainerCore drives, the other ranks their ShardedLearner."""
+    device = resolve_device(s.device)
+    kw: dict[str, Any] = dict(quant=quant, guidance=guidance, eos_id=eos_id, pad_id=pad_id)
+    if world_size() == 1:
+        return ModelLearner(model, learner_config(s), device=device, **kw)
+    if s.checkpoint_export:
+        raise ValueError(
+            "TRACE_CHECKPOINT_EXPORT is not supported with WORLD_SIZE > 1 (the export reads a "
+            "single-file checkpoint; a sharded trainer writes torch.distributed.checkpoint)"
+        )
+    env, device = init_distributed(torch.device(device).type)
+    sharded = ShardedLearner(
+        model, learner_config(s), device=device, records=records, run_id=s.run_id, **kw
+    )
+    log.info("rank joined", extra={"rank": env.rank, "world_size": env.world_size})
+    return LeaderLearner(sharded) if env.rank == 0 else sharded
+
+
+def run_follower(s: TrainerSettings) -> None:
+    """Ranks 1..N-1: build the same model and learner as rank 0, then follow its orders."""
+    from services.trainer.app import build_model, guidance_of, quant_of
+    from services.trainer.remote import QuantCacheRecords
+    from trace_common.clients import QuantCacheClient
+    from trace_common.service import Backoff
+    from trace_common.tasks import load_tokenizer
+
+    torch.set_num_threads(s.torch_threads)
+    torch.manual_seed(s.seed)
+    tok = load_tokenizer(s.tokenizer)
+    model = build_model(s, tok.vocab_size)
+    quant = quant_of(s, model.cfg)
+    guidance = guidance_of(s, model.cfg.num_layers)
+    guidance.resolve(model.cfg, quant)
+    client = QuantCacheClient(s.quant_cache_address, s.token(), data_path=s.quant_cache_data_path)
+    records = QuantCacheRecords(client, None, Backoff(budget_s=s.store_retry_seconds))
+    learner = build_learner(
+        s, model, quant=quant, guidance=guidance, eos_id=tok.eos_id, pad_id=tok.pad_id,
+        records=records,
+    )  # fmt: skip
+    assert isinstance(learner, ShardedLearner)
+    steps = follow(learner)
+    log.info("follower done", extra={"steps": steps})
