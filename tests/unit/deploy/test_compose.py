@@ -273,3 +273,20 @@ def test_gpu_override(compose: dict, env: dict[str, str]) -> None:
     # The base file alone reserves no GPU: it runs on a CPU host.
     for svc in compose["services"].values():
         assert "deploy" not in svc
+
+
+def test_ranks_override_runs_the_trainer_under_torchrun(compose: dict, env: dict[str, str]) -> None:
+    """docker-compose.ranks.yml: the trainer container runs TRACE_TRAINER_RANKS learner ranks
+    under torchrun (`trace-rl serve trainer` as each rank's program), with a larger /dev/shm;
+    nothing else changes."""
+    override = load(ROOT / "docker-compose.ranks.yml", env)
+    assert set(override["services"]) == {"trainer"}
+    gpu = merge(compose, load(COMPOSE_GPU, env))
+    svc = merge(gpu, override)["services"]["trainer"]
+    ranks = env["TRACE_TRAINER_RANKS"]
+    assert svc["entrypoint"] == [
+        "torchrun", "--standalone", f"--nproc-per-node={ranks}", "--no-python", "trace-rl",
+    ]  # fmt: skip
+    assert svc["command"] == ["serve", "trainer"]  # each rank: trace-rl serve trainer
+    assert svc["shm_size"] == "8gb"
+    assert svc["environment"]["TRACE_DEVICE"] == "cuda"
