@@ -1,6 +1,6 @@
 """The trainer as N ranks under torchrun: rank 0 is the trainer service (RL loop, gRPC, HTTP),
 ranks 1..N-1 hold their shards of the learner and run what rank 0 orders
-(`trace_common.rl.distributed`). With WORLD_SIZE unset or 1 the trainer is one process, as
+(`trace_common.rl.distributed`). Started without torchrun the trainer is one process, as
 before. Each rank pulls the records of the samples it trains from quant-cache itself.
 """
 
@@ -27,9 +27,10 @@ from trace_common.rl.policy import LearnerConfig, ModelLearner
 log = logging.getLogger(__name__)
 
 
-def world_size() -> int:
-    """torchrun's WORLD_SIZE (1 when the trainer was started without it)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def under_torchrun() -> bool:
+    """Started by torchrun (RANK and WORLD_SIZE set): the learner is sharded, even at world
+    size 1 (FSDP2's code path; it resumes a sharded checkpoint written at any rank count)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def learner_config(s: TrainerSettings) -> LearnerConfig:
@@ -51,16 +52,17 @@ def build_learner(
     pad_id: int,
     records: RecordStore,
 ) -> ModelLearner | LeaderLearner | ShardedLearner:
-    """One process: a ModelLearner on TRACE_DEVICE. N ranks: join the process group (NCCL,
-    one GPU per rank by LOCAL_RANK; gloo on the CPU) and shard; rank 0 gets the
-    LeaderLearner that TrainerCore drives, the other ranks their ShardedLearner."""
+    """Without torchrun: a ModelLearner on TRACE_DEVICE. Under torchrun (any WORLD_SIZE):
+    join the process group (NCCL, one GPU per rank by LOCAL_RANK; gloo on the CPU) and
+    shard; rank 0 gets the LeaderLearner that TrainerCore drives, the others their
+    ShardedLearner."""
     device = resolve_device(s.device)
     kw: dict[str, Any] = dict(quant=quant, guidance=guidance, eos_id=eos_id, pad_id=pad_id)
-    if world_size() == 1:
+    if not under_torchrun():
         return ModelLearner(model, learner_config(s), device=device, **kw)
     if s.checkpoint_export:
         raise ValueError(
-            "TRACE_CHECKPOINT_EXPORT is not supported with WORLD_SIZE > 1 (the export reads a "
+            "TRACE_CHECKPOINT_EXPORT is not supported under torchrun (the export reads a "
             "single-file checkpoint; a sharded trainer writes torch.distributed.checkpoint)"
         )
     env, device = init_distributed(torch.device(device).type)

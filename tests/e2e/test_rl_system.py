@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 import time
 from collections.abc import Iterator
 
@@ -69,6 +70,11 @@ def run_trainer(c: LocalCluster, env: dict[str, str]) -> dict:
     if c.trainer is not None:
         c.trainer.stop()
     c.start_trainer(wait=True, env=env)
+    return resume_until_finished(c)
+
+
+def resume_until_finished(c: LocalCluster) -> dict:
+    """Resume the (paused) trainer and wait until it finishes; its last status."""
     trainer_stub(c).Resume(trainer_pb2.ResumeRequest(), metadata=auth(c), timeout=10)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
@@ -250,6 +256,49 @@ def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -
     with pytest.raises(grpc.RpcError) as err:
         stub.Pause(trainer_pb2.PauseRequest(reason="x"), metadata=auth(cluster), timeout=5)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def start_trainer_ranks(c: LocalCluster, ranks: int, env: dict[str, str]) -> None:
+    """The trainer as `ranks` learner ranks under torchrun (gloo on the CPU): rank 0 serves."""
+    if c.trainer is not None:
+        c.trainer.stop()
+    torchrun = str(pathlib.Path(sys.executable).parent / "torchrun")
+    argv = [torchrun, "--standalone", f"--nproc-per-node={ranks}", "-m", "services.trainer"]
+    c.start_trainer(wait=True, env=env, argv=argv)
+
+
+def test_trainer_as_two_ranks_resumes_at_one(cluster: LocalCluster) -> None:
+    """torchrun, 2 ranks: two RL steps through the real services (each rank pulls its own
+    records), sharded checkpoints; then 1 rank resumes the 2-rank checkpoint and finishes."""
+    root: pathlib.Path = cluster.root  # type: ignore[attr-defined]
+    out = root / "ranks"
+    env = {
+        "TRACE_RUN_ID": "ranks",
+        "TRACE_STEPS": "2",
+        "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
+        "TRACE_CHECKPOINT_DIR": str(out / "ckpt"),
+        "TRACE_CHECKPOINT_EVERY": "1",
+    }
+    start_trainer_ranks(cluster, 2, env)
+    st = cluster.trainer_status()
+    assert st["world_size"] == 2 and st["state"] == "paused"
+    first = resume_until_finished(cluster)
+    assert first["step"] == 2
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["samples_trained"] > 0 and r["samples_dropped_records"] == 0 for r in rows)
+    assert wait_versions(cluster, first["policy_version"]) == {
+        "rollout-0": first["policy_version"],
+        "rollout-1": first["policy_version"],
+    }
+    state = json.loads((latest_checkpoint(out / "ckpt") / "trainer_state.json").read_text())  # type: ignore[operator]
+    assert (state["step"], state["world_size"]) == (2, 2)
+    start_trainer_ranks(cluster, 1, {**env, "TRACE_STEPS": "3"})
+    st = cluster.trainer_status()
+    assert (st["world_size"], st["step"], st["state"]) == (1, 2, "paused")
+    assert st["resumed_from"] and st["policy_version"] == first["policy_version"]
+    assert resume_until_finished(cluster)["step"] == 3
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_killing_a_replica_mid_step_loses_no_sample(cluster: LocalCluster) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -110,11 +110,18 @@ class LocalCluster:
         return LocalService(f"rollout-{i}", "services.rollout", env, self.log_dir)
 
     def start_trainer(
-        self, *, wait: bool = False, env: Mapping[str, str] | None = None
+        self,
+        *,
+        wait: bool = False,
+        env: Mapping[str, str] | None = None,
+        argv: Sequence[str] | None = None,
     ) -> LocalService:
-        """(Re)start the trainer process: the configured settings, then ``env`` overrides."""
+        """(Re)start the trainer process: the configured settings, then ``env`` overrides;
+        ``argv`` replaces ``python -m services.trainer`` (e.g. torchrun for N ranks)."""
         env = {**self._common(), **self.config.trainer_env, **(env or {})}
-        self.trainer = LocalService("trainer", "services.trainer", env, self.log_dir).launch()
+        self.trainer = LocalService(
+            "trainer", "services.trainer", env, self.log_dir, argv=argv
+        ).launch()
         self.trainer.wait_ports()
         if wait:
             self.trainer.wait_serving()

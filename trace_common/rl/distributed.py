@@ -64,7 +64,8 @@ from trace_common.rl.policy import OPTIM_IMPL_KEYS, LearnerConfig, ModelLearner
 from trace_common.rl.types import TrainSample
 from trace_common.rollout.meta import PolicyMeta
 
-SHARDED_FORMAT = 1  # bump when the sharded checkpoint layout changes
+# Not the single-process CHECKPOINT_FORMAT (an int): each loader names the other in its error.
+SHARDED_FORMAT = "dcp-1"  # bump when the sharded checkpoint layout changes
 SHARDED_STATE_FILE = "trainer_state.json"
 SHARDED_LATEST_FILE = "latest"
 _GLOBAL_KEYS = ("loss", "clip_frac", "tis_mean", "grad_norm")  # already reduced in _train
