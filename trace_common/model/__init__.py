@@ -9,6 +9,8 @@ Public API:
   generate:      generate(model, prompts, SamplingConfig, guidance=..., record_routing=...)
   train_forward: forward_logprobs(model, tokens, qat_mode=..., records=..., routing_replay=...)
   records:       SampleRecords (to_bytes/from_bytes: the quant-cache blob)
+  export:        save_hf_checkpoint, save_nvfp4_checkpoint (ModelOpt NVFP4 directory),
+                 load_nvfp4_checkpoint, calibrate_act_amax (docs/export.md)
   discrepancy:   d_act, code_flip_rate, logprob_discrepancy, routing_mismatch
 """
 

