@@ -38,6 +38,9 @@ from trace_common.rollout.native import NativeEngine
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import CharTokenizer
 
+# Three spawned jobs of 1-2 ranks (about 20 s on 2 cores); a hung collective fails, not hangs.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
 TOK = CharTokenizer()
 GUIDANCE = GuidanceConfig(layers=(0, 1, 2, 3), mode="full")
 PROMPTS = [
