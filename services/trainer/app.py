@@ -144,6 +144,11 @@ class TrainerApp:
             s, model, quant=quant, guidance=guidance, eos_id=tok.eos_id, pad_id=tok.pad_id,
             records=records,
         )  # fmt: skip
+        if s.checkpoint_export and isinstance(self.learner, LeaderLearner):
+            raise ValueError(
+                "TRACE_CHECKPOINT_EXPORT needs an unsharded trainer: sharded (torchrun) "
+                "checkpoints are DCP shards, which the export does not read yet"
+            )
         max_new = s.max_new_tokens or self.task.max_answer_chars + 1
         self.core = TrainerCore(
             TrainerConfig(
