@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import secrets
+import threading
+import urllib.parse
 
 import redis
 
@@ -41,8 +45,13 @@ def main() -> None:
     )
     if local is None and settings.redis_maxmemory_bytes is not None:
         store.configure_memory(settings.redis_maxmemory_bytes, settings.redis_maxmemory_policy)
-    # The direct data path: clients get this URL (GetDataPlane) and use Redis themselves.
-    plane = (settings.data_plane_redis_url or url) if settings.data_plane_enabled else None
+    # The direct data path: clients get this URL (GetDataPlane) and use Redis themselves, as
+    # a user that can touch only the record keys (never the service's own credentials).
+    plane = None
+    if settings.data_plane_enabled:
+        plane = settings.data_plane_redis_url or data_plane_user(
+            store.client, url, settings.key_prefix, rt.stopping
+        )
     servicer = QuantCacheServicer(
         store,
         rt.metrics,
@@ -65,6 +74,59 @@ def main() -> None:
         },
         private_status=("redis_url", "data_plane_redis_url"),  # addresses: with the token only
     )
+
+
+DATA_PLANE_USER = "trace-data-plane"
+ACL_REFRESH_S = 1.0  # how often the data-plane user is set again (Redis forgets it on restart)
+# What the direct path runs: reads and writes of single keys (GETRANGE, STRLEN, SET with a TTL,
+# HINCRBY on the counters) and PING; nothing that lists, flushes or configures.
+DATA_PLANE_RULES = ("+@read", "+@write", "+@connection", "-@dangerous", "-@admin",
+                    "-@pubsub", "-@scripting")  # fmt: skip
+
+
+class DataPlaneUser:
+    """A Redis user limited to keys under `prefix` and to data commands, with a random
+    password fixed for this process. Redis forgets users when it restarts, so `keep` sets it
+    again every ACL_REFRESH_S while the service runs."""
+
+    def __init__(self, admin: redis.Redis, url: str, prefix: str) -> None:
+        self.admin, self.prefix = admin, prefix
+        self.password = secrets.token_hex(24)
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host  # an IPv6 literal keeps its brackets
+        netloc = f"{DATA_PLANE_USER}:{self.password}@{host}" + (
+            f":{parts.port}" if parts.port else "")  # fmt: skip
+        self.url = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+    def ensure(self) -> None:
+        """Create or reset the user (RedisError when Redis refuses)."""
+        self.admin.execute_command("ACL", "SETUSER", DATA_PLANE_USER, "reset", "on",
+                                   f">{self.password}", f"~{self.prefix}:*", *DATA_PLANE_RULES)  # fmt: skip
+
+    def keep(self, stopping: threading.Event) -> None:
+        while not stopping.wait(ACL_REFRESH_S):
+            # Redis down: the store's own errors say so; the user is set again once it is back
+            with contextlib.suppress(redis.RedisError):
+                self.ensure()
+
+
+def data_plane_user(admin: redis.Redis, url: str, prefix: str,
+                    stopping: threading.Event) -> str | None:  # fmt: skip
+    """The URL of a `DataPlaneUser` kept alive in the background; None (no direct path,
+    clients use gRPC) when this Redis refuses to create it: no ACLs, or the service's own user
+    may not create users."""
+    user = DataPlaneUser(admin, url, prefix)
+    try:
+        user.ensure()
+    except redis.RedisError as exc:
+        log.warning("no direct data path: Redis refused to create the restricted data-plane "
+                    "user (%s); clients use gRPC. Set TRACE_DATA_PLANE_REDIS_URL to hand out "
+                    "a user of your own.", exc)  # fmt: skip
+        return None
+    threading.Thread(target=user.keep, args=(stopping,), name="data-plane-user",
+                     daemon=True).start()  # fmt: skip
+    return user.url
 
 
 def _stats(store: RecordStore) -> dict[str, object]:

@@ -38,7 +38,9 @@ class QuantCacheSettings(ServiceSettings):
     data_plane_redis_url: str | None = Field(
         None,
         description="Redis URL handed to clients (e.g. an ACL user limited to key_prefix, or "
-        "an address they reach Redis by); unset = the service's own redis_url",
+        "an address they reach Redis by); unset = a user the service creates in Redis, "
+        "limited to key_prefix and to data commands (ACL SETUSER), and no direct path when "
+        "Redis refuses to create it",
     )
 
 

@@ -132,7 +132,18 @@ def test_get_data_plane_auth_and_arguments(local_redis: LocalRedis) -> None:
 
         auth = (("authorization", f"Bearer {TOKEN}"),)
         plane = stub.GetDataPlane(good, metadata=auth, timeout=5)
-        assert plane.redis_url == local_redis.url and plane.key_prefix == "trace:qc"
+        # not the service's own credentials: a user limited to the record keys and to data
+        # commands
+        assert plane.redis_url != local_redis.url and plane.key_prefix == "trace:qc"
+        assert plane.redis_url.startswith("redis://trace-data-plane:")
+        limited = redis.Redis.from_url(plane.redis_url)
+        limited.set("trace:qc:probe", b"1", ex=5)
+        assert limited.get("trace:qc:probe") == b"1"
+        for refused in (lambda: limited.get("other:key"), limited.flushall,
+                        lambda: limited.config_get("*"), lambda: limited.keys("*")):  # fmt: skip
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+        limited.close()
         assert plane.ttl_seconds == 3600 and plane.layout_version == LAYOUT_VERSION
         with pytest.raises(grpc.RpcError) as err:
             stub.GetDataPlane(pb.GetDataPlaneRequest(), metadata=auth, timeout=5)
