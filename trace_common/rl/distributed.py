@@ -23,10 +23,11 @@ LM head) the same way. At no point does a device hold more than one layer's full
 beyond its shard; rank 0's host memory receives the FP4 payload (what weight-sync gets anyway).
 The bits are those of the single-process export: same weights, same quantization code.
 
-Known limit: the dequantized FP4 weights the QAT forward multiplies with are buffers, which
-FSDP2 does not shard: every rank holds a full copy (fp32 on the CPU, in the master dtype).
-Making them sharded non-trainable parameters (gathered with the layer) is the next step for
-models whose weights do not fit one device.
+The dequantized FP4 weights the QAT forward multiplies with exist only while their unit
+runs (`_dequant_per_forward`): FSDP2 shards parameters, not buffers, so keeping them would put
+a full master-dtype copy of the model on every rank. What every rank does keep whole is the
+FP4 codes and scales (about 0.56 bytes per parameter with NVFP4); sharding those too is the
+next step for the largest models.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from trace_common.model import (
     export_quantized_state_dict,
     quantize_policy,
 )
+from trace_common.model.model import FP4Weights
 from trace_common.rl.checkpoint import capture_rng, restore_rng
 from trace_common.rl.core import RecordStore
 from trace_common.rl.policy import OPTIM_IMPL_KEYS, LearnerConfig, ModelLearner
@@ -203,6 +205,7 @@ class ShardedLearner(ModelLearner):
             weight_decay=config.weight_decay,
             fused=True if self.device.type == "cuda" else None,
         )
+        self._dequant_per_forward()
         self._quantize_streamed(keep=False)
 
     # ------------------------------------------------------------------ collectives
@@ -303,8 +306,27 @@ class ShardedLearner(ModelLearner):
                     part, _ = export_quantized_state_dict(self.model, only=owns)
                     tensors.update({k: v.to("cpu") for k, v in part.items()})
             finally:
+                _drop_dequant(self._fp4_of[id(unit)])  # rebuilt from the codes per forward
                 unit.reshard()
         return tensors
+
+    def _dequant_per_forward(self) -> None:
+        """The dequantized FP4 weights the QAT forward multiplies with live only while their
+        FSDP unit runs: built from the (replicated, FP4-sized) codes after the unit's
+        parameters are gathered, dropped after its forward (activation checkpointing
+        rebuilds them in its recompute). A full-size copy per rank would not be sharded:
+        FSDP2 shards parameters, not buffers."""
+        self._fp4_of: dict[int, list[FP4Weights]] = {}
+        for unit, owns in self._layer_units():
+            mods = [
+                m
+                for name, m in self.model.named_modules()
+                if isinstance(m, FP4Weights) and owns(name)
+            ]
+            self._fp4_of[id(unit)] = mods
+            # After FSDP's own pre-forward hook (registered first): the parameters are gathered.
+            unit.register_forward_pre_hook(lambda _m, _a, mods=mods: _build_dequant(mods))
+            unit.register_forward_hook(lambda _m, _a, _o, mods=mods: _drop_dequant(mods))
 
     def export_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The quantized policy, streamed layer by layer (module docstring). Rank 0 gets the
@@ -390,6 +412,17 @@ def follow(learner: ShardedLearner) -> int:
             return steps
         else:
             raise RuntimeError(f"unknown command from rank 0: {command!r}")
+
+
+def _build_dequant(mods: list[FP4Weights]) -> None:
+    for m in mods:
+        m.refresh_dequant()
+
+
+def _drop_dequant(mods: list[FP4Weights]) -> None:
+    for m in mods:
+        for name in m.fp4_weight_names:
+            m.set_dequant(name, None)
 
 
 def _export_metadata(model: MoECausalLM) -> dict[str, str]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
+from trace_common.model.model import FP4Weights
 from trace_common.rl.distributed import (
     LeaderLearner,
     ShardedLearner,
@@ -146,6 +147,11 @@ def _job_a(rank: int, root: pathlib.Path, samples: list[TrainSample]) -> None:
         out["follower_steps"] = follow(lrn)
     out["weights"] = lrn.full_state_dict()
     out["fetched"] = list(store.fetched)
+    # Between forwards no rank holds dequantized weights (FSDP2 would not shard them); the
+    # FP4 codes stay.
+    fp4 = [m for m in lrn.model.modules() if isinstance(m, FP4Weights)]
+    out["dequant_held"] = sum(len(m.dequant) for m in fp4)
+    out["codes_held"] = sum(len(m.quantized) for m in fp4)
     # A record missing on one rank (s5: prompt 2, trained by rank 1) drops its group on both.
     store.missing = {"s5"}
     if rank == 0:
@@ -223,6 +229,12 @@ def test_two_ranks_train_like_one(runs: dict[str, Any]) -> None:
         float((ref["weights"][1][k] - w).abs().max()) for k, w in _model().state_dict().items()
     )
     assert moved > 20 * WEIGHT_TOL, f"two steps moved the weights by only {moved}"
+
+
+def test_dequantized_weights_live_only_during_a_forward(runs: dict[str, Any]) -> None:
+    for rank in runs["A"]["ranks"]:
+        assert rank["dequant_held"] == 0
+        assert rank["codes_held"] > 0
 
 
 def test_sharded_export_is_bit_exact(runs: dict[str, Any]) -> None:
