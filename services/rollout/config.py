@@ -37,10 +37,11 @@ class RolloutSettings(ServiceSettings):
         "127.0.0.1", description="host other services use to reach this replica's gRPC port"
     )
     heartbeat_interval_seconds: float = Field(1.0, gt=0)
-    rollout_engine: Literal["auto", "native", "cuda"] = Field(
+    rollout_engine: Literal["auto", "native", "cuda", "vllm"] = Field(
         "auto",
         description="auto: the CUDA engine on a CUDA device when it serves the policy, else the "
-        "PyTorch engine; native: the PyTorch engine; cuda: the CUDA engine or an error",
+        "PyTorch engine; native: the PyTorch engine; cuda: the CUDA engine or an error; vllm: "
+        "vLLM (high-precision policies only; needs vllm installed)",
     )
     device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
     rollout_max_batch: int = Field(
