@@ -37,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from trace_common.clients import WeightSyncClient
 from trace_common.model import GuidanceConfig, QuantConfig, get_config
 from trace_common.model.config import ModelConfig
-from trace_common.model.quant import POLICY_FORMAT_VERSION
+from trace_common.model.quant import policy_metadata
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.rollout.meta import PolicyMeta
@@ -91,9 +91,7 @@ def random_policy(cfg: ModelConfig, fp4: bool, seed: int) -> tuple[dict, dict]:
                     t[f"{p}mlp.experts.{x}.{proj}.weight"] = w[x]
     quant = QuantConfig() if fp4 else QuantConfig.none()
     meta = {
-        "trace_policy_format_version": POLICY_FORMAT_VERSION,
-        "trace_model_config": json.dumps(cfg.to_dict()),
-        "trace_quant_config": json.dumps(quant.to_dict()),
+        **policy_metadata(cfg, quant),
         **PolicyMeta(guidance=GuidanceConfig() if fp4 else None, eos_id=EOS,
                      pad_id=PAD).to_metadata(),
     }  # fmt: skip

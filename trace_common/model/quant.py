@@ -176,12 +176,31 @@ def export_quantized_state_dict(
                     _put_qtensor(tensors, base, ex.quantized[name][e])
                 else:
                     tensors[f"{base}.weight"] = getattr(ex, name)[e].detach().clone()
-    metadata = {
+    return tensors, policy_metadata(model.cfg, quant)
+
+
+def policy_metadata(cfg: ModelConfig, quant: QuantConfig) -> dict[str, str]:
+    """The metadata a pushed policy carries: format version, model and quant configs."""
+    return {
         _META_VERSION: POLICY_FORMAT_VERSION,
-        _META_MODEL: json.dumps(model.cfg.to_dict()),
+        _META_MODEL: json.dumps(cfg.to_dict()),
         _META_QUANT: json.dumps(quant.to_dict()),
     }
-    return tensors, metadata
+
+
+def policy_configs(metadata: dict[str, str]) -> tuple[ModelConfig, QuantConfig]:
+    """The (model, quant) configs of `policy_metadata`; ValueError naming what is missing or
+    an unsupported format version."""
+    version = metadata.get(_META_VERSION)
+    if version != POLICY_FORMAT_VERSION:
+        raise ValueError(
+            f"policy format version {version!r} is not supported (expected {POLICY_FORMAT_VERSION!r})"
+        )
+    for key in (_META_MODEL, _META_QUANT):
+        if key not in metadata:
+            raise ValueError(f"policy metadata lacks {key!r}; got keys {sorted(metadata)}")
+    cfg = ModelConfig.from_dict(json.loads(metadata[_META_MODEL]))
+    return cfg, QuantConfig.from_dict(json.loads(metadata[_META_QUANT]))
 
 
 def load_quantized_state_dict(
@@ -192,13 +211,7 @@ def load_quantized_state_dict(
 ) -> MoECausalLM:
     """Rebuild a policy from `export_quantized_state_dict` output. Codes are used as stored:
     master weights of quantized sites become their dequantized value, nothing is re-quantized."""
-    version = metadata.get(_META_VERSION)
-    if version != POLICY_FORMAT_VERSION:
-        raise ValueError(
-            f"policy format version {version!r} is not supported (expected {POLICY_FORMAT_VERSION!r})"
-        )
-    cfg = ModelConfig.from_dict(json.loads(metadata[_META_MODEL]))
-    quant = QuantConfig.from_dict(json.loads(metadata[_META_QUANT]))
+    cfg, quant = policy_configs(metadata)
     quant.check_model(cfg)
     model = MoECausalLM(cfg).to(dtype)
     set_quant_config(model, quant)

@@ -105,20 +105,28 @@ def latest_checkpoint(root: str | pathlib.Path) -> pathlib.Path | None:
     return path
 
 
+def read_state(path: pathlib.Path, expected_format: str, kind: str) -> dict[str, Any]:
+    """A checkpoint directory's trainer state; ValueError when `path` is not `kind` (no state
+    file) or was written in another format (the single-process and sharded ones name each
+    other)."""
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise ValueError(f"{path} is not {kind} (no {STATE_FILE})")
+    state = json.loads(state_file.read_text())
+    if state.get("format") != expected_format:
+        raise ValueError(
+            f"checkpoint {path} has format {state.get('format')}, expected {expected_format}"
+        )
+    return state
+
+
 def load_checkpoint(
     path: str | pathlib.Path, map_location: str | torch.device = "cpu"
 ) -> Checkpoint:
     """Read a checkpoint directory written by :func:`save_checkpoint`, its tensors onto
     ``map_location`` (the CPU by default, whatever device wrote them)."""
     path = pathlib.Path(path)
-    state_file = path / STATE_FILE
-    if not state_file.is_file():
-        raise ValueError(f"{path} is not a checkpoint (no {STATE_FILE})")
-    state = json.loads(state_file.read_text())
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(
-            f"checkpoint {path} has format {state.get('format')}, expected {CHECKPOINT_FORMAT}"
-        )
+    state = read_state(path, CHECKPOINT_FORMAT, "a checkpoint")
     return Checkpoint(
         step=int(state["step"]),
         version=int(state["version"]),

@@ -60,7 +60,7 @@ from trace_common.model import (
     quantize_policy,
 )
 from trace_common.model.model import FP4Weights
-from trace_common.rl.checkpoint import capture_rng, restore_rng
+from trace_common.rl.checkpoint import STATE_FILE, capture_rng, read_state, restore_rng
 from trace_common.rl.core import RecordStore
 from trace_common.rl.policy import OPTIM_IMPL_KEYS, LearnerConfig, ModelLearner
 from trace_common.rl.types import TrainSample
@@ -68,7 +68,6 @@ from trace_common.rollout.meta import PolicyMeta
 
 # Not the single-process CHECKPOINT_FORMAT (an int): each loader names the other in its error.
 SHARDED_FORMAT = "dcp-1"  # bump when the sharded checkpoint layout changes
-SHARDED_STATE_FILE = "trainer_state.json"
 SHARDED_LATEST_FILE = "latest"
 _GLOBAL_KEYS = ("loss", "clip_frac", "tis_mean", "grad_norm")  # already reduced in _train
 
@@ -468,7 +467,7 @@ def save_sharded_checkpoint(
             "prompt_state": prompt_state or {},
             "extra": extra or {},
         }
-        (tmp / SHARDED_STATE_FILE).write_text(json.dumps(state, indent=2))
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
     dist.barrier()
     if learner.rank == 0:
         if final.exists():
@@ -486,14 +485,7 @@ def load_sharded_checkpoint(path: str | pathlib.Path, learner: ShardedLearner) -
     returns the trainer state (step, version, prompt_state, extra, world_size). RNG: this
     rank's saved stream when the checkpoint has one, else rank 0's."""
     path = pathlib.Path(path)
-    state_file = path / SHARDED_STATE_FILE
-    if not state_file.is_file():
-        raise ValueError(f"{path} is not a sharded checkpoint (no {SHARDED_STATE_FILE})")
-    state = json.loads(state_file.read_text())
-    if state.get("format") != SHARDED_FORMAT:
-        raise ValueError(
-            f"checkpoint {path} has format {state.get('format')}, expected {SHARDED_FORMAT}"
-        )
+    state = read_state(path, SHARDED_FORMAT, "a sharded checkpoint")
     model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=str(path / "dcp"))

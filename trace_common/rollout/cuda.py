@@ -23,7 +23,6 @@ runs on the PyTorch engine. MXFP4 has no CUDA kernels here and also runs on the 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 
@@ -40,6 +39,7 @@ from trace_common.model.config import (
     ModelConfig,
     QuantConfig,
 )
+from trace_common.model.quant import policy_configs
 from trace_common.model.records import SampleRecords
 from trace_common.rollout.meta import PolicyMeta
 from trace_common.rollout.scheduler import SlotScheduler
@@ -50,18 +50,6 @@ log = logging.getLogger(__name__)
 CAPTURED_SITES = (GSITE_MOE_IN, GSITE_K, GSITE_V)  # what the step's quantize kernels record
 EXPERT_K_MULTIPLE = 64  # the FP4 expert GEMM's K group (cuda_moe.K_GROUP)
 PREFILL_TOKENS = 256  # prompt tokens per prefill chunk (the router's graph-captured maximum)
-_META_MODEL = "trace_model_config"
-_META_QUANT = "trace_quant_config"
-
-
-def policy_configs(metadata: dict[str, str]) -> tuple[ModelConfig, QuantConfig]:
-    """The model and quant configs a pushed version carries."""
-    for key in (_META_MODEL, _META_QUANT):
-        if key not in metadata:
-            raise ValueError(f"policy metadata lacks {key!r}; got keys {sorted(metadata)}")
-    cfg = ModelConfig.from_dict(json.loads(metadata[_META_MODEL]))
-    quant = QuantConfig.from_dict(json.loads(metadata[_META_QUANT]))
-    return cfg, quant
 
 
 def unsupported_reason(cfg: ModelConfig, quant: QuantConfig,
@@ -326,8 +314,7 @@ class DecodeBackend:
 
     def records(self, slot: int, rows: int, tokens: Sequence[int], prompt_len: int) -> bytes:
         n = rows
-        if n != len(tokens) - 1:
-            raise AssertionError(f"{n} record rows for {len(tokens)} tokens")
+        assert n == len(tokens) - 1, f"{n} record rows for {len(tokens)} tokens"
         base = slot * self.positions
         got = self.hist[base : base + n].cpu().numpy()  # [n, row bytes]
         cols: dict[tuple[object, str], np.ndarray] = {}
@@ -440,5 +427,5 @@ class CudaEngine:
         self.scheduler.close()
 
 
-__all__ = ["CAPTURED_SITES", "CudaEngine", "DecodeBackend", "PolicyWeights", "policy_configs",
+__all__ = ["CAPTURED_SITES", "CudaEngine", "DecodeBackend", "PolicyWeights",
            "unsupported_reason"]  # fmt: skip

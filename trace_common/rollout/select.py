@@ -111,7 +111,8 @@ class EngineSelector:
 
     @staticmethod
     def _cuda_reason(metadata: dict[str, str]) -> str | None:
-        from trace_common.rollout.cuda import policy_configs, unsupported_reason
+        from trace_common.model.quant import policy_configs
+        from trace_common.rollout.cuda import unsupported_reason
         from trace_common.rollout.meta import PolicyMeta
 
         try:

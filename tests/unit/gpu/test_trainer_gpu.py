@@ -17,7 +17,8 @@ from trace_common.model.records import SampleRecords
 from trace_common.model.train_forward import forward_logprobs, pad_right
 from trace_common.rl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from trace_common.rl.policy import LearnerConfig, ModelLearner
-from trace_common.rl.types import RolloutSample, TrainSample
+from trace_common.rl.testing import engine_train_samples
+from trace_common.rl.types import TrainSample
 from trace_common.rollout.native import NativeEngine
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import CharTokenizer
@@ -41,20 +42,8 @@ def learner(mode: str = "trace", device: torch.device = DEV, seed: int = 0, **kw
 def samples_of(lrn: ModelLearner, dtype: torch.dtype = torch.bfloat16) -> list[TrainSample]:
     """Four prompts x two completions from a CUDA PyTorch engine on the exported weights."""
     engine = NativeEngine.from_weights(*lrn.export_weights(), dtype=dtype, device=DEV)
-    out = engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=6, seed=3), with_records=True)
-    samples = []
-    for i, g in enumerate(out):
-        rollout = RolloutSample(
-            sample_id=f"s{i}", prompt_id=g.prompt_index, group_index=g.group_index,
-            prompt_tokens=tuple(PROMPTS[g.prompt_index]),
-            completion_tokens=list(g.completion_tokens), logprobs=list(g.logprobs),
-            policy_version=0, finish_reason=g.finish_reason,
-        )  # fmt: skip
-        adv = 1.0 if i % 2 else -1.0
-        samples.append(
-            TrainSample(rollout=rollout, reward=float(i % 2), advantage=adv, records=g.records)
-        )
-    return samples
+    return engine_train_samples(engine, PROMPTS, 2, SamplingConfig(max_new_tokens=6, seed=3),
+                                advantages=(-1.0, 1.0), rewards=(0.0, 1.0))  # fmt: skip
 
 
 def test_fake_and_guided_quantize_on_cuda_equal_the_cpu() -> None:

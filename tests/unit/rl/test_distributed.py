@@ -34,7 +34,8 @@ from trace_common.rl.distributed import (
     save_sharded_checkpoint,
 )
 from trace_common.rl.policy import LearnerConfig, ModelLearner
-from trace_common.rl.types import RolloutSample, TrainSample
+from trace_common.rl.testing import engine_train_samples
+from trace_common.rl.types import TrainSample
 from trace_common.rollout.native import NativeEngine
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import CharTokenizer
@@ -72,18 +73,8 @@ def _samples(lrn: ModelLearner) -> list[TrainSample]:
     """Three prompts x two completions (with records) from the learner's exported policy;
     uneven lengths, so the ranks' token shares differ."""
     engine = NativeEngine.from_weights(*lrn.export_weights())
-    out = engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=6, seed=5), with_records=True)
-    samples = []
-    for i, g in enumerate(out):
-        rollout = RolloutSample(
-            sample_id=f"s{i}", prompt_id=g.prompt_index, group_index=g.group_index,
-            prompt_tokens=tuple(PROMPTS[g.prompt_index]),
-            completion_tokens=list(g.completion_tokens), logprobs=list(g.logprobs),
-            policy_version=0, finish_reason=g.finish_reason,
-        )  # fmt: skip
-        adv = (1.0, -0.5, 0.25)[i % 3]
-        samples.append(TrainSample(rollout=rollout, reward=0.0, advantage=adv, records=g.records))
-    return samples
+    return engine_train_samples(engine, PROMPTS, 2, SamplingConfig(max_new_tokens=6, seed=5),
+                                advantages=(1.0, -0.5, 0.25))  # fmt: skip
 
 
 class _Store:

@@ -14,7 +14,8 @@ from trace_common.model.records import SampleRecords
 from trace_common.model.train_forward import forward_logprobs, pad_right
 from trace_common.rl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from trace_common.rl.policy import LearnerConfig, ModelLearner
-from trace_common.rl.types import RolloutSample, TrainSample
+from trace_common.rl.testing import engine_train_samples
+from trace_common.rl.types import TrainSample
 from trace_common.rollout.native import NativeEngine
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import CharTokenizer
@@ -35,20 +36,8 @@ def learner(mode: str = "trace", seed: int = 0, **cfg: object) -> ModelLearner:
 def samples_of(lrn: ModelLearner, dtype: torch.dtype = torch.float32) -> list[TrainSample]:
     """Two prompts x two completions from an engine on the learner's exported weights."""
     engine = NativeEngine.from_weights(*lrn.export_weights(), dtype=dtype)
-    out = engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=5, seed=3), with_records=True)
-    samples = []
-    for i, g in enumerate(out):
-        rollout = RolloutSample(
-            sample_id=f"s{i}", prompt_id=g.prompt_index, group_index=g.group_index,
-            prompt_tokens=tuple(PROMPTS[g.prompt_index]),
-            completion_tokens=list(g.completion_tokens), logprobs=list(g.logprobs),
-            policy_version=0, finish_reason=g.finish_reason,
-        )  # fmt: skip
-        adv = 1.0 if i % 2 else -1.0
-        samples.append(
-            TrainSample(rollout=rollout, reward=float(i % 2), advantage=adv, records=g.records)
-        )
-    return samples
+    return engine_train_samples(engine, PROMPTS, 2, SamplingConfig(max_new_tokens=5, seed=3),
+                                advantages=(-1.0, 1.0), rewards=(0.0, 1.0))  # fmt: skip
 
 
 def test_compute_dtype_defaults_and_rejects_unknown() -> None:

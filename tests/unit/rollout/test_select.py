@@ -7,8 +7,9 @@ import torch
 
 from trace_common.device import resolve_device
 from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
+from trace_common.model.quant import policy_configs
 from trace_common.rl.policy import LearnerConfig, ModelLearner
-from trace_common.rollout.cuda import policy_configs, unsupported_reason
+from trace_common.rollout.cuda import unsupported_reason
 from trace_common.rollout.native import NativeEngine
 from trace_common.rollout.select import EngineSettings, make_engine_factory
 from trace_common.rollout.types import SamplingConfig
