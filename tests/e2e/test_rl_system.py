@@ -267,6 +267,15 @@ def start_trainer_ranks(c: LocalCluster, ranks: int, env: dict[str, str]) -> Non
     c.start_trainer(wait=True, env=env, argv=argv)
 
 
+def wait_past_starting(c: LocalCluster) -> dict:
+    """The trainer's status once it has left "starting" (the ranks build and load first)."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while (st := c.trainer_status())["state"] == "starting":
+        assert time.monotonic() < deadline, "the trainer never left 'starting'"
+        time.sleep(0.1)
+    return st
+
+
 def test_trainer_as_two_ranks_resumes_at_one(cluster: LocalCluster) -> None:
     """torchrun, 2 ranks: two RL steps through the real services (each rank pulls its own
     records), sharded checkpoints; then 1 rank resumes the 2-rank checkpoint and finishes."""
@@ -280,7 +289,7 @@ def test_trainer_as_two_ranks_resumes_at_one(cluster: LocalCluster) -> None:
         "TRACE_CHECKPOINT_EVERY": "1",
     }
     start_trainer_ranks(cluster, 2, env)
-    st = cluster.trainer_status()
+    st = wait_past_starting(cluster)
     assert st["world_size"] == 2 and st["state"] == "paused"
     first = resume_until_finished(cluster)
     assert first["step"] == 2
@@ -294,7 +303,7 @@ def test_trainer_as_two_ranks_resumes_at_one(cluster: LocalCluster) -> None:
     state = json.loads((latest_checkpoint(out / "ckpt") / "trainer_state.json").read_text())  # type: ignore[operator]
     assert (state["step"], state["world_size"]) == (2, 2)
     start_trainer_ranks(cluster, 1, {**env, "TRACE_STEPS": "3"})
-    st = cluster.trainer_status()
+    st = wait_past_starting(cluster)
     assert (st["world_size"], st["step"], st["state"]) == (1, 2, "paused")
     assert st["resumed_from"] and st["policy_version"] == first["policy_version"]
     assert resume_until_finished(cluster)["step"] == 3
