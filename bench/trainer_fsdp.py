@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=pathlib.Path, required=True, help="JSON results path (rank 0)")
     p.add_argument("--shape", default="mid-1b")
+    p.add_argument(
+        "--layers", type=int, default=None, help="override the shape's decoder layer count"
+    )
     p.add_argument("--batch", type=int, default=64, help="sequences per step (whole batch)")
     p.add_argument("--seq", type=int, default=160, help="tokens per sequence")
     p.add_argument("--warmup", type=int, default=2)
@@ -63,9 +66,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         raise SystemExit(f"--batch {args.batch} must divide by the world size {env.world_size}")
     tok = CharTokenizer()
     cfg = get_config(args.shape).replace(vocab_size=tok.vocab_size)
+    if args.layers is not None:
+        cfg = cfg.replace(num_layers=args.layers)
     quant, guidance = QuantConfig(), GuidanceConfig()
     t0 = time.perf_counter()
     model = build_model(cfg, device, args.seed)  # same weights on every rank (same seed)
+    n_params = sum(p.numel() for p in model.parameters())
     quantize_policy(model, quant)
     g = torch.Generator(device="cpu").manual_seed(args.seed)
     tokens = torch.randint(0, tok.vocab_size, (args.batch, args.seq), generator=g)
@@ -84,8 +90,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     setup_s = time.perf_counter() - t0
     b, t = tokens.shape
     lengths = torch.full((b,), t, device=device)
-    adv = torch.linspace(-1.0, 1.0, b, device=device)[:, None]  # [B_rank, 1] stand-ins
+    # [B_rank, 1] stand-in advantages: this rank's slice of the whole batch's, so any world
+    # size trains on the same loss
+    adv = torch.linspace(-1.0, 1.0, args.batch)[mine, None].to(device)
     n_tokens = args.batch * (t - 1)  # whole batch: the loss is a mean over all ranks' tokens
+
+    losses: list[torch.Tensor] = []  # whole-batch loss per step (warm-up steps included)
 
     def step() -> None:
         with learner.compute():
@@ -96,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         # FSDP2 averages gradients over ranks: scale so the sum is the whole batch's mean.
         loss = -(out.logprobs * adv).sum() / n_tokens * env.world_size
         learner.optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach() / env.world_size)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(learner.model.parameters(), 1.0)
         learner.optimizer.step()
@@ -123,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     tensors, _ = learner.export_weights()
     sync()
     export_s = time.perf_counter() - t1
+    loss_sum = torch.stack(losses)
+    dist.all_reduce(loss_sum)  # each rank holds its share of the whole-batch mean
     med = statistics.median(times)
     tps = n_tokens / med
     fpt = train_flops_per_token(cfg, args.seq)
@@ -135,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "torch": torch.__version__,
         "world_size": env.world_size,
         "shape": args.shape,
+        "layers": cfg.num_layers,
+        "params": n_params,
+        "loss_per_step": loss_sum.cpu().tolist(),
         "batch": args.batch,
         "seq": args.seq,
         "activation_checkpointing": args.activation_checkpointing,

@@ -26,11 +26,20 @@ class ClusterConfig:
     redis_maxmemory_bytes: int = 256 << 20
     trainer_env: Mapping[str, str] = field(default_factory=dict)
     rollout_env: Mapping[str, str] = field(default_factory=dict)
+    # TRACE_DEVICE of replica i (e.g. ["cuda:1", "cuda:1"]); empty: rollout_env's for all
+    rollout_devices: Sequence[str] = ()
+    # replaces `python -m services.trainer` (e.g. torchrun for N learner ranks)
+    trainer_argv: Sequence[str] | None = None
     token: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.rollout_devices and len(self.rollout_devices) != self.replicas:
+            raise ValueError(
+                f"rollout_devices {list(self.rollout_devices)} must name one device per "
+                f"replica ({self.replicas})"
+            )
 
 
 class LocalCluster:
@@ -107,6 +116,8 @@ class LocalCluster:
 
     def _rollout(self, i: int) -> LocalService:
         env = {**self._common(), "TRACE_REPLICA_ID": f"rollout-{i}", **self.config.rollout_env}
+        if self.config.rollout_devices:
+            env["TRACE_DEVICE"] = self.config.rollout_devices[i]
         return LocalService(f"rollout-{i}", "services.rollout", env, self.log_dir)
 
     def start_trainer(
@@ -117,8 +128,10 @@ class LocalCluster:
         argv: Sequence[str] | None = None,
     ) -> LocalService:
         """(Re)start the trainer process: the configured settings, then ``env`` overrides;
-        ``argv`` replaces ``python -m services.trainer`` (e.g. torchrun for N ranks)."""
+        ``argv`` (default: the config's ``trainer_argv``) replaces ``python -m
+        services.trainer`` (e.g. torchrun for N ranks)."""
         env = {**self._common(), **self.config.trainer_env, **(env or {})}
+        argv = argv if argv is not None else self.config.trainer_argv
         self.trainer = LocalService(
             "trainer", "services.trainer", env, self.log_dir, argv=argv
         ).launch()
