@@ -5,7 +5,8 @@
           (the reason is logged once)
   native  the PyTorch engine on the configured device
   cuda    the CUDA engine; a policy it cannot serve is an error naming why
-  vllm    vLLM (`trace_common.rollout.vllm_engine`): high-precision policies only for now
+  vllm    vLLM with TRACE's FP4 numerics (`trace_common.rollout.vllm_engine`); later versions
+          load into the running engine
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class EngineSettings:
 
 class EngineSelector:
     """The replica's `EngineFactory`: builds the chosen engine for the first version, then
-    loads later versions into the CUDA engine in place, or builds a new PyTorch engine."""
+    loads later versions into the CUDA or vLLM engine in place, or builds a new PyTorch engine."""
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
@@ -72,8 +73,9 @@ class EngineSelector:
                  version: int) -> RolloutEngine:  # fmt: skip
         with self._lock:
             from trace_common.rollout.cuda import CudaEngine
+            from trace_common.rollout.vllm_engine import VllmEngine  # imports vllm lazily
 
-            if isinstance(self.engine, CudaEngine):
+            if isinstance(self.engine, (CudaEngine, VllmEngine)):
                 return self.engine.load_version(tensors, metadata, version)
             engine = self._build(tensors, metadata, version)
             self.engine, self.name = engine, engine.name

