@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--engines", nargs="+", default=["bf16", "fp4"])
     args = ap.parse_args()
-    shape = EngineShape()
+    shape = EngineShape.named()
     weights = EngineWeights.random(shape, "cuda")
     variants = [("off", 0)] + [("on", c) for c in args.chunks]
     for engine in sorted(args.engines):  # bf16 first: quantize_experts_ works in place

@@ -150,7 +150,7 @@ def main() -> None:
         if placed != set(anchors):
             raise SystemExit(f"anchors in no kernel source: {sorted(set(anchors) - placed)}")
         cp.RawModule = recording_module
-        shape = EngineShape(num_layers=args.layers)
+        shape = EngineShape.named(num_layers=args.layers)
         weights = EngineWeights.random(shape, "cuda")
         if args.engine == "fp4":
             weights.quantize_experts_("cuda")

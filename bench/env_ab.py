@@ -86,7 +86,7 @@ def main() -> None:
     texts = args.setting or [""]
     settings = [parse_setting(s) for s in texts]
     names = {n for s in settings for n in s}
-    shape = EngineShape()
+    shape = EngineShape.named()
     print(f"copy bandwidth {copy_bandwidth():.2f} TB/s", flush=True)
     weights = EngineWeights.random(shape, "cuda")
     for engine in sorted(args.engines):  # bf16 first: quantize_experts_ works in place

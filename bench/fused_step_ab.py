@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TRACE_FP4_GEMM", "cuda")
     os.environ.setdefault("TRACE_FP4_ATTN", "cuda")
-    shape = EngineShape()
+    shape = EngineShape.named()
     print(f"copy bandwidth {copy_bandwidth():.2f} TB/s", flush=True)
     weights = EngineWeights.random(shape, "cuda")
     configs = [(args.context, b) for b in args.batches]

@@ -106,7 +106,7 @@ class Bound:
 
 def bounds(rows: list[dict], copy_tbs: float, shape: EngineShape | None = None) -> list[Bound]:
     """A Bound per (context, batch) profiled for both engines."""
-    shape = shape or EngineShape()
+    shape = shape or EngineShape.named()
     by = {(r["engine"], r["context"], r["batch"]): r for r in rows}
     out = []
     for ctx, b in sorted({(c, b) for e, c, b in by if e == "fp4" and ("bf16", c, b) in by}):

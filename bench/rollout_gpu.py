@@ -255,7 +255,7 @@ def main() -> None:
     os.environ["TRACE_FP4_ATTN"] = args.fp4_attn
     decode = check_fp4_decode()
     args.out.mkdir(parents=True, exist_ok=True)
-    shape = EngineShape(num_layers=args.layers)
+    shape = EngineShape.named(num_layers=args.layers)
     import triton
 
     env = {

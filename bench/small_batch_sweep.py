@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--best-out", type=pathlib.Path, help="write the best found as JSON here "
                     "(for TRACE_SMALL_CONFIG)")  # fmt: skip
     args = ap.parse_args()
-    shape = EngineShape(num_layers=args.layers)
+    shape = EngineShape.named(num_layers=args.layers)
     weights = EngineWeights.random(shape, "cuda")
     ctx0 = args.contexts[0]
 

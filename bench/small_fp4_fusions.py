@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--best-out", type=pathlib.Path, help="write the fastest setting here")
     args = ap.parse_args()
     os.environ.setdefault("TRACE_FP4_GEMM", "cuda")
-    shape = EngineShape(num_layers=args.layers)
+    shape = EngineShape.named(num_layers=args.layers)
     weights = EngineWeights.random(shape, "cuda")
     weights.quantize_experts_("cuda")
     guided = tuple(range(shape.num_layers // 2, shape.num_layers))

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--timeline", type=int, default=None, metavar="L",
                     help="also print layer L's kernels in order, with start / end offsets")  # fmt: skip
     args = ap.parse_args()
-    shape = EngineShape(num_layers=args.layers)
+    shape = EngineShape.named(num_layers=args.layers)
     weights = EngineWeights.random(shape, "cuda")
     results = []
     for engine in sorted(args.engines):  # bf16 first: quantize_experts_ works in place

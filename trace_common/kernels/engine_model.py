@@ -6,17 +6,18 @@ BF16 or packed NVFP4) and the memory sizing of a batch (`kv_bytes_per_sequence`,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trace_common.kernels import attention as attn
 from trace_common.kernels import fp4_gemm_impl, moe
+from trace_common.model.config import ModelConfig, get_config
 
 if TYPE_CHECKING:
-    from trace_common.model.config import ModelConfig
     from trace_common.model.model import MoECausalLM
 
 WEIGHT_STD = 0.02
@@ -24,31 +25,15 @@ WEIGHT_STD = 0.02
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class EngineShape:
-    """Model shape (defaults: Qwen3-30B-A3B)."""
+    """The model shape the engine runs: a policy's `ModelConfig` (the one declaration of a
+    model's shape) read under the engine's short names. Built by `from_model_config`, which
+    refuses what the engine's step does not compute; `named` for benchmarks and tests
+    (default: Qwen3-30B-A3B)."""
 
-    num_layers: int = 48
-    hidden: int = 2048
-    q_heads: int = 32
-    kv_heads: int = 4
-    head_dim: int = 128
-    num_experts: int = 128
-    top_k: int = 8
-    moe_inter: int = 768
-    vocab: int = 151936
-    eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    model: ModelConfig
 
     def __post_init__(self) -> None:
-        if self.q_heads % self.kv_heads:
-            raise ValueError(f"q_heads={self.q_heads} not a multiple of kv_heads={self.kv_heads}")
-        if self.num_experts & (self.num_experts - 1):
-            raise ValueError(f"num_experts={self.num_experts} must be a power of two")
-
-    @classmethod
-    def from_model_config(cls, cfg: ModelConfig) -> EngineShape:
-        """The engine shape of a policy's config. What the engine's step does not compute is
-        refused, naming the field: dense MLP layers, a shared expert, attention biases, top-k
-        weights left unnormalized (its routing kernels renormalize them)."""
+        cfg = self.model
         dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
         refused = {
             "mlp_only_layers / decoder_sparse_step (dense MLP layers)": dense,
@@ -61,11 +46,66 @@ class EngineShape:
             raise ValueError(
                 f"the decode engine runs routed-expert layers only; this config has {bad}"
             )
-        return cls(num_layers=cfg.num_layers, hidden=cfg.hidden_size, q_heads=cfg.num_heads,
-                   kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                   num_experts=cfg.num_experts, top_k=cfg.top_k,
-                   moe_inter=cfg.moe_intermediate_size, vocab=cfg.vocab_size,
-                   eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)  # fmt: skip
+        if cfg.num_experts & (cfg.num_experts - 1):
+            raise ValueError(f"num_experts={cfg.num_experts} must be a power of two")
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig) -> EngineShape:
+        """The engine shape of a policy's config. What the engine's step does not compute is
+        refused, naming the field: dense MLP layers, a shared expert, attention biases, top-k
+        weights left unnormalized (its routing kernels renormalize them)."""
+        return cls(model=cfg)
+
+    @classmethod
+    def named(cls, name: str = "qwen3-30b-a3b", **overrides: Any) -> EngineShape:
+        """A named shape (`trace_common.model.config.NAMED_CONFIGS`) with `ModelConfig`
+        fields replaced, e.g. `EngineShape.named(num_layers=3, hidden_size=512)`."""
+        return cls.from_model_config(dataclasses.replace(get_config(name), **overrides))
+
+    # The engine's names for the ModelConfig fields it reads.
+    @property
+    def num_layers(self) -> int:
+        return self.model.num_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.model.hidden_size
+
+    @property
+    def q_heads(self) -> int:
+        return self.model.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.model.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.head_dim
+
+    @property
+    def num_experts(self) -> int:
+        return self.model.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.model.top_k
+
+    @property
+    def moe_inter(self) -> int:
+        return self.model.moe_intermediate_size
+
+    @property
+    def vocab(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def eps(self) -> float:
+        return self.model.rms_norm_eps
+
+    @property
+    def rope_theta(self) -> float:
+        return self.model.rope_theta
 
 
 @dataclass(slots=True)

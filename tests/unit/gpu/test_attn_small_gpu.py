@@ -159,7 +159,9 @@ def _engine(fp4: bool, fused: str, monkeypatch, batch: int = 1, small: bool = Tr
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
     monkeypatch.setenv("TRACE_ATTN_FUSED", fused)
-    shape = EngineShape(num_layers=3, hidden=512, num_experts=32, moe_inter=256, vocab=4096)
+    shape = EngineShape.named(
+        num_layers=3, hidden_size=512, num_experts=32, moe_intermediate_size=256, vocab_size=4096
+    )
     w = EngineWeights.random(shape, DEV, seed=1)
     if fp4:
         w.quantize_experts_("cuda")

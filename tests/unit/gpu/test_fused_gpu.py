@@ -138,7 +138,9 @@ def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
 
     if gemm == "cuda":
         pytest.importorskip("cupy", reason="the CUDA kernels are launched through CuPy")
-    shape = EngineShape(num_layers=3, hidden=512, num_experts=32, moe_inter=256, vocab=4096)
+    shape = EngineShape.named(
+        num_layers=3, hidden_size=512, num_experts=32, moe_intermediate_size=256, vocab_size=4096
+    )
     w = EngineWeights.random(shape, DEV, seed=2)
     if fp4:
         w.quantize_experts_(gemm)

@@ -608,7 +608,9 @@ def test_engine_graph_replay_equals_eager(fp4, gemm, attn_impl, monkeypatch):
     if attn_impl:
         monkeypatch.setenv("TRACE_FP4_ATTN", attn_impl)
 
-    shape = EngineShape(num_layers=3, hidden=512, num_experts=32, moe_inter=256, vocab=4096)
+    shape = EngineShape.named(
+        num_layers=3, hidden_size=512, num_experts=32, moe_intermediate_size=256, vocab_size=4096
+    )
     w = EngineWeights.random(shape, DEV, seed=1)
     if fp4:
         w.quantize_experts_(gemm)

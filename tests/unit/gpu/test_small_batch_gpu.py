@@ -252,7 +252,10 @@ def test_moe_experts(t, e, h, inter, k):
 def _engine(fp4: bool, gemm: str | None, batch: int, small: bool, layers: int = 3):
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
-    shape = EngineShape(num_layers=layers, hidden=512, num_experts=32, moe_inter=256, vocab=4096)
+    shape = EngineShape.named(
+        num_layers=layers, hidden_size=512, num_experts=32, moe_intermediate_size=256,
+        vocab_size=4096,
+    )  # fmt: skip
     w = EngineWeights.random(shape, DEV, seed=1)
     if fp4:
         w.quantize_experts_(gemm)

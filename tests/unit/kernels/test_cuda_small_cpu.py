@@ -134,7 +134,7 @@ def test_step_gemv_sites(monkeypatch):
     run (CPU device, batch over MAX_TOKENS, no CuPy), and a bad value names the variable."""
     from trace_common.kernels import engine
 
-    shape = engine.EngineShape()
+    shape = engine.EngineShape.named()
     monkeypatch.setattr("trace_common.kernels.engine.cupy_available", lambda: True)
     assert engine.step_gemv_sites(shape, 8, "cuda", "all") == set(engine.STEP_GEMV_SITES)
     assert engine.step_gemv_sites(shape, 4, "cuda", "o,router") == {"o", "router"}
@@ -147,7 +147,7 @@ def test_step_gemv_sites(monkeypatch):
     monkeypatch.setenv("TRACE_STEP_GEMV", "router")
     assert engine.step_gemv_sites(shape, 2, "cuda") == {"router"}
     assert engine.step_gemv_sites(shape, 32, "cuda") == {"router"}  # named: any batch it takes
-    odd = engine.EngineShape(num_experts=8, top_k=2)  # an 8-row router is not a whole tile
+    odd = engine.EngineShape.named(num_experts=8, top_k=2)  # an 8-row router is not a whole tile
     assert engine.step_gemv_sites(odd, 2, "cuda", "all") == {"qkv", "o"}
     with pytest.raises(ValueError, match="TRACE_STEP_GEMV='lm_head'"):
         engine.step_gemv_sites(shape, 2, "cuda", "lm_head")

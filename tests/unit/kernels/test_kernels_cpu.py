@@ -46,7 +46,7 @@ def test_cache_and_budget_arithmetic():
     assert attn.KVCacheGPU.bytes_per_token(fp4=False, kv_heads=4, head_dim=128) == 2 * 512 * 2
     # FP4: per K and V, 512 codes / 2 + 512 / 16 e4m3 scales + one fp32 per-token scale
     assert attn.KVCacheGPU.bytes_per_token(fp4=True, kv_heads=4, head_dim=128) == 2 * (256 + 32 + 4)
-    shape = engine.EngineShape()
+    shape = engine.EngineShape.named()
     per = engine.kv_bytes_per_sequence(shape, fp4=False, tokens=1000)
     assert per == 48 * 1000 * 2048
     assert engine.largest_batch(10 * per + 5, 5, per) == 10
@@ -54,10 +54,10 @@ def test_cache_and_budget_arithmetic():
 
 
 def test_engine_shape_validation():
-    with pytest.raises(ValueError, match="q_heads=30"):
-        engine.EngineShape(q_heads=30, kv_heads=4)
+    with pytest.raises(ValueError, match="num_heads=30"):
+        engine.EngineShape.named(num_heads=30, num_kv_heads=4)
     with pytest.raises(ValueError, match="num_experts=96"):
-        engine.EngineShape(num_experts=96)
+        engine.EngineShape.named(num_experts=96)
 
 
 def test_decode_mode_validation(monkeypatch):

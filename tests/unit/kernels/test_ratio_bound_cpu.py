@@ -47,7 +47,7 @@ def test_targets_per_row():
 
 
 def test_bytes_follow_the_model_shape():
-    shape = EngineShape()
+    shape = EngineShape.named()
     # one token touches top_k experts; an FP4 expert is 4.5 / 16 of a BF16 one
     assert rb.expert_bytes(shape, 1, False) == pytest.approx(8 * 3 * 2048 * 768 * 2)
     assert rb.expert_bytes(shape, 1, True) / rb.expert_bytes(shape, 1, False) == 0.28125
@@ -67,7 +67,7 @@ def test_bounds_and_the_shared_part_a_target_needs(tmp_path):
     assert (b.context, b.batch, b.target) == (1024, 32, 2.8)
     assert b.measured == pytest.approx(337 / 120)
     us = 1e6 / 4e12
-    shape = EngineShape()
+    shape = EngineShape.named()
     assert b.fp4_copy["experts"] == pytest.approx(rb.expert_bytes(shape, 32, True) * us)
     assert b.fp4_copy["shared"] == 14.0
     assert b.at_copy == pytest.approx(337 / sum(b.fp4_copy.values()))
