@@ -423,6 +423,22 @@ class CudaEngine:
     def stats(self) -> dict[str, float]:
         return self.scheduler.stats()
 
+    def cached_kv(self, layer: int, slot: int, n: int, which: str) -> tuple[torch.Tensor, ...]:
+        """The FP4 K (`which="k"`) or V the rollout stored for positions 0..n-1 of `slot` at
+        `layer`, as (values, E2M1 grid values), each [n, kv_heads * head_dim] fp32: what the
+        trainer's guided forward must reproduce at that site. FP4 KV caches only."""
+        from trace_common.fp4.e2m1 import e2m1_to_f32, unpack_uint4
+
+        cache = self.backend.engine.caches[layer]
+        if not hasattr(cache, "codes"):
+            raise ValueError("cached_kv reads FP4 KV caches; this policy's KV is high precision")
+        j = {"k": 0, "v": 1}[which]
+        codes = cache.codes[j, slot, :, :n].permute(1, 0, 2).reshape(n, -1)  # [n, W/2]
+        grid = e2m1_to_f32(unpack_uint4(codes))  # [n, W]
+        bs = cache.scales[j, slot, :, :n].permute(1, 0, 2).reshape(n, -1)
+        bs = bs.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
+        return grid * bs * cache.row_scales[j, slot, :n, None], grid
+
     def close(self) -> None:
         self.scheduler.close()
 

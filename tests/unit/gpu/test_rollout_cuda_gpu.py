@@ -146,17 +146,6 @@ def test_prefill_writes_the_cache_as_the_decode_append() -> None:
         b.close()
 
 
-def _rollout_kv(cache, slot: int, n: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rollout's K (j=0) or V (j=1) of positions 0..n-1: (values, E2M1 grid) [n, W]."""
-    from trace_common.fp4.e2m1 import e2m1_to_f32, unpack_uint4
-
-    codes = cache.codes[j, slot, :, :n].permute(1, 0, 2).reshape(n, -1)  # [n, W/2]
-    grid = e2m1_to_f32(unpack_uint4(codes))  # [n, W]
-    bs = cache.scales[j, slot, :, :n].permute(1, 0, 2).reshape(n, -1)
-    bs = bs.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
-    return grid * bs * cache.row_scales[j, slot, :n, None], grid
-
-
 @torch.no_grad()
 def test_records_replayed_by_the_trainer_reproduce_the_rollout_codes(engines) -> None:
     _, cuda, learner, *_ = engines
@@ -177,8 +166,7 @@ def test_records_replayed_by_the_trainer_reproduce_the_rollout_codes(engines) ->
             for (li, site), train_vals in out.site_values.items():
                 if site not in ("k", "v") or (li, site) not in rec.guidance:
                     continue
-                cache = cuda.backend.engine.caches[li]
-                vals, grid = _rollout_kv(cache, i, n, 0 if site == "k" else 1)
+                vals, grid = cuda.cached_kv(li, i, n, site)
                 dacts.append(d_act(train_vals.float(), vals))
                 flips.append(code_flip_rate(out.site_codes[(li, site)].float(), grid))
         report[mode] = (sum(dacts) / len(dacts), sum(flips) / len(flips), len(dacts))
