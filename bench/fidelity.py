@@ -279,7 +279,8 @@ def arm(args: argparse.Namespace) -> None:
     env = setup.trainer_env(mode, args.steps, warm_res["weights"], out)
     env["TRACE_GUIDANCE_LAYERS"] = guided_layers(args.arm, get_config(setup.shape).num_layers)
     cluster_cfg = ClusterConfig(
-        replicas=1, trainer_env=env, rollout_env={"TRACE_DEVICE": setup.device},
+        replicas=1, trainer_env=env,
+        rollout_env={"TRACE_DEVICE": setup.device, "TRACE_ROLLOUT_MAX_CONTEXT": "256"},
         redis_maxmemory_bytes=1 << 30,
     )  # fmt: skip
     t0 = time.perf_counter()

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--timeout-s", type=float, default=540.0)
+    p.add_argument("--timeout-s", type=float, default=400.0)
     args = p.parse_args(argv)
     if args.skip >= args.steps:
         raise SystemExit(f"--skip {args.skip} must be below --steps {args.steps}")
@@ -138,9 +138,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             cluster.start()
             deadline = time.monotonic() + args.timeout_s
+            shown = time.monotonic()
             while (st := cluster.trainer_status())["state"] not in ("finished", "failed"):
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"timed out after {args.timeout_s} s at step {st['step']}")
+                    raise TimeoutError(f"timed out after {args.timeout_s} s at step {st['step']}")
+                if time.monotonic() - shown > 15:
+                    shown = time.monotonic()
+                    print(f"  {time.perf_counter() - t0:.0f} s: {st['state']}, step {st['step']}")
                 time.sleep(0.5)
             engines = [replica_engine(cluster, i) for i in range(len(replica_devices))]
         except BaseException:
