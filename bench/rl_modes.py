@@ -39,7 +39,7 @@ def run_mode(mode: str, init: dict[str, torch.Tensor], args: argparse.Namespace)
     tok = CharTokenizer()
     task = make_task(args.task, args.difficulty)
     torch.manual_seed(args.seed)
-    model = demo_model(DemoConfig(), tok.vocab_size)
+    model = demo_model(DemoConfig.load(), tok.vocab_size)
     model.load_state_dict(init)
     learner = ModelLearner(
         model, LearnerConfig(mode=mode, lr=args.lr, measure_records=True),
@@ -70,7 +70,7 @@ def run_mode(mode: str, init: dict[str, torch.Tensor], args: argparse.Namespace)
     seconds = time.perf_counter() - t0
     final = evaluate_policy(
         model.state_dict(),
-        DemoConfig(mode=mode, task=args.task, difficulty=args.difficulty, seed=args.seed),
+        DemoConfig.load(mode=mode, task=args.task, difficulty=args.difficulty, seed=args.seed),
     )
 
     def mean(key: str) -> float:
@@ -108,7 +108,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tok = CharTokenizer()
     task = make_task(args.task, args.difficulty)
-    model = demo_model(DemoConfig(), tok.vocab_size)
+    model = demo_model(DemoConfig.load(), tok.vocab_size)
     torch.manual_seed(args.seed)
     ws = warm_start(model, PromptStream(task, tok, seed=args.seed),
                     WarmStartConfig(target_accuracy=0.3, eval_every=10),

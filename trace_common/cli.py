@@ -12,23 +12,30 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
 @app.command()
 def demo(
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="recipe file (TOML) of the run: recipes/demo-cpu.toml is the default, "
+            "recipes/demo-gpu.toml on a CUDA device; the options below override it",
+        ),
+    ] = None,
     out: Annotated[
         Path | None, typer.Option(help="run directory (default: runs/<timestamp>)")
     ] = None,
-    device: str = typer.Option(
-        "cpu",
-        help="auto | cpu | cuda | cuda:N: the warm start, trainer and replicas; a CUDA "
-        "device selects the GPU recipe (mid-1b, addition of 4 digits, 100 steps), which the "
-        "options below override",
+    device: str | None = typer.Option(
+        None,
+        help="auto | cpu | cuda | cuda:N: the warm start, trainer and replicas [CPU recipe: "
+        "cpu]; without --config a CUDA device selects the GPU recipe (mid-1b, addition of 4 "
+        "digits, 100 steps)",
     ),
     shape: str | None = typer.Option(None, help="named model shape: debug (CPU), mid-1b (GPU)"),
-    mode: str = typer.Option("trace", help="bf16 | fp4 | rtn | trace"),
+    mode: str | None = typer.Option(None, help="bf16 | fp4 | rtn | trace [trace]"),
     steps: int | None = typer.Option(None, min=1, help="RL steps [CPU: 40]"),
     task: str | None = typer.Option(None, help="addition | sort | reverse | mixed [CPU: reverse]"),
     difficulty: int | None = typer.Option(
         None, min=1, help="digits (addition) or sequence length [CPU: 3]"
     ),
-    replicas: int = typer.Option(2, min=1, help="rollout replicas (processes)"),
+    replicas: int | None = typer.Option(None, min=1, help="rollout replicas (processes) [2]"),
     prompts_per_step: int | None = typer.Option(None, min=1, help="[CPU: 16]"),
     group_size: int | None = typer.Option(
         None, min=2, help="completions per prompt (GRPO group) [CPU: 8]"
@@ -37,27 +44,29 @@ def demo(
     warmstart_target: float | None = typer.Option(
         None, help="stop the warm start at this greedy accuracy [CPU: 0.3]"
     ),
-    rollout_engine: str = typer.Option("auto", help="replicas' engine: auto | native | cuda"),
-    rollout_dtype: str = typer.Option(
-        "auto",
-        help="PyTorch engine's compute dtype: auto (bf16 on CUDA, else float32) | "
-        "float32 | bfloat16 (the trainer keeps fp32 master weights)",
+    rollout_engine: str | None = typer.Option(
+        None, help="replicas' engine: auto | native | cuda [auto]"
     ),
-    seed: int = typer.Option(0),
+    rollout_dtype: str | None = typer.Option(
+        None,
+        help="PyTorch engine's compute dtype: auto (bf16 on CUDA, else float32) | "
+        "float32 | bfloat16 (the trainer keeps fp32 master weights) [auto]",
+    ),
+    seed: int | None = typer.Option(None, help="[0]"),
 ) -> None:
     """Run TRACE end to end on this machine: warm start, then RL of an MoE with a local
     Redis, quant-cache, weight-sync, the trainer and rollout replicas as processes."""
     from trace_common.rl.demo import DemoConfig, run_demo
     from trace_common.rl.types import TRAIN_MODES
 
-    if mode not in TRAIN_MODES:
+    if mode is not None and mode not in TRAIN_MODES:
         raise typer.BadParameter(f"unknown mode {mode!r}; choose from {TRAIN_MODES}")
     try:
-        cfg = DemoConfig.for_device(
-            device, out=out, mode=mode, steps=steps, task=task, difficulty=difficulty,
-            replicas=replicas, prompts_per_step=prompts_per_step, group_size=group_size, lr=lr,
-            warmstart_target=warmstart_target, seed=seed, shape=shape,
-            rollout_engine=rollout_engine, rollout_dtype=rollout_dtype,
+        cfg = DemoConfig.load(
+            config, device=device, out=out, mode=mode, steps=steps, task=task,
+            difficulty=difficulty, replicas=replicas, prompts_per_step=prompts_per_step,
+            group_size=group_size, lr=lr, warmstart_target=warmstart_target, seed=seed,
+            shape=shape, rollout_engine=rollout_engine, rollout_dtype=rollout_dtype,
         )  # fmt: skip
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -130,12 +139,28 @@ SERVICES: dict[str, str] = {
 @app.command()
 def serve(
     name: str = typer.Argument(..., help="service to run: " + ", ".join(SERVICES)),
+    config: Annotated[
+        Path | None,
+        typer.Option(help="trainer: the run's recipe file (TOML; sets TRACE_CONFIG)"),
+    ] = None,
 ) -> None:
-    """Run one TRACE service in the foreground (configured by TRACE_* environment variables)."""
+    """Run one TRACE service in the foreground (wiring from TRACE_* environment variables;
+    the trainer's run from a recipe)."""
     import importlib
+    import os
+
+    from trace_common.config import CONFIG_ENV
 
     if name not in SERVICES:
         raise typer.BadParameter(f"unknown service {name!r}; choose from {sorted(SERVICES)}")
+    if config is not None:
+        if name != "trainer":
+            raise typer.BadParameter(
+                f"--config is the trainer's run recipe; {name} has no run settings"
+            )
+        if not config.is_file():
+            raise typer.BadParameter(f"--config {config}: not a file")
+        os.environ[CONFIG_ENV] = str(config)
     importlib.import_module(SERVICES[name]).main()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.config import TrainerSettings, site_names
+from services.trainer.config import TrainerSettings
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.ranks import build_learner
 from services.trainer.remote import (
@@ -20,7 +20,8 @@ from services.trainer.remote import (
     WeightSyncPublisher,
 )
 from trace_common.clients import QuantCacheClient, WeightSyncClient
-from trace_common.model import GuidanceConfig, ModelConfig, MoECausalLM, QuantConfig, get_config
+from trace_common.config import RunConfig
+from trace_common.model import MoECausalLM, QuantConfig
 from trace_common.model.hf import load_native_state_dict
 from trace_common.rl.audit import RecordAudit, state_digest
 from trace_common.rl.checkpoint import (
@@ -31,9 +32,8 @@ from trace_common.rl.checkpoint import (
     save_checkpoint,
 )
 from trace_common.rl.core import TrainerConfig, TrainerCore
-from trace_common.rl.dispatch import DispatchConfig, Dispatcher
+from trace_common.rl.dispatch import Dispatcher
 from trace_common.rl.distributed import LeaderLearner
-from trace_common.rollout.types import SamplingConfig
 from trace_common.service import Backoff, Metrics
 from trace_common.tasks import PromptStream, exact_match_reward, load_tokenizer, make_task
 
@@ -42,66 +42,38 @@ log = logging.getLogger(__name__)
 STATES = ("starting", "running", "paused", "finished", "failed")
 
 
-def build_model(settings: TrainerSettings, vocab_size: int) -> MoECausalLM:
+def build_model(run: RunConfig, vocab_size: int) -> MoECausalLM:
     """A named shape (vocab sized to the tokenizer) or a Hugging Face checkpoint directory."""
-    path = pathlib.Path(settings.model)
-    if path.is_dir():
+    if run.model.is_checkpoint():
         from trace_common.model import load_hf_checkpoint
 
-        model = load_hf_checkpoint(path)
+        model = load_hf_checkpoint(pathlib.Path(run.model.name))
         if vocab_size > model.cfg.vocab_size:
             raise ValueError(
-                f"tokenizer {settings.tokenizer!r} has {vocab_size} tokens but the checkpoint "
-                f"{settings.model!r} has vocab_size={model.cfg.vocab_size}"
+                f"tokenizer {run.task.tokenizer!r} has {vocab_size} tokens but the checkpoint "
+                f"{run.model.name!r} has vocab_size={model.cfg.vocab_size}"
             )
     else:
-        model = MoECausalLM(get_config(settings.model).replace(vocab_size=vocab_size))
-        model.init_weights(settings.seed)
-    if settings.init_weights is not None:
+        model = MoECausalLM(run.model.config(vocab_size))
+        model.init_weights(run.seed)
+    if run.model.init_weights is not None:
         from safetensors.torch import load_file
 
         load_native_state_dict(
-            model, load_file(settings.init_weights), source=str(settings.init_weights)
+            model, load_file(run.model.init_weights), source=str(run.model.init_weights)
         )
     return model
 
 
-def guidance_of(settings: TrainerSettings, num_layers: int) -> GuidanceConfig:
-    g = settings.guidance_layers
-    if g == "deeper-half":
-        layers = None
-    elif g == "all":
-        layers = tuple(range(num_layers))
-    else:
-        layers = tuple(int(x) for x in g.split(","))
-    if settings.guidance_sites == "default":
-        return GuidanceConfig(layers=layers, mode=settings.guidance_mode)
-    sites = tuple(site_names(settings.guidance_sites))
-    return GuidanceConfig(layers=layers, sites=sites, mode=settings.guidance_mode)
-
-
-def quant_of(settings: TrainerSettings, model_cfg: ModelConfig) -> QuantConfig:
-    """The run's FP4 sites, checked against the model (a site it lacks is a ValueError)."""
-    if settings.quant_sites == "default":
-        quant = QuantConfig(format=settings.quant_format)
-    elif settings.quant_sites == "all":
-        quant = QuantConfig.every_site(model_cfg, settings.quant_format)
-    else:
-        sites = frozenset(site_names(settings.quant_sites))
-        quant = QuantConfig(sites=sites, format=settings.quant_format)
-    quant.check_model(model_cfg)
-    return quant
-
-
-def export_checkpoint(settings: TrainerSettings, path: pathlib.Path, quant: QuantConfig) -> None:
+def export_checkpoint(run: RunConfig, path: pathlib.Path, quant: QuantConfig) -> None:
     """`trace-rl export` of a checkpoint just written, into `<path>/export`."""
     from trace_common.export_job import ExportConfig, run_export
 
     run_export(
         ExportConfig(
-            out=path / "export", model=settings.model, checkpoint=path,
-            tokenizer=settings.tokenizer, quant=quant, task=settings.task,
-            difficulty=settings.task_difficulty,
+            out=path / "export", model=run.model.name, checkpoint=path,
+            tokenizer=run.task.tokenizer, quant=quant, task=run.task.name,
+            difficulty=run.task.difficulty,
         )
     )  # fmt: skip
 
@@ -111,16 +83,17 @@ class TrainerApp:
 
     def __init__(self, settings: TrainerSettings, metrics: Metrics) -> None:
         self.settings = s = settings
+        self.run_config = run = s.run
         torch.set_num_threads(s.torch_threads)
-        torch.manual_seed(s.seed)
+        torch.manual_seed(run.seed)
         token = s.token()
-        self.tokenizer = tok = load_tokenizer(s.tokenizer)
-        self.task = make_task(s.task, s.task_difficulty)
-        model = build_model(s, tok.vocab_size)
-        quant = quant_of(s, model.cfg)
-        guidance = guidance_of(s, model.cfg.num_layers)
+        self.tokenizer = tok = load_tokenizer(run.task.tokenizer)
+        self.task = make_task(run.task.name, run.task.difficulty)
+        model = build_model(run, tok.vocab_size)
+        quant = run.quant.build(model.cfg)
+        guidance = run.guidance.build(model.cfg.num_layers)
         guidance.resolve(model.cfg, quant)  # a guided site whose FP4 site is off stops start-up
-        if s.checkpoint_export:
+        if run.checkpoint.export:
             from trace_common.model.export import check_nvfp4_exportable
 
             check_nvfp4_exportable(quant, model.cfg)  # an inexpressible policy stops start-up
@@ -132,7 +105,7 @@ class TrainerApp:
         self.directory = WeightSyncDirectory(
             self.weight_sync, token, generate_timeout=s.generate_timeout_seconds
         )
-        backoff = Backoff(budget_s=s.store_retry_seconds)
+        backoff = Backoff(budget_s=run.stores.retry_seconds)
         self.publisher = WeightSyncPublisher(self.weight_sync, backoff)
         records = QuantCacheRecords(
             self.quant_cache,
@@ -144,26 +117,19 @@ class TrainerApp:
             s, model, quant=quant, guidance=guidance, eos_id=tok.eos_id, pad_id=tok.pad_id,
             records=records,
         )  # fmt: skip
-        if s.checkpoint_export and isinstance(self.learner, LeaderLearner):
+        if run.checkpoint.export and isinstance(self.learner, LeaderLearner):
             raise ValueError(
                 "TRACE_CHECKPOINT_EXPORT needs an unsharded trainer: sharded (torchrun) "
                 "checkpoints are DCP shards, which the export does not read yet"
             )
-        max_new = s.max_new_tokens or self.task.max_answer_chars + 1
         self.core = TrainerCore(
             TrainerConfig(
-                run_id=s.run_id, steps=s.steps, prompts_per_step=s.prompts_per_step,
-                group_size=s.group_size, mode=s.mode, max_staleness=s.max_staleness,
-                sampling=SamplingConfig(temperature=s.temperature, max_new_tokens=max_new,
-                                        seed=s.seed),
-                measure_records=s.measure_records,
+                run_id=run.run_id, steps=run.steps, prompts_per_step=run.prompts_per_step,
+                group_size=run.group_size, mode=run.mode, max_staleness=run.max_staleness,
+                sampling=run.sampling, measure_records=run.guidance.measure_records,
             ),
-            prompts=PromptStream(self.task, tok, seed=s.seed),
-            dispatcher=Dispatcher(
-                self.directory,
-                DispatchConfig(prompts_per_unit=s.prompts_per_unit,
-                               wait_for_replicas_s=s.replica_wait_seconds),
-            ),
+            prompts=PromptStream(self.task, tok, seed=run.seed),
+            dispatcher=Dispatcher(self.directory, run.dispatch),
             scorer=lambda sample, problem: exact_match_reward(
                 sample.completion_tokens, problem.answer, tok
             ),
@@ -212,13 +178,13 @@ class TrainerApp:
 
     def status(self) -> dict[str, Any]:
         return {
-            "run_id": self.settings.run_id,
+            "run_id": self.run_config.run_id,
             "state": self.state,
             "step": self.core.step_index,
-            "total_steps": self.settings.steps,
+            "total_steps": self.run_config.steps,
             "policy_version": self.core.version,
             "rollout_replicas": len(self.directory.replicas()),
-            "mode": self.settings.mode,
+            "mode": self.run_config.mode,
             "device": str(self.learner.device),
             "world_size": self.learner.world_size,
             "detail": self.detail,
@@ -243,10 +209,10 @@ class TrainerApp:
             self.metrics.failed.set(1)
 
     def run(self) -> None:
-        s = self.settings
+        s, run = self.settings, self.run_config
         self._restore_or_publish()
         self.state = "running" if self._resume.is_set() else "paused"
-        while self.core.step_index < s.steps and not self._stop.is_set():
+        while self.core.step_index < run.steps and not self._stop.is_set():
             if not self._resume.is_set():
                 self.state = "paused"
                 self._resume.wait()
@@ -267,10 +233,11 @@ class TrainerApp:
                 extra={k: m[k] for k in ("step", "policy_version", "reward_mean", "step_time_s")},
             )
             if s.checkpoint_dir is not None and (
-                self.core.step_index % s.checkpoint_every == 0 or self.core.step_index == s.steps
+                self.core.step_index % run.checkpoint.every == 0
+                or self.core.step_index == run.steps
             ):
                 self.checkpoint()
-        if self.core.step_index >= s.steps:
+        if self.core.step_index >= run.steps:
             self.state = "finished"
         if isinstance(self.learner, LeaderLearner):
             self.learner.stop()  # the other ranks' follow() returns
@@ -280,7 +247,7 @@ class TrainerApp:
         max_dropped_fraction of the samples received so far went untrained."""
         self.samples_seen += m["samples"]
         self.samples_dropped += m["samples_dropped_records"] + m["samples_dropped_stale"]
-        limit = self.settings.max_dropped_fraction
+        limit = self.run_config.stores.max_dropped_fraction
         if self.samples_seen and self.samples_dropped / self.samples_seen > limit:
             raise RuntimeError(
                 f"{self.samples_dropped} of {self.samples_seen} samples dropped untrained "
@@ -308,7 +275,7 @@ class TrainerApp:
             self.learner.save(
                 self.settings.checkpoint_dir, step=self.core.step_index,
                 version=self.core.version, prompt_state=self.core.prompts.state_dict(),
-                extra={"run_id": self.settings.run_id, "mode": self.settings.mode},
+                extra={"run_id": self.run_config.run_id, "mode": self.run_config.mode},
             )  # fmt: skip
             return
         model_state, optim_state = self.learner.state()
@@ -322,19 +289,20 @@ class TrainerApp:
                 optimizer=optim_state,
                 prompt_state=self.core.prompts.state_dict(),
                 extra={
-                    "run_id": self.settings.run_id,
-                    "mode": self.settings.mode,
+                    "run_id": self.run_config.run_id,
+                    "mode": self.run_config.mode,
                     "weights_digest": self.weights_digest,
                 },
             ),
         )
-        if self.settings.checkpoint_export:
-            export_checkpoint(self.settings, path, self.quant)
+        if self.run_config.checkpoint.export:
+            export_checkpoint(self.run_config, path, self.quant)
 
     def _restore_or_publish(self) -> None:
         """Resume from the latest checkpoint (same step, same weights) or publish version 0."""
         s = self.settings
-        path = latest_checkpoint(s.checkpoint_dir) if s.checkpoint_dir and s.resume else None
+        resume = s.checkpoint_dir and self.run_config.checkpoint.resume
+        path = latest_checkpoint(s.checkpoint_dir) if resume else None
         latest = self.publisher.latest_version()
         if path is None:
             if not isinstance(self.learner, LeaderLearner):  # sharded: no gathered digest

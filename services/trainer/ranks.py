@@ -22,7 +22,7 @@ from trace_common.rl.distributed import (
     follow,
     init_distributed,
 )
-from trace_common.rl.policy import LearnerConfig, ModelLearner
+from trace_common.rl.policy import ModelLearner
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +31,6 @@ def under_torchrun() -> bool:
     """Started by torchrun (RANK and WORLD_SIZE set): the learner is sharded, even at world
     size 1 (FSDP2's code path; it resumes a sharded checkpoint written at any rank count)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def learner_config(s: TrainerSettings) -> LearnerConfig:
-    return LearnerConfig(
-        mode=s.mode, lr=s.lr, minibatches=s.minibatches, clip_eps=s.clip_eps,
-        tis_cap=s.tis_cap, routing_replay=s.routing_replay, temperature=s.temperature,
-        measure_records=s.measure_records, compute_dtype=s.compute_dtype,
-        activation_checkpointing=s.activation_checkpointing,
-    )  # fmt: skip
 
 
 def build_learner(
@@ -59,15 +50,15 @@ def build_learner(
     device = resolve_device(s.device)
     kw: dict[str, Any] = dict(quant=quant, guidance=guidance, eos_id=eos_id, pad_id=pad_id)
     if not under_torchrun():
-        return ModelLearner(model, learner_config(s), device=device, **kw)
-    if s.checkpoint_export:
+        return ModelLearner(model, s.run.objective, device=device, **kw)
+    if s.run.checkpoint.export:
         raise ValueError(
             "TRACE_CHECKPOINT_EXPORT is not supported under torchrun (the export reads a "
             "single-file checkpoint; a sharded trainer writes torch.distributed.checkpoint)"
         )
     env, device = init_distributed(torch.device(device).type)
     sharded = ShardedLearner(
-        model, learner_config(s), device=device, records=records, run_id=s.run_id, **kw
+        model, s.run.objective, device=device, records=records, run_id=s.run.run_id, **kw
     )
     log.info("rank joined", extra={"rank": env.rank, "world_size": env.world_size})
     return LeaderLearner(sharded) if env.rank == 0 else sharded
@@ -75,21 +66,22 @@ def build_learner(
 
 def run_follower(s: TrainerSettings) -> None:
     """Ranks 1..N-1: build the same model and learner as rank 0, then follow its orders."""
-    from services.trainer.app import build_model, guidance_of, quant_of
+    from services.trainer.app import build_model
     from services.trainer.remote import QuantCacheRecords
     from trace_common.clients import QuantCacheClient
     from trace_common.service import Backoff
     from trace_common.tasks import load_tokenizer
 
     torch.set_num_threads(s.torch_threads)
-    torch.manual_seed(s.seed)
-    tok = load_tokenizer(s.tokenizer)
-    model = build_model(s, tok.vocab_size)
-    quant = quant_of(s, model.cfg)
-    guidance = guidance_of(s, model.cfg.num_layers)
+    run = s.run
+    torch.manual_seed(run.seed)
+    tok = load_tokenizer(run.task.tokenizer)
+    model = build_model(run, tok.vocab_size)
+    quant = run.quant.build(model.cfg)
+    guidance = run.guidance.build(model.cfg.num_layers)
     guidance.resolve(model.cfg, quant)
     client = QuantCacheClient(s.quant_cache_address, s.token(), data_path=s.quant_cache_data_path)
-    records = QuantCacheRecords(client, None, Backoff(budget_s=s.store_retry_seconds))
+    records = QuantCacheRecords(client, None, Backoff(budget_s=run.stores.retry_seconds))
     learner = build_learner(
         s, model, quant=quant, guidance=guidance, eos_id=tok.eos_id, pad_id=tok.pad_id,
         records=records,

@@ -235,7 +235,7 @@ def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -
     from trace_common.tasks import CharTokenizer
 
     tok = CharTokenizer()
-    model = demo_model(DemoConfig(), tok.vocab_size)
+    model = demo_model(DemoConfig.load(), tok.vocab_size)
     model.load_state_dict(ckpt.model)
     learner = ModelLearner(model, LearnerConfig(mode="trace"), quant=QuantConfig(), guidance=None,
                            eos_id=tok.eos_id, pad_id=tok.pad_id)  # fmt: skip

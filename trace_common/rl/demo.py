@@ -1,7 +1,8 @@
 """`trace-rl demo`: RL of an MoE with TRACE, end to end on this machine.
 
-On the CPU (the default) it trains the tiny debug shape; with ``--device cuda`` it follows
-``GPU_RECIPE``: the mid-1b shape with the trainer and every replica on the GPU.
+Its run is a recipe: ``recipes/demo-cpu.toml`` (the default) trains the tiny debug shape on
+the CPU; with ``--device cuda`` it follows ``recipes/demo-gpu.toml``: the mid-1b shape with the
+trainer and every replica on the GPU. ``--config FILE`` names another recipe.
 
 1. supervised warm start (in this process) so RL has signal;
 2. a local Redis + quant-cache + weight-sync + trainer + N rollout replicas as processes;
@@ -16,6 +17,7 @@ with like.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -26,84 +28,103 @@ from typing import Any
 
 import torch
 
+from trace_common.config import (
+    RECIPES_DIR,
+    RunConfig,
+    build_run_config,
+    build_section,
+    dump_toml,
+    merge,
+    read_recipe,
+    run_config_dict,
+)
 from trace_common.rl.cluster import ClusterConfig, LocalCluster
 
 EVAL_SEED_OFFSET = 7_777_777  # held-out evaluation prompts, disjoint from training streams
 POLL_S = 0.5
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
+DEMO_CPU_RECIPE = RECIPES_DIR / "demo-cpu.toml"  # the default: a few minutes on 2 CPU cores
+DEMO_GPU_RECIPE = RECIPES_DIR / "demo-gpu.toml"  # `--device cuda`: mid-1b on one GPU
 
-# What `--device cuda` changes (any option given explicitly still wins). The task: 4-digit
-# addition. Its 1-5 character answers need carries propagated across digits, exact match scores
-# a whole answer, and the warm start stops at 20% greedy accuracy, so a 1B model has most of
-# the reward range left to climb, one carry pattern at a time, over 100+ steps (reverse and
-# sort of a few digits are solved within tens of steps on the CPU demo's tiny model). The
-# learning rates are the usual scale for a model of this size (untuned: no GPU run yet).
-GPU_RECIPE: dict[str, Any] = {
-    "shape": "mid-1b",
-    "task": "addition",
-    "difficulty": 4,
-    "steps": 100,
-    "prompts_per_step": 32,
-    "group_size": 8,
-    "lr": 1e-4,
-    "warmstart_lr": 5e-4,
-    "warmstart_target": 0.2,
-    "warmstart_max_steps": 400,
-    "checkpoint_every": 100,  # 12 GB per mid-1b checkpoint (weights + AdamW): the last only
-    # The CUDA engine records compact guidance only (full records would send every replica to
-    # the PyTorch engine); D_act needs full records, so on the GPU it is not measured.
-    "guidance_mode": "compact",
+# The demo's command-line options that set a key of the run tree (`trace-rl demo --steps 3`).
+RUN_OPTIONS: dict[str, str] = {
+    "mode": "mode",
+    "steps": "steps",
+    "prompts_per_step": "prompts_per_step",
+    "group_size": "group_size",
+    "seed": "seed",
+    "task": "task.name",
+    "difficulty": "task.difficulty",
+    "shape": "model.name",
+    "lr": "objective.lr",
+    "temperature": "sampling.temperature",
+    "guidance_mode": "guidance.mode",
+    "checkpoint_every": "checkpoint.every",
 }
 
 
 @dataclass(kw_only=True, slots=True)
 class DemoConfig:
-    """The demo's knobs (defaults: a few minutes on 2 CPU cores; see `GPU_RECIPE`)."""
+    """The demo: the run (`run`, from a recipe) and how this machine plays it (a recipe's
+    `[demo]` table). Defaults: `recipes/demo-cpu.toml`; `recipes/demo-gpu.toml` on CUDA."""
 
-    out: pathlib.Path | None = None
-    mode: str = "trace"
-    steps: int = 40
-    task: str = "reverse"
-    difficulty: int = 3
-    replicas: int = 2
-    prompts_per_step: int = 16
-    group_size: int = 8
-    lr: float = 1e-3
-    temperature: float = 1.0
-    warmstart_target: float = 0.3
+    run: RunConfig
+    out: pathlib.Path | None = None  # run directory (default: runs/<timestamp>)
+    device: str = "cpu"  # TRACE_DEVICE of the warm start, the trainer and every replica
+    replicas: int = 2  # rollout replicas (processes)
+    warmstart_target: float = 0.3  # stop the supervised warm start at this greedy accuracy
     warmstart_max_steps: int = 300
     warmstart_lr: float = 3e-3
-    eval_prompts: int = 256
-    shape: str = "debug"  # named model shape (trace_common.model.config.NAMED_CONFIGS)
-    device: str = "cpu"  # TRACE_DEVICE of the warm start, the trainer and every replica
+    eval_prompts: int = 256  # held-out prompts of the warm-start and final evaluations
     rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas: auto | native | cuda
     rollout_dtype: str = "auto"  # PyTorch engine's dtype (auto: bf16 on CUDA, else fp32)
-    checkpoint_every: int | None = None  # None: a quarter of the steps
-    guidance_mode: str = "full"  # full records make D_act measurable every step
-    seed: int = 0
 
     def __post_init__(self) -> None:
         from trace_common.device import DEVICE_HELP, DEVICE_RE
-        from trace_common.model import get_config
 
         if not DEVICE_RE.match(self.device):
             raise ValueError(f"device {self.device!r}: expected {DEVICE_HELP}")
-        get_config(self.shape)  # ValueError naming the known shapes
         if self.rollout_engine not in ("auto", "native", "cuda"):
             raise ValueError(f"rollout engine {self.rollout_engine!r}: auto | native | cuda")
-        if self.guidance_mode not in ("full", "compact"):
-            raise ValueError(f"guidance mode {self.guidance_mode!r}: full | compact")
         if self.rollout_dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"rollout dtype {self.rollout_dtype!r}: one of {ROLLOUT_DTYPES}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
 
     @classmethod
-    def for_device(cls, device: str = "cpu", **options: Any) -> DemoConfig:
-        """The defaults for `device` (`GPU_RECIPE` on CUDA), then the options that are not
-        None."""
-        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-        base = dict(GPU_RECIPE) if cuda else {}
-        base.update({k: v for k, v in options.items() if v is not None})
-        return cls(device=device, **base)
+    def load(
+        cls, recipe: pathlib.Path | str | None = None, *, device: str | None = None,
+        **options: Any,
+    ) -> DemoConfig:  # fmt: skip
+        """The recipe (default: `DEMO_GPU_RECIPE` for a CUDA `device`, else `DEMO_CPU_RECIPE`),
+        then the options that are not None: run keys by `RUN_OPTIONS`, the others `[demo]`
+        keys. Unless given, checkpoints come every quarter of the steps and a work unit is
+        an even share of the prompts for twice the replicas. ConfigError names a bad key."""
+        if recipe is None:
+            cuda = device is not None and (
+                device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+            )
+            recipe = DEMO_GPU_RECIPE if cuda else DEMO_CPU_RECIPE
+        raw = read_recipe(recipe)
+        demo = dict(raw.pop("demo", None) or {})
+        if device is not None:
+            demo["device"] = device
+        for key, value in options.items():
+            if value is None:
+                continue
+            if key in RUN_OPTIONS:
+                merge(raw, RUN_OPTIONS[key], value)
+            else:
+                demo[key] = value
+        source = f"recipe {recipe}"
+        run = build_run_config(raw, source=source)
+        cfg = build_section(cls, demo, "demo.", source, run=run)
+        if "every" not in (raw.get("checkpoint") or {}):
+            run.checkpoint = dataclasses.replace(run.checkpoint, every=max(1, run.steps // 4))
+        if "prompts_per_unit" not in (raw.get("dispatch") or {}):
+            unit = max(1, run.prompts_per_step // (2 * cfg.replicas))
+            run.dispatch = dataclasses.replace(run.dispatch, prompts_per_unit=unit)
+        return cfg
 
 
 def default_out_dir() -> pathlib.Path:
@@ -112,11 +133,11 @@ def default_out_dir() -> pathlib.Path:
 
 def demo_model(cfg: DemoConfig, vocab_size: int):
     """The demo's shape, initialized from the seed, on the CPU (callers move it)."""
-    from trace_common.model import MoECausalLM, QuantConfig, get_config
+    from trace_common.model import MoECausalLM, QuantConfig
     from trace_common.model.quant import quantize_policy
 
-    model = MoECausalLM(get_config(cfg.shape).replace(vocab_size=vocab_size))
-    model.init_weights(cfg.seed)
+    model = MoECausalLM(cfg.run.model.config(vocab_size))
+    model.init_weights(cfg.run.seed)
     quantize_policy(model, QuantConfig.none())
     return model
 
@@ -141,15 +162,15 @@ def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> fl
     from trace_common.model import QuantConfig
     from trace_common.rl.policy import LearnerConfig, ModelLearner
     from trace_common.rollout.select import EngineSettings, make_engine_factory
-    from trace_common.rollout.types import SamplingConfig
     from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
 
+    run = cfg.run
     tok = CharTokenizer()
-    task = make_task(cfg.task, cfg.difficulty)
+    task = make_task(run.task.name, run.task.difficulty)
     model = demo_model(cfg, tok.vocab_size)
     model.load_state_dict(model_state)
     learner = ModelLearner(
-        model, LearnerConfig(mode=cfg.mode), quant=QuantConfig(), guidance=None,
+        model, LearnerConfig(mode=run.mode), quant=QuantConfig(), guidance=None,
         eos_id=tok.eos_id, pad_id=tok.pad_id, device=_device(cfg),
     )  # fmt: skip
     tensors, meta = learner.export_weights()  # quantized on the device, returned on the CPU
@@ -161,12 +182,10 @@ def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> fl
         )  # type: ignore[arg-type]
     )
     engine = factory(tensors, {k: v for k, v in meta.items() if isinstance(v, str)}, 0)
-    stream = PromptStream(task, tok, seed=cfg.seed + EVAL_SEED_OFFSET)
+    stream = PromptStream(task, tok, seed=run.seed + EVAL_SEED_OFFSET)
     prompts = stream.next_batch(cfg.eval_prompts)
     out = engine.generate(
-        [p.token_ids for p in prompts], 1,
-        SamplingConfig(temperature=cfg.temperature, max_new_tokens=task.max_answer_chars + 1,
-                       seed=cfg.seed + 1),
+        [p.token_ids for p in prompts], 1, dataclasses.replace(run.sampling, seed=run.seed + 1),
         with_records=False,
     )  # fmt: skip
     rewards = [
@@ -185,12 +204,13 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
     from trace_common.rl.warmstart import WarmStartConfig, warm_start
     from trace_common.tasks import CharTokenizer, PromptStream, make_task
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
     tok = CharTokenizer()
-    task = make_task(cfg.task, cfg.difficulty)
+    task = make_task(cfg.run.task.name, cfg.run.task.difficulty)
     model = demo_model(cfg, tok.vocab_size).to(_device(cfg))
     wcfg = WarmStartConfig(
-        max_steps=cfg.warmstart_max_steps, target_accuracy=cfg.warmstart_target, seed=cfg.seed,
+        max_steps=cfg.warmstart_max_steps, target_accuracy=cfg.warmstart_target,
+        seed=cfg.run.seed,
         eval_every=10, lr=cfg.warmstart_lr,
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -200,7 +220,7 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
     ) as bar:  # fmt: skip
         job = bar.add_task("", total=wcfg.max_steps)
         res = warm_start(
-            model, PromptStream(task, tok, seed=cfg.seed), wcfg,
+            model, PromptStream(task, tok, seed=cfg.run.seed), wcfg,
             max_new_tokens=task.max_answer_chars + 1,
             progress=lambda s, loss, acc: bar.update(
                 job, completed=s, description=f"step {s} loss {loss:.3f} greedy acc {acc:.2f}"
@@ -223,25 +243,18 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
 
 
 def trainer_env(cfg: DemoConfig, out: pathlib.Path, init: str) -> dict[str, str]:
+    """The trainer's settings: the run, starting from the warm start `init`, written as the
+    recipe `out/run.toml`, and the wiring (device, where metrics and checkpoints go)."""
+    run = dataclasses.replace(
+        cfg.run, model=dataclasses.replace(cfg.run.model, init_weights=pathlib.Path(init))
+    )
+    recipe = out / "run.toml"
+    recipe.write_text(dump_toml(run_config_dict(run)))
     return {
-        "TRACE_RUN_ID": "demo",
+        "TRACE_CONFIG": str(recipe),
         "TRACE_DEVICE": cfg.device,
-        "TRACE_MODEL": cfg.shape,
-        "TRACE_MODE": cfg.mode,
-        "TRACE_STEPS": str(cfg.steps),
-        "TRACE_TASK": cfg.task,
-        "TRACE_TASK_DIFFICULTY": str(cfg.difficulty),
-        "TRACE_PROMPTS_PER_STEP": str(cfg.prompts_per_step),
-        "TRACE_GROUP_SIZE": str(cfg.group_size),
-        "TRACE_PROMPTS_PER_UNIT": str(max(1, cfg.prompts_per_step // (2 * cfg.replicas))),
-        "TRACE_LR": str(cfg.lr),
-        "TRACE_TEMPERATURE": str(cfg.temperature),
-        "TRACE_SEED": str(cfg.seed),
-        "TRACE_INIT_WEIGHTS": init,
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
         "TRACE_CHECKPOINT_DIR": str(out / "checkpoints"),
-        "TRACE_CHECKPOINT_EVERY": str(cfg.checkpoint_every or max(1, cfg.steps // 4)),
-        "TRACE_GUIDANCE_MODE": cfg.guidance_mode,
     }
 
 
@@ -260,7 +273,7 @@ def rl_phase(cluster: LocalCluster, cfg: DemoConfig, console: Any) -> dict[str, 
         TextColumn("[bold]RL ({task.fields[mode]})[/]"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
     ) as bar:  # fmt: skip
-        job = bar.add_task("starting", total=cfg.steps, mode=cfg.mode)
+        job = bar.add_task("starting", total=cfg.run.steps, mode=cfg.run.mode)
         while True:
             st = cluster.trainer_status()
             m = st.get("last_metrics") or {}
@@ -294,7 +307,7 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
     out = cfg.out or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), default=str, indent=2))
-    console.print(f"[bold]TRACE demo[/] ({cfg.shape} on {cfg.device}) -> {out}")
+    console.print(f"[bold]TRACE demo[/] ({cfg.run.model.name} on {cfg.device}) -> {out}")
     warm = warm_start_phase(cfg, out, console)
     console.print(
         f"warm start: {warm['steps']} steps, greedy accuracy {warm['greedy_accuracy']:.2f}, "
@@ -322,11 +335,12 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
     final_reward = evaluate_policy(load_checkpoint(ckpt_path).model, cfg)
     rows = read_metrics(out / "metrics.jsonl")
     plots = plot_run(
-        rows, out, title=f"TRACE demo: {cfg.task} ({cfg.difficulty}), mode {cfg.mode}",
+        rows, out,
+        title=f"TRACE demo: {cfg.run.task.name} ({cfg.run.task.difficulty}), mode {cfg.run.mode}",
         warm_start_reward=warm["eval_reward"], final_reward=final_reward,
     )  # fmt: skip
     summary = {
-        "mode": cfg.mode,
+        "mode": cfg.run.mode,
         "steps": len(rows),
         "warm_start": warm,
         "eval_reward_warm_start": warm["eval_reward"],
@@ -362,24 +376,24 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
 
 def summary_markdown(s: dict[str, Any], cfg: DemoConfig) -> str:
     """The run in a few lines, for people."""
-    w = s["warm_start"]
+    w, run = s["warm_start"], cfg.run
     return "\n".join(
         [
-            f"# TRACE demo: {cfg.task} ({cfg.difficulty}), mode {cfg.mode}",
+            f"# TRACE demo: {run.task.name} ({run.task.difficulty}), mode {run.mode}",
             "",
-            f"- model: {cfg.shape} on {cfg.device} (rollout engine {cfg.rollout_engine})",
+            f"- model: {run.model.name} on {cfg.device} (rollout engine {cfg.rollout_engine})",
             f"- warm start: {w['steps']} supervised steps, greedy accuracy "
             f"{w['greedy_accuracy']:.3f}, {w['seconds']:.0f} s",
-            f"- RL: {s['steps']} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} "
+            f"- RL: {s['steps']} steps x {run.prompts_per_step} prompts x {run.group_size} "
             f"completions, {cfg.replicas} rollout replicas, {s['rl_seconds']:.0f} s",
             f"- held-out reward (FP4 rollout path, {cfg.eval_prompts} prompts, temperature "
-            f"{cfg.temperature}): {s['eval_reward_warm_start']:.3f} after the warm start -> "
+            f"{run.sampling.temperature}): {s['eval_reward_warm_start']:.3f} after the warm start -> "
             f"{s['eval_reward_final']:.3f} after RL",
             f"- per-step sampled reward: {s['reward_first_5_steps']:.3f} (steps 1-5) -> "
             f"{s['reward_last_5_steps']:.3f} (last 5)",
             f"- train-rollout |dlogp| on fresh samples: {s['logp_abs_diff_mean']:.2e} (mean); "
             f"D_act at guided sites: {s['d_act_mean']:.2e}"
-            + (" (compact records: not measured)" if cfg.guidance_mode == "compact" else ""),
+            + (" (compact records: not measured)" if run.guidance.mode == "compact" else ""),
             "- step time split (mean s): "
             + ", ".join(f"{k} {v:.3f}" for k, v in s["step_time_split_s"].items()),
             f"- trainer: {s['train_tokens_per_s']:.0f} tokens/s (whole train step)"

@@ -71,6 +71,11 @@ class ServiceSettings(BaseSettings):
             raise ValueError("TRACE_TLS_CLIENT_CA_FILE (mTLS) needs TRACE_TLS_CERT_FILE/KEY_FILE")
         return self
 
+    @classmethod
+    def env_names(cls) -> frozenset[str]:
+        """Every `TRACE_*` environment variable this service reads."""
+        return frozenset(ENV_PREFIX + name.upper() for name in cls.model_fields)
+
     def token(self) -> str:
         """The bearer token (from the variable, else the file, stripped of whitespace)."""
         if self.auth_token is not None:

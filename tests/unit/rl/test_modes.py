@@ -20,7 +20,9 @@ def test_the_learner_maps_every_mode_to_a_qat_mode() -> None:
     assert set(QAT_OF_MODE.values()) <= set(QAT_MODES)
 
 
-def test_the_trainer_service_accepts_exactly_the_modes() -> None:
-    from services.trainer.config import TrainerSettings
+def test_the_run_config_accepts_exactly_the_modes() -> None:
+    import typing
 
-    assert get_args(TrainerSettings.model_fields["mode"].annotation) == TRAIN_MODES
+    from trace_common.config import RunConfig
+
+    assert get_args(typing.get_type_hints(RunConfig)["mode"]) == TRAIN_MODES

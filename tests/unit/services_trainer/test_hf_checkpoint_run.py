@@ -52,8 +52,8 @@ def test_hf_checkpoint_and_tokenizer_run_an_rl_step(hf_dir: Path) -> None:
         weight_sync_address="127.0.0.1:1", quant_cache_address="127.0.0.1:2", auth_token="t",
         model=str(hf_dir), tokenizer=str(hf_dir),
     )  # fmt: skip
-    tok = load_tokenizer(settings.tokenizer)
-    model = build_model(settings, tok.vocab_size)
+    tok = load_tokenizer(settings.run.task.tokenizer)
+    model = build_model(settings.run, tok.vocab_size)
     assert (model.cfg.num_layers, model.cfg.num_experts, model.cfg.vocab_size) == (2, 4, 32)
     learner = ModelLearner(
         model, LearnerConfig(mode="trace"), quant=QuantConfig(), guidance=GuidanceConfig(),
@@ -83,4 +83,4 @@ def test_tokenizer_larger_than_the_checkpoint_vocab_is_a_clear_error(hf_dir: Pat
         model=str(hf_dir),
     )  # fmt: skip
     with pytest.raises(ValueError, match="has 99 tokens but the checkpoint"):
-        build_model(settings, 99)
+        build_model(settings.run, 99)

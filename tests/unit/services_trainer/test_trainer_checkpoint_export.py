@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.trainer.app import export_checkpoint, quant_of
+from services.trainer.app import export_checkpoint
 from services.trainer.config import TrainerSettings
 from trace_common.model import MoECausalLM, get_config
 from trace_common.model.export import load_nvfp4_checkpoint
@@ -23,7 +23,7 @@ def test_checkpoint_export_writes_both_directories(tmp_path: Path) -> None:
         step=1, version=1, model=model.state_dict(), optimizer={}, prompt_state={}, extra={}
     )
     path = save_checkpoint(tmp_path, ckpt)
-    export_checkpoint(settings, path, quant_of(settings, model.cfg))
+    export_checkpoint(settings.run, path, settings.run.quant.build(model.cfg))
     assert sorted(p.name for p in (path / "export").iterdir()) == ["master", "nvfp4"]
     loaded, _ = load_nvfp4_checkpoint(path / "export" / "nvfp4")
-    assert loaded.quant == quant_of(settings, model.cfg)
+    assert loaded.quant == settings.run.quant.build(model.cfg)

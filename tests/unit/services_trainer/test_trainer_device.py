@@ -20,7 +20,8 @@ def _settings(**kw: object) -> TrainerSettings:
 
 def test_defaults_are_auto() -> None:
     s = _settings()
-    assert (s.device, s.compute_dtype, s.activation_checkpointing) == ("auto", "auto", False)
+    o = s.run.objective
+    assert (s.device, o.compute_dtype, o.activation_checkpointing) == ("auto", "auto", False)
 
 
 def test_settings_reach_the_learner() -> None:

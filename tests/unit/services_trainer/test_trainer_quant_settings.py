@@ -1,10 +1,10 @@
-"""The trainer's FP4 sites and guided sites come from its settings (TRACE_QUANT_SITES, ...)."""
+"""The trainer's FP4 sites and guided sites come from its run (quant.sites, guidance.sites;
+TRACE_QUANT_SITES, ... in the environment)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.trainer.app import guidance_of, quant_of
 from services.trainer.config import TrainerSettings
 from trace_common.model import QuantConfig, get_config
 
@@ -17,13 +17,13 @@ def _settings(**kw: object) -> TrainerSettings:
 
 def test_default_is_the_papers_setting() -> None:
     cfg = get_config("debug")
-    assert quant_of(_settings(), cfg).sites == QuantConfig().sites
-    assert quant_of(_settings(quant_format="mxfp4"), cfg).format == "mxfp4"
+    assert _settings().run.quant.build(cfg).sites == QuantConfig().sites
+    assert _settings(quant_format="mxfp4").run.quant.build(cfg).format == "mxfp4"
 
 
 def test_all_is_every_site_the_model_has() -> None:
     cfg = get_config("debug")
-    quant = quant_of(_settings(quant_sites="all"), cfg)
+    quant = _settings(quant_sites="all").run.quant.build(cfg)
     assert quant.sites == QuantConfig.every_site(cfg).sites
     assert {"attn_weights", "lm_head_weights", "kv"} <= quant.sites
 
@@ -35,9 +35,9 @@ def test_explicit_sites_and_guided_sites() -> None:
         guidance_layers="all",
     )
     cfg = get_config("debug")
-    quant = quant_of(s, cfg)
+    quant = s.run.quant.build(cfg)
     assert quant.sites == {"expert_weights", "expert_acts", "kv", "attn_weights", "attn_acts"}
-    guidance = guidance_of(s, cfg.num_layers)
+    guidance = s.run.guidance.build(cfg.num_layers)
     assert guidance.sites == ("moe_in", "attn_in", "o_in")
     pairs = guidance.resolve(cfg, quant)
     assert {site for _, site in pairs} == {"moe_in", "attn_in", "o_in"}
@@ -55,14 +55,14 @@ def test_explicit_sites_and_guided_sites() -> None:
 def test_bad_site_names_stop_start_up_naming_them(field: str, value: str, named: str) -> None:
     with pytest.raises(ValueError, match=named) as err:
         _settings(**{field: value})
-    assert f"TRACE_{field.upper()}" in str(err.value)
+    assert field.replace("_", ".", 1) in str(err.value)  # the tree's key: quant.sites
 
 
 def test_a_site_the_model_lacks_or_a_guided_site_left_high_precision_is_refused() -> None:
     cfg = get_config("debug")
     assert not cfg.shared_expert_intermediate_size, "the debug shape has no shared expert"
     with pytest.raises(ValueError, match="shared_expert_weights"):
-        quant_of(_settings(quant_sites="shared_expert_weights"), cfg)
+        _settings(quant_sites="shared_expert_weights").run.quant.build(cfg)
     s = _settings(guidance_sites="attn_in")  # attn_acts is not FP4 by default
     with pytest.raises(ValueError, match="attn_acts"):
-        guidance_of(s, cfg.num_layers).resolve(cfg, quant_of(s, cfg))
+        s.run.guidance.build(cfg.num_layers).resolve(cfg, s.run.quant.build(cfg))
