@@ -91,8 +91,7 @@ class ModelSection:
                 f"model.overrides: unknown ModelConfig field(s) {unknown}; known: {sorted(known)}"
             )
         self.overrides = {
-            k: _coerce(v, hints[k], f"model.overrides.{k}", "")
-            for k, v in self.overrides.items()
+            k: _coerce(v, hints[k], f"model.overrides.{k}", "") for k, v in self.overrides.items()
         }
         if self.overrides and self.is_checkpoint():
             raise ConfigError(
@@ -367,7 +366,22 @@ def load_run_config(
     for path, value in (overrides or {}).items():
         merge(raw, path, value)
     source = f"recipe {recipe}" if recipe is not None else "run configuration"
-    return build_run_config(raw, source=source)
+    try:
+        return build_run_config(raw, source=source)
+    except ConfigError as e:
+        # Name the variable when the bad value came from the environment.
+        import re
+
+        names = [
+            name
+            for name, path in RUN_ENV.items()
+            if name in env
+            and path not in (overrides or {})
+            and re.search(rf"(?<![\w.]){re.escape(path)} =", str(e))
+        ]
+        if names:
+            raise ConfigError(f"{e} (from {', '.join(names)})") from None
+        raise
 
 
 def build_run_config(raw: Mapping[str, Any], *, source: str = "run configuration") -> RunConfig:

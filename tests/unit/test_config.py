@@ -63,11 +63,11 @@ def test_recipe_then_environment_then_overrides(tmp_path: pathlib.Path) -> None:
 
 
 def test_derived_keys_follow_their_source(tmp_path: pathlib.Path) -> None:
-    run = load_run_config(
-        recipe(tmp_path, 'mode = "fp4"\nseed = 5\n[sampling]\ntemperature = 0.7\n'
-               "[guidance]\nrouting_replay = false\nmeasure_records = true\n"),  # fmt: skip
-        env={},
+    text = (
+        'mode = "fp4"\nseed = 5\n[sampling]\ntemperature = 0.7\n'
+        "[guidance]\nrouting_replay = false\nmeasure_records = true\n"
     )
+    run = load_run_config(recipe(tmp_path, text), env={})
     o = run.objective
     assert (o.mode, o.temperature, o.routing_replay, o.measure_records) == (
         "fp4", 0.7, False, True,
@@ -85,7 +85,7 @@ def test_derived_keys_follow_their_source(tmp_path: pathlib.Path) -> None:
         ("[objective]\nlr = true\n", "objective.lr = True: expected a number"),
         ('mode = "fp8"\n', "mode = 'fp8': expected one of ['bf16', 'fp4', 'rtn', 'trace']"),
         ("[guidance]\nrouting_replay = 1\n", "guidance.routing_replay = 1: expected true or false"),
-        ("[objective]\nmode = \"bf16\"\n", "objective.mode = 'bf16' is derived from mode"),
+        ('[objective]\nmode = "bf16"\n', "objective.mode = 'bf16' is derived from mode"),
         ("[sampling]\nseed = 3\n", "sampling.seed = 3 is derived from seed"),
         ("steps = 0\n", "steps must be >= 1, got 0"),
         ("[objective]\nclip_eps = 1.5\n", "clip_eps=1.5"),
@@ -106,7 +106,10 @@ def test_bad_keys_and_values_are_named(tmp_path: pathlib.Path, text: str, named:
 
 
 def test_a_bad_environment_value_is_named() -> None:
-    with pytest.raises(ConfigError, match=r"task.difficulty = 'x': expected an integer"):
+    with pytest.raises(
+        ConfigError,
+        match=r"task.difficulty = 'x': expected an integer \(from TRACE_TASK_DIFFICULTY\)",
+    ):
         load_run_config(env={"TRACE_TASK_DIFFICULTY": "x"})
     with pytest.raises(ConfigError, match="not a file"):
         load_run_config("/nonexistent/run.toml", env={})

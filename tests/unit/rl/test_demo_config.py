@@ -88,7 +88,9 @@ def test_bad_values_are_named(kw: dict, match: str) -> None:
 def test_every_process_gets_the_run_device_and_engine(tmp_path: pathlib.Path) -> None:
     cfg = DemoConfig.load(device="cuda", rollout_engine="native")
     t = trainer_env(cfg, tmp_path, "w.safetensors")
-    assert t["TRACE_DEVICE"] == "cuda" and t["TRACE_CHECKPOINT_DIR"] == str(tmp_path / "checkpoints")
+    assert t["TRACE_DEVICE"] == "cuda" and t["TRACE_CHECKPOINT_DIR"] == str(
+        tmp_path / "checkpoints"
+    )
     run = load_run_config(t["TRACE_CONFIG"], env={})  # what the trainer reads
     assert run.model.init_weights == pathlib.Path("w.safetensors")
     assert (run.model.name, run.task.name, run.checkpoint.every) == ("mid-1b", "addition", 100)
