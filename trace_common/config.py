@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 import tomllib
 import types
 import typing
@@ -238,8 +239,6 @@ class RunConfig:
     stores: StoresSection = field(default_factory=StoresSection)
 
     def __post_init__(self) -> None:
-        import re
-
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", self.run_id):
             raise ValueError(f"run_id={self.run_id!r}: 1-128 of [A-Za-z0-9_.-]")
         if self.mode not in TRAIN_MODES:
@@ -370,8 +369,6 @@ def load_run_config(
         return build_run_config(raw, source=source)
     except ConfigError as e:
         # Name the variable when the bad value came from the environment.
-        import re
-
         names = [
             name
             for name, path in RUN_ENV.items()
