@@ -308,6 +308,12 @@ class Experts(FP4Weights, nn.Module):
 
     FP4 codes per expert (`quantized[name]` is a list of E QTensors; `<name>_dequant`
     [E, out, in]), see `FP4Weights`.
+
+    The forward sorts the flat (token, slot) rows by expert once, runs each expert's GEMMs
+    over its contiguous block of rows, sends all down_proj input rows through the `down_in`
+    site in one `hooks.act` call (its fake quant is per row) and puts the rows back in
+    (token, slot) order. The GEMMs are three `torch._grouped_mm` calls for bf16 on CUDA
+    (`use_grouped_mm`), else one GEMM per expert that has rows (the bit-exact reference).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -327,24 +333,109 @@ class Experts(FP4Weights, nn.Module):
         hooks: Hooks,
         layer: int,
     ) -> torch.Tensor:
-        mode = hooks.weight_mode(self.weight_site)
-        wg = self.effective_weight("gate_proj", mode)
-        wu = self.effective_weight("up_proj", mode)
-        wd = self.effective_weight("down_proj", mode)
         n, k = ids.shape
-        # Each (token, slot) output lands in its own row; the k slots are then summed in fp32
-        # in slot order, so a token's result does not depend on which other tokens are batched.
-        slots = x.new_zeros(n * k, x.shape[1], dtype=torch.float32)  # [N*k, H]
+        if n == 0:
+            return x.new_zeros(0, x.shape[1])
+        mode = hooks.weight_mode(self.weight_site)
+        w = tuple(self.effective_weight(name, mode) for name in EXPERT_PROJS)
         flat_ids = ids.reshape(-1)  # [N*k], row r = token r // k, slot r % k
-        for e in torch.unique(flat_ids).tolist():
-            rows = torch.nonzero(flat_ids == e).flatten()  # (token, slot) rows routed to e
-            xe = x[rows // k]  # [n_e, H]
-            he = F.silu(xe @ wg[e].T) * (xe @ wu[e].T)  # [n_e, I]
-            he = hooks.act(layer, ASITE_DOWN_IN, he)
-            ye = he @ wd[e].T  # [n_e, H]
-            slots = slots.index_copy(0, rows, ye.float())
-        w = weights.reshape(n * k, 1).float()
-        return (slots * w).view(n, k, -1).sum(dim=1).to(x.dtype)
+        # Stable: each expert's rows form one block, in ascending row order.
+        order = torch.sort(flat_ids, stable=True).indices  # [N*k] sorted row -> flat row
+        inverse = torch.empty_like(order)  # flat row -> sorted row
+        inverse[order] = torch.arange(n * k, device=order.device)
+        # Rows per expert without a host sync (bincount syncs on CUDA for its output size).
+        counts = flat_ids.new_zeros(self.num_experts).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids)
+        )  # [E]
+        # Each token's rows from its highest expert id down, the order GatherRows adds their
+        # gradients in: the order autograd adds them in for a loop over experts in ascending
+        # order, so CPU gradients equal that loop's bit for bit.
+        by_rank = torch.sort(ids, dim=1, descending=True, stable=True).indices  # [N, k] slots
+        by_rank = inverse.view(n, k).gather(1, by_rank)  # [N, k] sorted rows
+        xs = GatherRows.apply(x, order // k, by_rank)  # [N*k, H]
+        run = _experts_grouped_mm if use_grouped_mm(x, w[0]) else _experts_per_expert
+        ys = run(xs, counts, w, hooks, layer)  # [N*k, H]
+        # Back to (token, slot) order. The k slots are then summed in fp32 in slot order, so a
+        # token's result does not depend on which other tokens are batched.
+        slots = ys.float()[inverse]  # [N*k, H]
+        w_slots = weights.reshape(n * k, 1).float()
+        return (slots * w_slots).view(n, k, -1).sum(dim=1).to(x.dtype)
+
+
+class GatherRows(torch.autograd.Function):
+    """rows = x[tokens], whose backward adds the k gradient rows of each token one at a time
+    in a given order: the same bits on every device and thread count (an indexing backward
+    accumulates repeated rows in an order that depends on both)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,  # [N, H]
+        tokens: torch.Tensor,  # [N*k] the token of each row
+        by_rank: torch.Tensor,  # [N, k] the rows of each token, in the order to add them
+    ) -> torch.Tensor:
+        ctx.save_for_backward(by_rank)
+        return x[tokens]  # [N*k, H]
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (by_rank,) = ctx.saved_tensors
+        g = grad_rows[by_rank]  # [N, k, H]
+        grad_x = g[:, 0]
+        for j in range(1, g.shape[1]):
+            grad_x = grad_x + g[:, j]
+        return grad_x, None, None
+
+
+def use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `Experts` runs its GEMMs as `torch._grouped_mm`: bf16 compute (bf16 input and
+    weights, or CUDA autocast to bf16) on CUDA, with expert weight rows of a multiple of
+    16 bytes (`_grouped_mm` requires 16-byte aligned strides). w: a stacked expert weight."""
+    if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    autocast_bf16 = (
+        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    )
+    bf16 = autocast_bf16 or (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
+    return bf16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0
+
+
+def _experts_per_expert(
+    xs: torch.Tensor,  # [N*k, H] rows in blocks by expert, ascending expert id
+    counts: torch.Tensor,  # [E] rows per expert
+    w: tuple[torch.Tensor, ...],  # gate, up [E, I, H]; down [E, H, I]
+    hooks: Hooks,
+    layer: int,
+) -> torch.Tensor:
+    """SwiGLU experts, one GEMM per expert with rows and projection -> [N*k, H]."""
+    wg, wu, wd = w
+    sizes = counts.tolist()  # the one host sync for the block sizes
+    experts = [e for e, size in enumerate(sizes) if size]
+    blocks = [sizes[e] for e in experts]
+    hs = [
+        F.silu(xe @ wg[e].T) * (xe @ wu[e].T)  # [n_e, I]
+        for e, xe in zip(experts, xs.split(blocks), strict=True)
+    ]
+    h = hooks.act(layer, ASITE_DOWN_IN, torch.cat(hs))  # [N*k, I]
+    return torch.cat([he @ wd[e].T for e, he in zip(experts, h.split(blocks), strict=True)])
+
+
+def _experts_grouped_mm(
+    xs: torch.Tensor,  # [N*k, H] rows in blocks by expert, ascending expert id
+    counts: torch.Tensor,  # [E] rows per expert
+    w: tuple[torch.Tensor, ...],  # gate, up [E, I, H]; down [E, H, I]
+    hooks: Hooks,
+    layer: int,
+) -> torch.Tensor:
+    """The same with one bf16 `torch._grouped_mm` per projection -> [N*k, H] bf16."""
+    bf16 = torch.bfloat16
+    wg, wu, wd = (t.to(bf16).transpose(-2, -1) for t in w)  # [E, in, out] views
+    offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's block
+    xs = xs.to(bf16)
+    g = torch._grouped_mm(xs, wg, offs=offs)  # [N*k, I]
+    u = torch._grouped_mm(xs, wu, offs=offs)
+    h = hooks.act(layer, ASITE_DOWN_IN, F.silu(g) * u)
+    return torch._grouped_mm(h, wd, offs=offs)  # [N*k, H]
 
 
 class SparseMoE(nn.Module):
