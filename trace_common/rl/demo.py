@@ -161,21 +161,33 @@ def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> fl
     """Mean reward of the FP4 rollout path (as the replicas run it) on held-out prompts."""
     from trace_common.model import QuantConfig
     from trace_common.rl.policy import LearnerConfig, ModelLearner
+    from trace_common.tasks import CharTokenizer
+
+    tok = CharTokenizer()
+    model = demo_model(cfg, tok.vocab_size)
+    model.load_state_dict(model_state)
+    learner = ModelLearner(
+        model, LearnerConfig(mode=cfg.run.mode), quant=QuantConfig(), guidance=None,
+        eos_id=tok.eos_id, pad_id=tok.pad_id, device=_device(cfg),
+    )  # fmt: skip
+    tensors, meta = learner.export_weights()  # quantized on the device, returned on the CPU
+    del learner, model
+    return evaluate_weights(tensors, meta, cfg)
+
+
+@torch.no_grad()
+def evaluate_weights(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any], cfg: DemoConfig
+) -> float:
+    """Mean reward of a policy version as exported (or pulled from weight-sync), served by the
+    engine the replicas build (the same TRACE_ROLLOUT_ENGINE / device / dtype), on the
+    held-out prompts, sampled at the training temperature."""
     from trace_common.rollout.select import EngineSettings, make_engine_factory
     from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
 
     run = cfg.run
     tok = CharTokenizer()
     task = make_task(run.task.name, run.task.difficulty)
-    model = demo_model(cfg, tok.vocab_size)
-    model.load_state_dict(model_state)
-    learner = ModelLearner(
-        model, LearnerConfig(mode=run.mode), quant=QuantConfig(), guidance=None,
-        eos_id=tok.eos_id, pad_id=tok.pad_id, device=_device(cfg),
-    )  # fmt: skip
-    tensors, meta = learner.export_weights()  # quantized on the device, returned on the CPU
-    del learner, model
-    # The engine the replicas build (the same TRACE_ROLLOUT_ENGINE / device / dtype).
     factory = make_engine_factory(
         EngineSettings(
             engine=cfg.rollout_engine, device=_device(cfg), native_dtype=cfg.rollout_dtype
@@ -192,6 +204,9 @@ def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> fl
         exact_match_reward(s.completion_tokens, prompts[s.prompt_index].problem.answer, tok)
         for s in out
     ]
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
     del engine, factory
     _release_gpu()
     return sum(rewards) / len(rewards)
