@@ -330,7 +330,7 @@ def run_all(args: argparse.Namespace) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     gpus = [d.strip() for d in args.devices.split(",") if d.strip()]
-    jobs = [(a, s) for s in args.seeds for a in args.arms]
+    jobs = [(a, s) for a in args.arms for s in args.seeds]  # an arm's seeds start together
     jobs += [(a, s) for s in args.ablation_seeds for a in ABLATION_ARMS]
     with Progress() as bar:
         w = bar.add_task("warm starts", total=len(args.seeds))
