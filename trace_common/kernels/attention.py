@@ -113,8 +113,7 @@ class DecodeAttnPlan:
         """Pick keys-per-split so that batch * kv_heads * splits of the expected context fill
         the GPU; splits past a sequence's length return at once. `cuda_fp4`: for the CUDA FP4
         kernel: the ring kernel's wave rule (`ring_chunk`) at `capacity` tokens, or 2x the splits
-        from CUDA_FP4_LONG_CONTEXT tokens for the first ("regs") kernel. TRACE_ATTN_CHUNK forces
-        the split size of every split + reduce plan (sweeps). `fused`: the one-launch
+        from CUDA_FP4_LONG_CONTEXT tokens for the first ("regs") kernel. `fused`: the one-launch
         kernels where `fused_chunk` takes the context (short ones); then `counters` is set
         (the engine asks for them per `cuda_attn.fused_enabled`)."""
         from trace_common.kernels import cuda_attn
@@ -125,10 +124,7 @@ class DecodeAttnPlan:
                                           sms=_sm_count(device))  # fmt: skip
         fused = chunk > 0  # else the split kernels' rules below
         ring_slots = cuda_attn.ring_ctas_per_sm() * _sm_count(device) if cuda_fp4 else 0
-        forced = 0 if fused else cuda_attn.forced_chunk("TRACE_ATTN_CHUNK", ATTN_BLOCK_N)
-        if forced:
-            chunk = forced
-        elif not fused and ring_slots:
+        if not fused and ring_slots:
             # for the longest sequence the plan serves: planned for the starting length, a step
             # past a split boundary (1K + a few tokens) needs a second wave of CTAs
             chunk = ring_chunk(batch * kv_heads, max(context_hint, capacity), ring_slots)
@@ -172,8 +168,8 @@ def decode_attention(
     lens: torch.Tensor,  # int32 [B] valid tokens (new one included)
     plan: DecodeAttnPlan,
     out: torch.Tensor | None = None,  # bf16 [B, HQ * D]
-    decode: str | None = None,  # FP4 cache, Triton: "ptx" | "bits" (default: TRACE_FP4_DECODE)
-    impl: str | None = None,  # FP4 cache: "cuda" | "triton" (default: TRACE_FP4_ATTN)
+    decode: str | None = None,  # FP4 cache, Triton: "ptx" | "bits" (default: fp4_decode_words)
+    impl: str | None = None,  # FP4 cache: "cuda" | "triton" (default: fp4_attn_impl)
     pdl: bool = False,  # fused plan: launch as a programmatic dependent launch
     kv_new: torch.Tensor | None = None,  # bf16 [2, B, Hkv * D]: append it first (see below)
     kv_capture: object | None = None,  # with kv_new: its guidance record (kv_append's)

@@ -14,9 +14,8 @@ per layer, no reduce kernel: the CTA that finishes a (sequence, kv head) last co
 splits (`cuda/attn_common.cuh`). For the FP4 cache that is the ring kernel compiled with FUSED;
 for the BF16 cache `attn_bf16_fused` (`cuda/attn_small.cu`, registers, swapped MMAs, loads its
 first tile's older tokens before `griddepcontrol.wait`). Both may be launched as programmatic
-dependent launches (`pdl=True`). `TRACE_ATTN_FUSED=auto|on|all|off` (`fused_enabled`) selects
-them: "on" in the small-batch step, "all" in the standard step too, "auto" (the default) the
-small-batch step and the standard step's BF16 cache from FUSED_BF16_MIN_CONTEXT tokens.
+dependent launches (`pdl=True`). The engine runs them (`fused_enabled`) in the small-batch
+step, and in the standard step for the BF16 cache from FUSED_BF16_MIN_CONTEXT tokens.
 
 The ring kernel can also append the newest token to the FP4 cache itself (`kv_new` of
 `decode_attn_split_cuda`, `attention.decode_attention`): the small-batch FP4 step's default
@@ -27,13 +26,12 @@ Importing this module needs neither CuPy nor a GPU.
 
 from __future__ import annotations
 
-import os
 import pathlib
 from typing import TYPE_CHECKING
 
 import torch
 
-from trace_common.kernels import cupy_available, env_choice
+from trace_common.kernels import cupy_available
 from trace_common.kernels.cuda_launch import compiled_function, launch_on_torch_stream, pointers
 
 if TYPE_CHECKING:
@@ -50,19 +48,16 @@ TILE = 16  # tokens per warp step
 # ("regs", 4, 3) fits 168 registers, ("ring", 4, 4, 4) 115, neither spills (nvcc -Xptxas -v,
 # sm_90a); bench/rollout_gpu_kernels.py --attention-only --attn-sweep times them. The ring
 # kernel is the default: it keeps more bytes in flight than the register double buffer, and
-# was faster at every shape swept on an H200.
+# was faster at every shape swept on an H200. `KernelSettings.attn_config` replaces it
+# (`set_default_config`).
 DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
+_CONFIG: list[tuple] = [DEFAULT_CONFIG]  # the configuration in force
 
 
-# TRACE_ATTN_FUSED: "on" the small-batch step's attention is one launch, "all" the standard
-# step's too (where `fused_chunk` takes the context), "off" split + reduce everywhere, "auto"
-# as "on" plus the standard step's BF16 cache from FUSED_BF16_MIN_CONTEXT tokens of context
-FUSED_MODES = ("auto", "on", "off", "all")
-DEFAULT_FUSED = "auto"
 # The standard step's BF16 attention, fused (attn_bf16_fused) instead of split + reduce
-# (Triton), from this context on: the saved reduce launch pays once the splits are long
-# (bench/env_ab.py, "" vs TRACE_ATTN_FUSED=all). The FP4 cache's fused ring kernel stays off
-# in the standard step: there it is slower than split + reduce.
+# (Triton), from this context on: the saved reduce launch pays once the splits are long. The
+# FP4 cache's fused ring kernel stays off in the standard step: there it is slower than split
+# + reduce.
 FUSED_BF16_MIN_CONTEXT = 8192
 # attn_bf16_fused: warps per CTA at most (fewer when a split has fewer 16-token tiles), and
 # CTAs per SM its 202 registers x 128 threads allow (nvcc -Xptxas -v, sm_90a, no spills); the
@@ -73,36 +68,20 @@ FUSED_BF16_CTAS_PER_SM = 2
 
 # The fused kernels' last CTA reads the splits' partials a batch of 8 at a time: cheap for a
 # few splits, slower than the reduce kernel's (B x HQ programs) for many
-# (bench/attn_small_ab.py compares them). So split + reduce beyond this many splits at the
-# context hint.
+# So split + reduce beyond this many splits at the context hint.
 FUSED_MAX_SPLITS = 16
 # ... and at least this many keys per split: fewer splits for the last CTA to combine where the
-# wave rule would cut a short context finer (TRACE_ATTN_FUSED_CHUNK sweeps it with
-# bench/env_ab.py).
+# wave rule would cut a short context finer.
 FUSED_MIN_CHUNK = 128
-
-
-def forced_chunk(env: str, multiple: int = TILE) -> int:
-    """Keys per split forced by the environment variable `env` (0 when unset); anything but a
-    positive multiple of `multiple` tokens raises ValueError naming `env` and the value."""
-    forced = os.environ.get(env)
-    if not forced:
-        return 0
-    if not forced.isdigit() or int(forced) == 0 or int(forced) % multiple:
-        raise ValueError(f"{env}={forced!r}: expected a positive multiple of {multiple} tokens")
-    return int(forced)
 
 
 def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
     """Keys per split of the fused kernels for `heads` (batch x kv heads) sequences of
-    `context` tokens: TRACE_ATTN_FUSED_CHUNK if set, else the wave rule for their resident CTAs
+    `context` tokens: the wave rule for their resident CTAs
     (`attention.ring_chunk`, at least FUSED_MIN_CHUNK); 0 (use split + reduce) where that is
     more than FUSED_MAX_SPLITS splits."""
     from trace_common.kernels.attention import ring_chunk
 
-    forced = forced_chunk("TRACE_ATTN_FUSED_CHUNK")
-    if forced:
-        return forced
     per_sm = ring_ctas_per_sm() if fp4 else FUSED_BF16_CTAS_PER_SM
     if not per_sm:  # the FP4 "regs" kernel: no fused variant
         return 0
@@ -110,19 +89,12 @@ def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
     return chunk if -(-max(context, 1) // chunk) <= FUSED_MAX_SPLITS else 0
 
 
-def fused_mode(mode: str | None = None) -> str:
-    """`mode`, else TRACE_ATTN_FUSED, else DEFAULT_FUSED (one of FUSED_MODES)."""
-    return env_choice("TRACE_ATTN_FUSED", mode, FUSED_MODES, DEFAULT_FUSED)
-
-
-def fused_enabled(mode: str | None = None, *, small_batch: bool = True, fp4: bool = False,
-                  context: int = 0) -> bool:  # fmt: skip
-    """Whether a step runs the fused (one-launch) attention: the small-batch step unless the
-    mode is "off"; the standard step (`small_batch=False`) with "all", and with "auto" for a
-    BF16 cache (`fp4` False) at `context` >= FUSED_BF16_MIN_CONTEXT tokens; all need CuPy."""
-    m = fused_mode(mode)
-    standard = m == "all" or (m == "auto" and not fp4 and context >= FUSED_BF16_MIN_CONTEXT)
-    return (standard or (m != "off" and small_batch)) and cupy_available()
+def fused_enabled(*, small_batch: bool = True, fp4: bool = False, context: int = 0) -> bool:
+    """Whether a step runs the fused (one-launch) attention: the small-batch step, and the
+    standard step (`small_batch=False`) for a BF16 cache (`fp4` False) at `context` >=
+    FUSED_BF16_MIN_CONTEXT tokens; both need CuPy."""
+    standard = not fp4 and context >= FUSED_BF16_MIN_CONTEXT
+    return (small_batch or standard) and cupy_available()
 
 
 def kernel_name(config: tuple, fused: bool = False, append: bool = False) -> tuple[str, int]:
@@ -142,21 +114,28 @@ def kernel_name(config: tuple, fused: bool = False, append: bool = False) -> tup
 
 def parse_config(text: str) -> tuple:
     """A launch configuration from its comma-separated form ("ring,4,4,5"), checked by
-    `kernel_name`; a bad one raises ValueError naming TRACE_ATTN_CONFIG and the text."""
+    `kernel_name`; a bad one raises ValueError naming the text."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     try:
         config = (parts[0], *(int(x) for x in parts[1:]))
         kernel_name(config)
     except (IndexError, ValueError) as err:
-        raise ValueError(f"TRACE_ATTN_CONFIG={text!r}: {err}") from None
+        raise ValueError(f"attention launch config {text!r}: {err}") from None
     return config
 
 
 def default_config() -> tuple:
-    """The launch configuration used where none is given: TRACE_ATTN_CONFIG if set (e.g.
-    "ring,4,4,5"; sweeps and engine A/Bs), else DEFAULT_CONFIG."""
-    text = os.environ.get("TRACE_ATTN_CONFIG")
-    return parse_config(text) if text else DEFAULT_CONFIG
+    """The launch configuration used where none is given: DEFAULT_CONFIG, or the one
+    `set_default_config` set."""
+    return _CONFIG[0]
+
+
+def set_default_config(config: tuple | None) -> None:
+    """Use launch configuration `config` (checked by `kernel_name`; None: DEFAULT_CONFIG) where
+    none is given from now on."""
+    config = DEFAULT_CONFIG if config is None else tuple(config)
+    kernel_name(config)
+    _CONFIG[0] = config
 
 
 def ring_ctas_per_sm(config: tuple | None = None) -> int:
@@ -323,5 +302,6 @@ __all__ = [
     "kernel_name",
     "parse_config",
     "ring_ctas_per_sm",
+    "set_default_config",
     "supports",
 ]

@@ -14,8 +14,6 @@ from types import ModuleType
 
 import torch
 
-from trace_common.kernels import env_choice
-
 CUPY_INSTALL_HINT = "pip install 'trace-rl[gpu]' (cupy-cuda13x; cupy-cuda12x for CUDA 12)"
 
 
@@ -138,11 +136,8 @@ def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], ar
 # normally still wait for everything before them. Stream capture keeps the programmatic edge
 # (CUDA >= 12.3). CuPy's launch takes no launch attributes, so this calls the driver's
 # cuLaunchKernelEx through ctypes (structures as in cuda.h, CUDA 12.0+).
-PDL_MODES = ("on", "off")
-# on: a kernel's weight prefetch overlaps the previous kernel's tail (bench/rollout_gpu.py
-# --pdl both compares); graph replay with PDL equals plain launches bit for bit
-# (tests/unit/gpu/test_small_batch_gpu.py)
-DEFAULT_PDL = "on"
+# A kernel's weight prefetch then overlaps the previous kernel's tail; graph replay with PDL
+# equals plain launches bit for bit (tests/unit/gpu/test_small_batch_gpu.py).
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 MAX_PORTABLE_CLUSTER = 8  # CTAs per cluster any sm_90 launch may ask for
@@ -177,11 +172,10 @@ def _driver():
     return _DRIVER[0]
 
 
-def pdl_enabled(mode: str | None = None) -> bool:
-    """Whether the small-batch kernels are launched as programmatic dependent launches: `mode`,
-    else TRACE_PDL, else DEFAULT_PDL; "on" also needs compute capability >= 9.0."""
-    mode = env_choice("TRACE_PDL", mode, PDL_MODES, DEFAULT_PDL)
-    return mode == "on" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+def pdl_enabled() -> bool:
+    """Whether the small-batch kernels are launched as programmatic dependent launches by
+    default: where the GPU has them (compute capability >= 9.0)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def cu_function(fn) -> int:

@@ -15,14 +15,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from trace_common.kernels import env_choice
 from trace_common.kernels.cuda_launch import (
     compiled_function,
     launch_on_torch_stream,
@@ -136,8 +134,7 @@ def dq16_permutation(device: torch.device | str = "cpu") -> torch.Tensor:
 # KGW 64-wide k groups per warp, MINB CTAs per SM for the register allocator, 0 = none);
 # WK * KGW * 64 == K. Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200
 # (fastest summed over 1, 8, 32, 128 tokens of each block size; docs/benchmarks.md).
-# TRACE_FP4_CUDA_CONFIGS=<json file> overrides them ({"K,block_m,gated": [RW, WK, KGW, MINB]};
-# 5 numbers: the stream kernel's, 3: the wg kernel's).
+# `KernelSettings.expert_gemm_configs` (a JSON file, `load_overrides`) overrides them.
 CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (2048, 8, True): (2, 16, 2, 2),
     (2048, 16, True): (2, 8, 4, 2),
@@ -157,18 +154,7 @@ STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
     (768, 8, False): (2, 4, 3, 4, 3),
     (768, 16, False): (2, 4, 3, 4, 3),
 }
-# `moe_fp4_tma` (bulk copies into S item buffers, persistent grid; see cuda/moe_fp4.cu) per
-# (K, token slots, gated): (RW output tiles per item, WK warps along K, KGW 64-wide k groups per
-# warp, S item buffers); WK * KGW * 64 == K. The fastest of `bench/rollout_gpu_kernels.py
-# --cuda-sweep` on an H200 (2 and 4 CTAs per SM beat deeper buffers in one). Not a default
-# kernel: opt-in through TRACE_FP4_CUDA_KERNEL=tma; the sweep compares it with the others.
-TMA_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
-    (2048, 8, True): (1, 8, 4, 2),
-    (2048, 16, True): (1, 8, 4, 2),
-    (768, 8, False): (2, 4, 3, 3),
-    (768, 16, False): (2, 4, 3, 3),
-}
-CUDA_KERNELS = ("stream", "mma", "tma", "wg")  # moe_fp4_stream, _mma, _tma, moe_fp4_wg
+CUDA_KERNELS = ("stream", "mma", "wg")  # moe_fp4_stream, moe_fp4_mma, moe_fp4_wg
 # `moe_fp4_wg` (warpgroup MMAs, 8- or 16-slot blocks; cuda/moe_fp4_wg.cu) per (K, token slots,
 # gated): (KGW 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA);
 # 16 slots: the fastest of `bench/rollout_gpu_kernels.py --cuda-sweep wg` at 96 / 128 tokens on
@@ -193,29 +179,35 @@ KERNEL_FOR: dict[tuple[int, int, bool], str] = {
 }
 
 
-def _override() -> dict[tuple[int, int, bool], tuple[int, ...]]:
-    """TRACE_FP4_CUDA_CONFIGS=<json file> {"K,block_m,gated": config}: a config of 4 numbers
-    runs `moe_fp4_mma` with it for that shape, of 5 numbers `moe_fp4_stream`, of 3 numbers
-    (KGW, S, NWG) `moe_fp4_wg`."""
-    path = os.environ.get("TRACE_FP4_CUDA_CONFIGS")
-    if not path:
-        return {}
-    st = os.stat(path)
-    return _override_file(path, st.st_mtime_ns, st.st_size)
+# Launch configurations that replace the built-in ones for their shapes (`set_overrides`):
+# (K, token slots, gated) -> a config of 4 numbers runs `moe_fp4_mma` with it, of 5 numbers
+# `moe_fp4_stream`, of 3 numbers (KGW, S, NWG) `moe_fp4_wg`.
+_OVERRIDES: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
 
-@functools.lru_cache(maxsize=8)
-def _override_file(
-    path: str, mtime_ns: int, size: int
-) -> dict[tuple[int, int, bool], tuple[int, ...]]:
-    """The parsed override file, read again only when it changed (not per launch)."""
+def load_overrides(path: str | pathlib.Path) -> dict[tuple[int, int, bool], tuple[int, ...]]:
+    """The launch configurations of a JSON file {"K,block_m,gated": [numbers]} (3, 4 or 5
+    numbers each, see _OVERRIDES); anything else raises ValueError naming the file."""
     out = {}
     for key, val in json.loads(pathlib.Path(path).read_text()).items():
-        k, bm, gated = key.split(",")
-        if len(val) not in (3, 4, 5):
-            raise ValueError(f"TRACE_FP4_CUDA_CONFIGS {key}: {val} is not 3, 4 or 5 numbers")
+        parts = key.split(",")
+        if len(parts) != 3 or len(val) not in (3, 4, 5):
+            raise ValueError(f"{path}: {key!r}: {val} is not 'K,block_m,gated': 3, 4 or 5 "
+                             "numbers")  # fmt: skip
+        k, bm, gated = parts
         out[(int(k), int(bm), gated == "True")] = tuple(int(v) for v in val)
     return out
+
+
+def set_overrides(configs: dict[tuple[int, int, bool], tuple[int, ...]]) -> None:
+    """Use `configs` (as `load_overrides` returns) instead of the built-in configurations of
+    their shapes from now on; {} restores the built-in ones."""
+    _OVERRIDES.clear()
+    _OVERRIDES.update(configs)
+
+
+def _override() -> dict[tuple[int, int, bool], tuple[int, ...]]:
+    return _OVERRIDES
 
 
 _OVERRIDE_KERNEL = {3: "wg", 4: "mma", 5: "stream"}  # an override config's kernel, by its length
@@ -224,12 +216,11 @@ _OVERRIDE_KERNEL = {3: "wg", 4: "mma", 5: "stream"}  # an override config's kern
 def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = None,
                 n_pairs: int | None = None, device: torch.device | None = None) -> str:  # fmt: skip
     """The CUDA expert-GEMM kernel to run for shape `key` = (K, token slots, gated): `kernel`,
-    else TRACE_FP4_CUDA_KERNEL, else the one an override file names for the shape, else
+    else the one an override (`set_overrides`) names for the shape, else
     KERNEL_FOR (its `wg` only up to WG_MAX_PAIRS pairs, `stream` past them), else
     DEFAULT_CUDA_KERNEL. With `device`: a `wg` chosen by default becomes `stream` where
     wgmma is missing (`wg_supported`); one asked for by name is refused there."""
-    named = kernel or os.environ.get("TRACE_FP4_CUDA_KERNEL")
-    kernel = named
+    named = kernel
     if not kernel and key is not None:
         cfg = _override().get(key)
         kernel = KERNEL_FOR.get(key) if cfg is None else _OVERRIDE_KERNEL[len(cfg)]
@@ -237,7 +228,7 @@ def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = N
             kernel = "stream"
     kernel = kernel or DEFAULT_CUDA_KERNEL
     if kernel not in CUDA_KERNELS:
-        raise ValueError(f"TRACE_FP4_CUDA_KERNEL={kernel!r}; expected one of {CUDA_KERNELS}")
+        raise ValueError(f"kernel={kernel!r}; expected one of {CUDA_KERNELS}")
     if kernel == "wg" and device is not None and not wg_supported(device):
         if named:
             raise ValueError(f"the wg kernel needs wgmma (sm_90), not on {device}")
@@ -246,8 +237,8 @@ def cuda_kernel(kernel: str | None = None, key: tuple[int, int, bool] | None = N
 
 
 def _configs(kernel: str) -> dict[tuple[int, int, bool], tuple[int, ...]]:
-    """The built-in configs of `kernel` ("mma", "stream" or "wg"), with the
-    TRACE_FP4_CUDA_CONFIGS entries of that kernel (_OVERRIDE_KERNEL: by their length)."""
+    """The built-in configs of `kernel` ("mma", "stream" or "wg"), with the overrides of that
+    kernel on top (_OVERRIDE_KERNEL: by their length)."""
     base: dict[tuple[int, int, bool], tuple[int, ...]] = dict(
         {"mma": CONFIGS, "stream": STREAM_CONFIGS, "wg": WG_CONFIGS}[kernel]
     )
@@ -279,34 +270,6 @@ def default_stream_config(k: int, block_m: int, gated: bool, n_out: int
     tiles = n_out // MMA_M
     rw = next(r for r in ((2, 1) if gated else (4, 2, 1)) if tiles % r == 0)
     return (rw, wk, kg // wk, 4, 0)
-
-
-def default_tma_config(k: int, block_m: int, gated: bool, n_out: int
-                       ) -> tuple[int, int, int, int]:  # fmt: skip
-    """(RW, WK, KGW, S) of TMA_CONFIGS, or for another shape: K over <= 16 warps of <= 4 k
-    groups each (8 warps where that suffices), one (gated) or the widest <= 4 tiles per item
-    that divide N_out and fit >= 2 buffers, and as many buffers as fit (at most 6)."""
-    if (k, block_m, gated) in TMA_CONFIGS:
-        return TMA_CONFIGS[(k, block_m, gated)]
-    kg = k // K_GROUP
-    wk = next((w for w in (8, 16, 4, 12, 6, 2, 3, 1) if kg % w == 0 and kg // w <= 4), 0)
-    if not wk:
-        raise ValueError(f"K={k}: no split into <= 16 warps of <= 4 groups of {K_GROUP}")
-    tiles = n_out // MMA_M
-    for rw in (1,) if gated else (4, 2, 1):
-        for stages in range(6, 1, -1):
-            if tiles % rw == 0 and tma_smem_bytes(k, block_m, rw, wk, stages,
-                                                  gated) <= STREAM_SMEM_MAX:  # fmt: skip
-                return (rw, wk, kg // wk, stages)
-    raise ValueError(f"K={k}: two items of one tile do not fit in shared memory")
-
-
-def tma_smem_bytes(k: int, block_m: int, rw: int, wk: int, stages: int, gated: bool) -> int:
-    """Dynamic shared memory of `moe_fp4_tma`: S item buffers (an item's codes + scales) and two
-    items' partial sums (double-buffered)."""
-    tiles = 2 * rw if gated else rw
-    item = tiles * (k // K_GROUP) * (LANES * 16 + 64)
-    return stages * item + 2 * wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
 
 
 def stream_smem_bytes(block_m: int, rw: int, wk: int, kgw: int, stages: int, gated: bool) -> int:
@@ -361,24 +324,16 @@ def block_count_moments(n_tokens: int, top_k: int, num_experts: int, block_m: in
     return num_experts * mean, num_experts * (second - mean * mean)
 
 
-EXPERT_GRIDS = ("waves", "even")
 GRID_CTA_OVERHEAD_ITEMS = 1.0  # a CTA's fixed cost (its block's B, the ring's fill) in items
-
-
-def expert_grid(value: str | None = None) -> str:
-    """How the item-walking expert GEMMs (`moe_fp4_wg`, `moe_fp4_stream`) size their grid:
-    `value`, else TRACE_EXPERT_GRID, else "waves" (`wave_grid`; "even": `stream_grid`, one CTA
-    per block once the blocks fill the GPU)."""
-    return env_choice("TRACE_EXPERT_GRID", value, EXPERT_GRIDS, "waves")
 
 
 def _block_grid(n_items: int, plan: RoutePlan, n_exp: int, ctas_per_sm: int,
                 device: torch.device, waves: int = 1) -> tuple[int, int]:  # fmt: skip
-    """(CTAs per expert block, items per CTA) of an item-walking kernel (`expert_grid`; the
-    bench's `waves` > 1 sizes an "even" grid for that many waves)."""
+    """(CTAs per expert block, items per CTA) of an item-walking kernel: `wave_grid`; the
+    bench's `waves` > 1 sizes an even grid (`stream_grid`) for that many waves."""
     t, k = plan.topk_ids.shape
     maxb, sms = plan.block_expert.numel(), sm_resources(device)[0]
-    if expert_grid() == "waves" and waves == 1:
+    if waves == 1:
         mean, var = block_count_moments(t, k, n_exp, plan.block_m)
         return wave_grid(n_items, mean, var, sms * ctas_per_sm, maxb)
     est = expected_blocks(t, k, n_exp, plan.block_m, maxb)
@@ -394,7 +349,7 @@ def wave_grid(n_items: int, mean_blocks: float, var_blocks: float, slots: int,
     (e.g. 8-slot blocks at 80 tokens: ~136 blocks on 132 SMs, a second wave of 4 CTAs that
     each stream a whole block), the block's items split so the last wave stays short. The
     model overrates a short last wave where only a few steps spill into it, so near that edge
-    the even grid can be as fast (TRACE_EXPERT_GRID=even compares them)."""
+    an even grid (`stream_grid`) can be as fast."""
     sd = max(var_blocks, 0.0) ** 0.5
     lo = max(1, math.floor(mean_blocks - 4 * sd))
     hi = min(max_blocks, max(lo, math.ceil(mean_blocks + 4 * sd)))
@@ -422,7 +377,7 @@ def _resident_kernel(name: str, warps: int, smem: int, device: torch.device,
                      source: pathlib.Path | None = None, arch: str | None = None
                      ) -> tuple[object, int]:  # fmt: skip
     """The compiled instance `name` of a kernel sized to the GPU (`moe_fp4_stream`,
-    `moe_fp4_tma`; `moe_fp4_wg` with its `source` and `arch`) allowed `smem` bytes of dynamic
+    `moe_fp4_wg` with its `source` and `arch`) allowed `smem` bytes of dynamic
     shared memory, and the CTAs of it one SM holds."""
     source = source or SOURCE  # read per call: benches swap SOURCE for A/Bs
     key = (source, name, smem, device.index)
@@ -461,7 +416,7 @@ def moe_gemm_cuda(
     mul_route_w: bool,
     out: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,  # mma: (RW, WK, KGW, MINB); stream: + S before MINB
-    kernel: str | None = None,  # "stream" | "mma" | "tma" (default: `cuda_kernel`)
+    kernel: str | None = None,  # "stream" | "mma" | "wg" (default: `cuda_kernel`)
     pdl: bool = False,
     quant_out: FP4Rows | None = None,
     counter: torch.Tensor | None = None,  # int32 [>= MAXB], zero: quant_out's per-block counters
@@ -480,7 +435,7 @@ def moe_gemm_cuda(
     plan.topk_ids; the plan's block layout is not read (the router may skip it) and
     `counter` needs one entry per pair.
 
-    `pdl`: the `mma` or `tma` kernel as a programmatic dependent launch (it waits before
+    `pdl`: the `mma` kernel as a programmatic dependent launch (it waits before
     reading anything; the `stream` kernel is launched normally). `quant_out`: also NVFP4-quantize
     `out` into it (per-row scale_2, and its dq16 if given), equal to quant.quantize_rows(out,
     scale_2=None, dq16=quant_out.dq16): by the last CTA of each expert block in the `mma`
@@ -517,10 +472,8 @@ def moe_gemm_cuda(
         if kern == "stream":
             _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config, stream_waves,
                            stream_probe)  # fmt: skip
-        elif kern == "wg":
-            _launch_wg(a, w, plan, gated, a_div, mul_route_w, out, config)
         else:
-            _launch_tma(a, w, plan, gated, a_div, mul_route_w, out, config, pdl)
+            _launch_wg(a, w, plan, gated, a_div, mul_route_w, out, config)
         if quant_out is not None:
             from trace_common.kernels.quant import quantize_rows
 
@@ -647,33 +600,6 @@ def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div
                            out.device, shared_mem=smem)  # fmt: skip
 
 
-def _launch_tma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div: int,
-                mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
-                pdl: bool) -> None:  # fmt: skip
-    """`moe_fp4_tma` (config (RW, WK, KGW, S)): a persistent grid of the CTAs the SMs hold."""
-    import numpy as np
-
-    n_out = w.n // 2 if gated else w.n
-    config = config or default_tma_config(w.k, plan.block_m, gated, n_out)
-    if len(config) != 4:
-        raise ValueError(f"tma config {config}: expected (RW, WK, KGW, S) for K={w.k}, "
-                         f"block_m={plan.block_m}, gated={gated}")  # fmt: skip
-    rw, wk, kgw, stages = config
-    smem = tma_smem_bytes(w.k, plan.block_m, rw, wk, stages, gated)
-    if (wk * kgw * K_GROUP != w.k or n_out % (MMA_M * rw) or stages < 2
-            or smem > STREAM_SMEM_MAX):  # fmt: skip
-        raise ValueError(f"tma config (RW, WK, KGW, S) = {config} does not fit N_out={n_out}, "
-                         f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    name = (f"moe_fp4_tma<{plan.block_m // MMA_N}, {rw}, {wk}, {kgw}, "
-            f"{str(gated).lower()}, {stages}>")  # fmt: skip
-    fn, ctas_per_sm = _resident_kernel(name, wk, smem, out.device)
-    maxb = plan.block_expert.numel()
-    grid = min(sm_resources(out.device)[0] * ctas_per_sm, maxb * (n_out // (MMA_M * rw)))
-    args = (*_args(a, w, plan, out, n_out, a_div, mul_route_w), np.int32(maxb))
-    launch_on_torch_stream(fn, (grid,), (wk * LANES,), args, out.device, shared_mem=smem,
-                           pdl=pdl)  # fmt: skip
-
-
 def _launch_mma(a: FP4Rows | torch.Tensor, w: ExpertWeights, plan: RoutePlan, gated: bool,
                 a_div: int, mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
                 pdl: bool = False, quant_out: FP4Rows | None = None,
@@ -706,15 +632,10 @@ def _launch_mma(a: FP4Rows | torch.Tensor, w: ExpertWeights, plan: RoutePlan, ga
 
 
 def block_m_for(n_pairs: int, num_experts: int) -> int:
-    """Token slots per expert block for the CUDA kernel: TRACE_FP4_BLOCK_M (8 or 16; sweeps and
-    engine A/Bs) if set, else 8 while a typical expert sees a few tokens (mean pairs per expert
-    <= 5), else 16 (an expert with more takes several blocks). The threshold is where 8 slots
-    stop beating 16 in the FP4 engine on an H200 (bench/env_ab.py with TRACE_FP4_BLOCK_M)."""
-    forced = os.environ.get("TRACE_FP4_BLOCK_M")
-    if forced:
-        if forced not in {str(bm) for bm in BLOCK_MS}:
-            raise ValueError(f"TRACE_FP4_BLOCK_M={forced!r}; expected one of {BLOCK_MS}")
-        return int(forced)
+    """Token slots per expert block for the CUDA kernel: 8 while a typical expert sees a few
+    tokens (mean pairs per expert <= 5), else 16 (an expert with more takes several blocks).
+    The threshold is where 8 slots stop beating 16 in the FP4 engine on an H200
+    (docs/benchmarks.md)."""
     return 8 if n_pairs <= 5 * num_experts else 16
 
 
@@ -732,22 +653,21 @@ __all__ = [
     "CUDA_KERNELS",
     "KERNEL_FOR",
     "STREAM_CONFIGS",
-    "TMA_CONFIGS",
     "PackedFP4",
     "block_count_moments",
     "block_m_for",
     "cuda_kernel",
     "decode_packed_reference",
     "default_stream_config",
-    "default_tma_config",
     "dq16_permutation",
     "expected_blocks",
+    "load_overrides",
     "moe_gemm_cuda",
     "pack_fp4_weights",
     "row_multiplier",
+    "set_overrides",
     "smem_bytes",
     "stream_grid",
     "stream_smem_bytes",
-    "tma_smem_bytes",
     "wave_grid",
 ]

@@ -8,15 +8,15 @@ KV append), attention split + reduce (unchanged), o, router (+ add/RMSNorm, soft
 block layout), expert gate_up, expert down (+ routing weights and the top-k sum).
 
 On the FP4 engine some of them also take over NVFP4 quantize launches, bit-exact with
-`quant.quantize_rows` / `quant.kv_append_fp4` (`fp4_fuse_parts`, TRACE_SMALL_FP4_FUSE):
-router_topk writes the experts' input rows (`xq`) and qkv_rope the FP4 KV append.
+`quant.quantize_rows` / `quant.kv_append_fp4` (FP4_FUSE): router_topk writes the experts'
+input rows (`xq`) and gate_up the down GEMM's input rows.
 
 Compiled by NVRTC through CuPy on first use and launched on PyTorch's current stream, so the
 engine's CUDA graph captures them (`cuda_launch`). Importing this module needs neither CuPy
-nor a GPU. `TRACE_SMALL_BATCH=auto|on|off` (`small_batch_enabled`) selects them in the engine.
+nor a GPU. The engine uses them up to AUTO_MAX_BATCH tokens (`small_batch_enabled`).
 
-`pdl=True` launches a kernel as a programmatic dependent launch (`cuda_launch.launch_ex`,
-TRACE_PDL in the engine): it starts while the kernel before it drains, and streams its weights
+`pdl=True` launches a kernel as a programmatic dependent launch (`cuda_launch.launch_ex`;
+the engine's default on sm_90): it starts while the kernel before it drains, and streams its weights
 into its cp.async ring before `griddepcontrol.wait` (the expert kernels wait first: their
 weights depend on the routing). Every kernel here waits before it touches activations, so any
 neighbour (PDL or not, ours or cuBLAS/Triton) is safe.
@@ -25,14 +25,13 @@ neighbour (PDL or not, ours or cuBLAS/Triton) is safe.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from trace_common.kernels import cupy_available, env_choice, env_parts
+from trace_common.kernels import cupy_available
 from trace_common.kernels.cuda_launch import (
     MAX_PORTABLE_CLUSTER,
     compiled_function,
@@ -60,94 +59,52 @@ RING_BYTES_PER_TILE_CHUNK = 2 * 32 * 16  # rows g and g + 8, 32 lanes, 16 bytes
 # = 4 KB per warp per stage (RT = 1), 3 stages in flight. Warps per CTA per call site below.
 DEFAULT_RING = {"RING_STAGES": 3, "RING_STAGE_CHUNKS": 4}
 RING_KNOBS = tuple(DEFAULT_RING)
-# in force: DEFAULT_RING with TRACE_SMALL_CONFIG on top (configure() below)
+# in force: DEFAULT_RING with the configured launch shapes on top (configure() below)
 RING_STAGES, RING_STAGE_CHUNKS = DEFAULT_RING["RING_STAGES"], DEFAULT_RING["RING_STAGE_CHUNKS"]
 # The add + RMSNorm prologue is recomputed by every CTA of the qkv GEMV: worth it while the rows
 # it sums are few (tokens x (delta rows + residual)); else one add_rmsnorm launch before it.
 PROLOGUE_MAX_ROWS = 9
-SMALL_BATCH_MODES = ("auto", "on", "off")
-DEFAULT_SMALL_BATCH = "auto"
-# "auto" takes them up to this batch. On an H200 they beat the standard kernels at batch 1-2
-# and lose from batch 4 on: the expert GEMVs re-read an expert once per token that chose it,
-# and past PROLOGUE_MAX_ROWS the fused prologues give way to add_rmsnorm launches.
-# Re-decide with `bench/env_ab.py --setting TRACE_SMALL_BATCH=on --setting TRACE_SMALL_BATCH=off`.
+# The engine takes these kernels up to this batch. On an H200 they beat the standard kernels
+# at batch 1-2 and lose from batch 4 on: the expert GEMVs re-read an expert once per token that
+# chose it, and past PROLOGUE_MAX_ROWS the fused prologues give way to add_rmsnorm launches.
 AUTO_MAX_BATCH = 2
 
 
-# The FP4 expert path's fusions on the small-batch step (engine._step_small), each measured
-# on its own (TRACE_SMALL_FP4_FUSE=<comma list>|all|none): "pdl": the expert GEMMs as
-# programmatic dependent launches; "xq": the experts' input quantize (and the `moe_in` record)
-# in router_topk's extra CTA; "act": the activation quantize in the gate_up GEMM (last CTA of
-# each expert block); "kv": the FP4 KV append (and the k, v records) in qkv_rope's last CTA of
-# the k (v) heads. "act_in_down": the down GEMM's CTAs quantize act's rows themselves (no tail
-# in gate_up, no launch); it replaces "act" when both are chosen. "kv_attn": the FP4 KV append
-# inside the attention kernel (the CTAs of the split holding the new token,
-# attention.decode_attention's kv_new); it replaces "kv" when both are chosen. All bit-exact.
-# The default is the set that measured fastest on an H200 at batch 1-2 (bench/env_ab.py,
-# bench/small_fp4_fusions.py). act_in_down loses to act because each of the down GEMM's CTAs
-# waits for its own row quantize before its MMAs, where gate_up's tail does it once per row.
-FP4_FUSE_PARTS = ("pdl", "xq", "act", "kv", "act_in_down", "kv_attn")
-DEFAULT_FP4_FUSE = "pdl,xq,act,kv_attn"
+# The FP4 expert path's fusions on the small-batch step (engine._step_small), all bit-exact:
+# "pdl": the expert GEMMs as programmatic dependent launches; "xq": the experts' input quantize
+# (and the `moe_in` record) in router_topk (the last CTA of its cluster, or an extra CTA);
+# "act": the activation quantize in the gate_up GEMM (last CTA of each expert block);
+# "kv_attn": the FP4 KV append (and the k, v records) inside the attention kernel (the CTAs of
+# the split holding the new token, attention.decode_attention's kv_new).
+FP4_FUSE = frozenset({"pdl", "xq", "act", "kv_attn"})
 
 
 # router_topk as one thread-block cluster (E / 16 <= 8 CTAs): the logits meet in CTA 0's shared
 # memory behind one cluster barrier instead of a fence, an atomic counter and L2 reads by the
 # last CTA, and the FP4 engine's quantize runs in the last CTA beside CTA 0's tail instead of in
-# an extra CTA the tail waited for (TRACE_ROUTER_CLUSTER=on|off; on is faster for FP4 and
-# even for BF16, bench/env_ab.py).
-ROUTER_CLUSTER_MODES = ("on", "off")
-DEFAULT_ROUTER_CLUSTER = "on"
-
+# an extra CTA the tail waited for. More experts than a portable cluster holds take the
+# counter path.
+#
 # qkv_rope in clusters of 8 CTAs, one per head: the head's rows meet in CTA 0's shared memory
 # behind one cluster barrier instead of a fence, a counter per head and L2 reads by the last
-# CTA (TRACE_QKV_CLUSTER=on|off; on is faster at batch 1-2 in both engines, bench/env_ab.py).
-QKV_CLUSTER_MODES = ("on", "off")
-DEFAULT_QKV_CLUSTER = "on"
+# CTA.
 
 # The small step's expert GEMMs by pairs (one expert per CTA row, from topk_ids) instead of by
 # the router's block layout, which the router then skips: BF16 moe_gate_up here, FP4 the CUDA
-# mma kernel (cuda_moe.moe_gemm_cuda by_pairs) (TRACE_SMALL_GATE_UP=pairs|blocks|auto; auto:
-# pairs up to PAIRS_MAX_BATCH tokens, where tokens rarely share an expert, so a block layout
-# would only add the router's layout work).
-GATE_UP_MODES = ("auto", "pairs", "blocks")
-DEFAULT_GATE_UP = "auto"
+# mma kernel (cuda_moe.moe_gemm_cuda by_pairs), up to PAIRS_MAX_BATCH tokens, where tokens
+# rarely share an expert, so a block layout would only add the router's layout work.
 PAIRS_MAX_BATCH = 2
 
 
-def router_cluster_enabled(mode: str | None = None) -> bool:
-    """Whether router_topk runs as one cluster: `mode`, else TRACE_ROUTER_CLUSTER, else
-    DEFAULT_ROUTER_CLUSTER (where the expert count allows, `router_topk`)."""
-    return env_choice("TRACE_ROUTER_CLUSTER", mode, ROUTER_CLUSTER_MODES,
-                      DEFAULT_ROUTER_CLUSTER) == "on"  # fmt: skip
+def experts_by_pairs(batch: int) -> bool:
+    """Whether the small-batch step runs its expert GEMMs by pairs at `batch` tokens."""
+    return batch <= PAIRS_MAX_BATCH
 
 
-def qkv_cluster_enabled(mode: str | None = None) -> bool:
-    """Whether qkv_rope runs in clusters (one per head): `mode`, else TRACE_QKV_CLUSTER, else
-    DEFAULT_QKV_CLUSTER."""
-    return env_choice("TRACE_QKV_CLUSTER", mode, QKV_CLUSTER_MODES, DEFAULT_QKV_CLUSTER) == "on"
-
-
-def experts_by_pairs(batch: int, mode: str | None = None) -> bool:
-    """Whether the small-batch step runs its expert GEMMs by pairs at `batch` tokens: `mode`,
-    else TRACE_SMALL_GATE_UP, else DEFAULT_GATE_UP ("auto": batch <= PAIRS_MAX_BATCH)."""
-    mode = env_choice("TRACE_SMALL_GATE_UP", mode, GATE_UP_MODES, DEFAULT_GATE_UP)
-    return mode == "pairs" or (mode == "auto" and batch <= PAIRS_MAX_BATCH)
-
-
-def fp4_fuse_parts(spec: str | None = None) -> frozenset[str]:
-    """The FP4 fusions the small-batch step uses: `spec`, else TRACE_SMALL_FP4_FUSE, else
-    DEFAULT_FP4_FUSE."""
-    return env_parts("TRACE_SMALL_FP4_FUSE", spec, FP4_FUSE_PARTS, DEFAULT_FP4_FUSE)
-
-
-def small_batch_enabled(batch: int, mode: str | None = None) -> bool:
-    """Whether the engine uses these kernels for `batch` tokens: `mode`, else
-    TRACE_SMALL_BATCH, else DEFAULT_SMALL_BATCH ("auto": batch <= AUTO_MAX_BATCH where CuPy is
-    importable; "on": batch <= MAX_TOKENS)."""
-    mode = env_choice("TRACE_SMALL_BATCH", mode, SMALL_BATCH_MODES, DEFAULT_SMALL_BATCH)
-    if mode == "auto":
-        return batch <= AUTO_MAX_BATCH and cupy_available()
-    return mode == "on" and batch <= MAX_TOKENS
+def small_batch_enabled(batch: int) -> bool:
+    """Whether the engine uses these kernels for `batch` tokens by default: up to
+    AUTO_MAX_BATCH tokens, where CuPy is importable."""
+    return batch <= AUTO_MAX_BATCH and cupy_available()
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,10 +157,10 @@ def split_k(k: int, warps: int, rt: int = 1, stages: int | None = None) -> Split
 # warps per CTA of each call site (tuned by hand for the Qwen3-30B-A3B shape on an H200: each
 # CTA's rings fit 2-4 CTAs per SM; docs in the module docstring of the .cu)
 DEFAULT_WARPS = {"qkv": 8, "o": 8, "router": 8, "lm_head": 4, "gate_up": 4}
-# Ring stages of one call site instead of RING_STAGES ("<site>_stages" in TRACE_SMALL_CONFIG).
+# Ring stages of one call site instead of RING_STAGES ("<site>_stages" in `configure`).
 STAGE_SITES = ("qkv", "router", "gate_up", "down")
-# Launch shapes by token count where the best differs, used unless TRACE_SMALL_CONFIG names
-# the key (bench/small_batch_sweep.py, bench/env_ab.py): down's ring 5 deep at batch 1 (one
+# Launch shapes by token count where the best differs, used unless `configure` names the key
+# (bench/small_batch_sweep.py): down's ring 5 deep at batch 1 (one
 # CTA per SM, whose stages stream while gate_up runs; a sixth stage no longer fits beside a
 # gate_up CTA), 3 at batch 2 (two CTAs per SM share the shared memory); gate_up on 8 warps at
 # batch 2.
@@ -231,25 +188,33 @@ def config() -> dict[str, int]:
             **{f"{k}_stages": v for k, v in STAGES.items()}}  # fmt: skip
 
 
+def check_config(spec: str | dict[str, int] | None) -> dict[str, int]:
+    """The launch shapes `spec` names (a dict, its JSON text, or None: none), checked: keys of
+    WARPS, RING_KNOBS or "<site>_stages" of a STAGE_SITES site, positive integers; a bad key or
+    value raises ValueError naming it."""
+    cfg = json.loads(spec) if isinstance(spec, str) else dict(spec or {})
+    stage_keys = tuple(f"{site}_stages" for site in STAGE_SITES)
+    for key, val in cfg.items():
+        if key not in DEFAULT_WARPS and key not in RING_KNOBS and key not in stage_keys:
+            raise ValueError(f"small-batch launch shape key {key!r}: expected one of "
+                             f"{(*DEFAULT_WARPS, *RING_KNOBS, *stage_keys)}")  # fmt: skip
+        if type(val) is not int or val < 1:
+            raise ValueError(f"small-batch launch shape {key}={val!r}: expected a positive "
+                             "integer")  # fmt: skip
+    return cfg
+
+
 def configure(spec: str | dict[str, int] | None = None) -> dict[str, int]:
-    """Set the launch shapes: the defaults, with `spec` (a dict or its JSON text; None:
-    TRACE_SMALL_CONFIG if set) on top, e.g. '{"qkv": 16, "RING_STAGES": 4, "down_stages": 4}':
-    keys of WARPS (warps per CTA of a call site), RING_KNOBS or "<site>_stages" (a STAGE_SITES
+    """Set the launch shapes: the defaults, with `spec` (a dict or its JSON text; None: none)
+    on top (`KernelSettings.small_launch`), e.g.
+    '{"qkv": 16, "RING_STAGES": 4, "down_stages": 4}': keys of WARPS (warps per CTA of a call site), RING_KNOBS or "<site>_stages" (a STAGE_SITES
     site's ring stages), positive integers (bench/small_batch_sweep.py searches them). A key
     it names also replaces that key's BY_TOKENS values; `configure({})` restores the
     defaults. Returns config(); a bad key or value raises ValueError naming it and changes
     nothing."""
     global RING_STAGES, RING_STAGE_CHUNKS
-    if spec is None:
-        spec = os.environ.get("TRACE_SMALL_CONFIG") or {}
-    cfg = json.loads(spec) if isinstance(spec, str) else dict(spec)
+    cfg = check_config(spec)
     stage_keys = tuple(f"{site}_stages" for site in STAGE_SITES)
-    for key, val in cfg.items():
-        if key not in DEFAULT_WARPS and key not in RING_KNOBS and key not in stage_keys:
-            raise ValueError(f"TRACE_SMALL_CONFIG key {key!r}: expected one of "
-                             f"{(*DEFAULT_WARPS, *RING_KNOBS, *stage_keys)}")  # fmt: skip
-        if type(val) is not int or val < 1:
-            raise ValueError(f"TRACE_SMALL_CONFIG {key}={val!r}: expected a positive integer")
     WARPS.clear()
     WARPS.update({k: cfg.get(k, v) for k, v in DEFAULT_WARPS.items()})
     _NAMED.clear()
@@ -338,13 +303,13 @@ def qkv_rope(
     fp4_cache: KVCacheGPU | None = None,  # FP4 cache: k, v quantized and appended at pos
     kv_counters: torch.Tensor | None = None,  # int32 [>= 2], zero (with fp4_cache)
     kv_capture: CompactRecordBuffers | None = None,  # rows [2 T, HKV 128]: the k, v records
-    cluster: bool | None = None,
+    cluster: bool = True,
 ) -> None:
     """q, k, v of the new tokens: (RMSNorm(resid_in + sum delta) * ln_w, or xn) @ w_qkv^T, then
     per-head RMSNorm + RoPE of q and k; k and v into kv_new (and the BF16 cache at pos). With
     `fp4_cache`, the last CTA of the k (v) heads also appends them to it, equal to
     quant.kv_append_fp4(kv_new, ..., pos, kv_capture). `cluster` (default:
-    qkv_cluster_enabled()): each head's CTAs as one cluster that finishes the head in its CTA
+    True): each head's CTAs as one cluster that finishes the head in its CTA
     0, the same results; `counters` are then unused."""
     import numpy as np
 
@@ -402,7 +367,7 @@ def qkv_rope(
     else:
         kvargs = pointers(*(None,) * 7)
     sp = split_k(h, warps_of("qkv", t), stages=stages_of("qkv", t))
-    cl = HEAD_DIM // TILE_ROWS if (qkv_cluster_enabled() if cluster is None else cluster) else 0
+    cl = HEAD_DIM // TILE_ROWS if cluster else 0
     name = (f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}, "
             f"{str(kvq).lower()}, {cl}>")  # fmt: skip
     fn = compiled_function(SOURCE, name, sp.smem)
@@ -433,7 +398,7 @@ def router_topk(
     pdl: bool = False,
     xq: FP4Rows | None = None,  # NVFP4 rows of xn: codes [T, H/2], scales [T, H/16], g [T]
     capture: CompactRecordBuffers | None = None,  # rows [T, H]: the `moe_in` record
-    cluster: bool | None = None,
+    cluster: bool = True,
 ) -> None:
     """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
     logits, softmax top-k (renormalized) and, unless sorted_pair and block_expert are None,
@@ -441,7 +406,7 @@ def router_topk(
     moe.align_reference). With `xq`, one more CTA also writes xn's NVFP4 rows (and xq.dq16,
     and the compact record into `capture`), equal to quant.quantize_rows(xn, scale_2=None,
     capture=capture, dq16=xq.dq16). `cluster`
-    (default: router_cluster_enabled()): the E / 16 CTAs as one cluster (E <= 128; more
+    (default True): the E / 16 CTAs as one cluster (E <= 128; more
     experts take the counter path), the same results; `counter` is then unused."""
     import numpy as np
 
@@ -470,8 +435,7 @@ def router_topk(
     qargs = _quant_args(xq, capture, t, h)
     sp = split_k(h, warps_of("router", t), stages=stages_of("router", t))
     qx = str(xq is not None).lower()
-    use_cluster = router_cluster_enabled() if cluster is None else cluster
-    cl = e // TILE_ROWS if use_cluster and e // TILE_ROWS <= MAX_PORTABLE_CLUSTER else 0
+    cl = e // TILE_ROWS if cluster and e // TILE_ROWS <= MAX_PORTABLE_CLUSTER else 0
     fn = compiled_function(
         SOURCE, f"router_topk_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {qx}, {cl}>", sp.smem
     )
@@ -563,21 +527,20 @@ def moe_down(act: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_w:
 
 __all__ = [
     "AUTO_MAX_BATCH",
-    "FP4_FUSE_PARTS",
+    "FP4_FUSE",
     "GEMV_MAX_TOKENS",
     "MAX_TOKENS",
+    "PAIRS_MAX_BATCH",
     "PROLOGUE_MAX_ROWS",
     "Split",
+    "check_config",
     "configure",
     "experts_by_pairs",
-    "fp4_fuse_parts",
     "gemv",
     "gemv_supported",
     "moe_down",
     "moe_gate_up",
-    "qkv_cluster_enabled",
     "qkv_rope",
-    "router_cluster_enabled",
     "router_topk",
     "small_batch_enabled",
     "split_k",

@@ -19,7 +19,6 @@ model's shapes (shape, weights and memory sizing live in `engine_model`, re-expo
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -28,7 +27,6 @@ from trace_common.kernels import (
     cuda_attn,
     cuda_small,
     cupy_available,
-    env_parts,
     fp4_attn_impl,
     fp4_gemm_impl,
     fused,
@@ -43,26 +41,21 @@ from trace_common.kernels.engine_model import (
     largest_batch,
 )
 from trace_common.kernels.quant import CompactRecordBuffers, quantize_rows
+from trace_common.kernels.settings import KernelSettings
 
-# The standard step's BF16 projections that may run on `cuda_small.gemv` (tensor-core GEMV,
-# <= 32 tokens) instead of cuBLAS; TRACE_STEP_GEMV = "auto" (the default: AUTO_STEP_GEMV up to
-# AUTO_STEP_GEMV_MAX_BATCH tokens), "all", "none" or a comma list of them. The default is the
-# fastest choice bench/env_ab.py found on the H200 (docs/kernels.md): the GEMV wins for o and
-# router up to 16 tokens, loses from 32, and qkv on it loses at every batch.
+# The standard step's BF16 projections that run on `cuda_small.gemv` (tensor-core GEMV) instead
+# of cuBLAS, up to AUTO_STEP_GEMV_MAX_BATCH tokens: on the H200 the GEMV wins for o and router
+# up to 16 tokens and loses from 32, and qkv on it loses at every batch (docs/kernels.md).
 STEP_GEMV_SITES = ("qkv", "o", "router")
-AUTO_STEP_GEMV = "o,router"
+AUTO_STEP_GEMV = frozenset({"o", "router"})
 AUTO_STEP_GEMV_MAX_BATCH = 16
 
 
-def step_gemv_sites(shape: EngineShape, batch: int, device: str,
-                    value: str | None = None) -> frozenset[str]:  # fmt: skip
-    """The projections of the standard step that run on `cuda_small.gemv`: `value`, else
-    TRACE_STEP_GEMV, else "auto"; none where the GEMV cannot run (a batch over
-    `cuda_small.GEMV_MAX_TOKENS`, not CUDA, no CuPy) or a projection's shape does not fit it."""
-    value = value or os.environ.get("TRACE_STEP_GEMV", "auto")
-    if value == "auto":
-        value = AUTO_STEP_GEMV if batch <= AUTO_STEP_GEMV_MAX_BATCH else "none"
-    sites = env_parts("TRACE_STEP_GEMV", value, STEP_GEMV_SITES, "auto")
+def step_gemv_sites(shape: EngineShape, batch: int, device: str) -> frozenset[str]:
+    """The projections of the standard step that run on `cuda_small.gemv`: AUTO_STEP_GEMV up
+    to AUTO_STEP_GEMV_MAX_BATCH tokens; none where the GEMV cannot run (not CUDA, no CuPy) or
+    a projection's shape does not fit it."""
+    sites = AUTO_STEP_GEMV if batch <= AUTO_STEP_GEMV_MAX_BATCH else frozenset()
     if not (0 < batch <= cuda_small.GEMV_MAX_TOKENS and torch.device(device).type == "cuda"
             and cupy_available()):  # fmt: skip
         return frozenset()
@@ -87,17 +80,20 @@ class DecodeEngine:
     the step on the fused small-batch kernels of `cuda_small` (7 launches per layer instead of
     13; projections and BF16 experts on its GEMVs, the LM head on cuBLAS); the FP4 experts, the
     FP4 KV append and the attention are the same kernels either way. `pdl` (default:
-    TRACE_PDL, `cuda_launch.pdl_enabled`) launches the small-batch kernels as programmatic
+    `cuda_launch.pdl_enabled`, sm_90) launches the small-batch kernels as programmatic
     dependent launches (each overlaps its start and weight prefetch with its predecessor's
     tail); without `small_batch` it has no effect. The standard step runs the projections
-    `step_gemv_sites` names (TRACE_STEP_GEMV) on the small-batch GEMV, the rest on cuBLAS."""
+    `step_gemv_sites` names on the small-batch GEMV, the rest on cuBLAS. `settings`: the
+    kernels' launch shapes (default: the built-in ones), applied process-wide here."""
 
     def __init__(
         self, shape: EngineShape, weights: EngineWeights, *, batch: int, capacity: int,
         context: int, guided_layers: tuple[int, ...] = (), device: str = "cuda",
         small_batch: bool | None = None,
         pdl: bool | None = None,
+        settings: KernelSettings | None = None,
     ) -> None:  # fmt: skip
+        (settings or KernelSettings()).apply()
         s = self.shape = shape
         self.w = weights
         gu0 = weights.layers[0].gate_up
@@ -120,11 +116,9 @@ class DecodeEngine:
         # programmatic dependent launches of the small-batch kernels (cuda_launch.pdl_enabled)
         self.pdl = small_batch and (pdl_enabled() if pdl is None else pdl)
         # fused launches writing the same results: on the small path with the CUDA expert GEMM
-        # (cuda_small.fp4_fuse_parts, TRACE_SMALL_FP4_FUSE), on the standard path
-        # (fused.fused_parts, TRACE_FUSED_STEP)
-        self.small_fuse = cuda_small.fp4_fuse_parts() if small_batch and self.cuda_gemm else (
-            frozenset())  # fmt: skip
-        parts = frozenset() if small_batch else fused.fused_parts()
+        # (cuda_small.FP4_FUSE), on the standard path (fused.FUSED_PARTS)
+        self.small_fuse = cuda_small.FP4_FUSE if small_batch and self.cuda_gemm else frozenset()
+        parts = frozenset() if small_batch else fused.FUSED_PARTS
         self.qk_kv = "qk_kv" in parts and fused.qk_kv_supported(s.kv_heads, s.head_dim)
         self.norm_quant = (
             self.fp4 and "norm_quant" in parts and fused.norm_quant_supported(s.hidden)
@@ -167,17 +161,10 @@ class DecodeEngine:
             self.experts_by_pairs = self.cuda_gemm and self.block_m == MMA_N and all(
                 cuda_kernel(None, (k, self.block_m, gated)) == "mma"
                 for k, gated in ((s.hidden, True), (s.moe_inter, False)))  # fmt: skip
-        # the small FP4 step's down GEMM quantizes its bf16 input rows itself
-        # (cuda_moe.moe_gemm_cuda with `a` bf16): part "act_in_down" of small_fuse (it then
-        # replaces "act"); only where the down GEMM is the mma kernel
-        self.act_in_down = "act_in_down" in self.small_fuse and (
-            self.cuda_gemm and self._down_kernel() == "mma")  # fmt: skip
         # where the small FP4 step appends the new token to the KV cache: "attention" (part
         # "kv_attn": inside the attention kernel, which falls back to a launch where it
-        # cannot), "qkv" (part "kv": qkv_rope's last CTAs), else "launch" (quant.kv_append_fp4)
-        fuse = self.small_fuse
-        self.kv_append_site = ("attention" if "kv_attn" in fuse else "qkv" if "kv" in fuse
-                               else "launch")  # fmt: skip
+        # cannot), else "launch" (quant.kv_append_fp4)
+        self.kv_append_site = "attention" if "kv_attn" in self.small_fuse else "launch"
         if self.small:
             self.resid_b = torch.empty(b, h, **bf)  # residual ping-pong (fused prologues)
             self.y_sum = torch.empty(b, h, **bf)  # BF16 experts: top-k sum per token
@@ -189,10 +176,10 @@ class DecodeEngine:
             moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
         ]
-        if self.small_fuse & {"kv", "act"}:  # last-CTA counters, zero between launches:
-            # qkv_rope's k and v groups, then gate_up's one per expert block
+        if "act" in self.small_fuse:  # gate_up's last-CTA counters, one per expert block (or
+            # pair), zero between launches
             self.fp4_counters = torch.zeros(
-                2 + max(self.plans[0].block_expert.numel(), b * s.top_k), dtype=torch.int32,
+                max(self.plans[0].block_expert.numel(), b * s.top_k), dtype=torch.int32,
                 device=device)  # fmt: skip
         self.caches = [
             attn.KVCacheGPU.allocate(
@@ -234,12 +221,6 @@ class DecodeEngine:
                 for layer in self.guided
             }
         self.graph: torch.cuda.CUDAGraph | None = None
-
-    def _down_kernel(self) -> str:
-        """The CUDA expert-GEMM kernel that runs the down projection (cuda_moe.cuda_kernel)."""
-        from trace_common.kernels.cuda_moe import cuda_kernel
-
-        return cuda_kernel(None, (self.shape.moe_inter, self.block_m, False))
 
     def fill_context_(self, seed: int = 0) -> None:
         """Random cache contents standing for `context` tokens already decoded."""
@@ -313,19 +294,16 @@ class DecodeEngine:
 
     def _experts_fp4(self, lw: LayerWeights, plan: moe.RoutePlan, rec: tuple | None, *,
                      x_quantized: bool = False, fuse_act: bool = False,
-                     act_in_down: bool = False, pdl: bool = False) -> None:  # fmt: skip
+                     pdl: bool = False) -> None:  # fmt: skip
         """FP4 routed experts of self.xn into self.y (per pair): quantize, gate_up, quantize,
         down (the guidance record of `moe_in` written by the first quantize). `x_quantized`:
         self.xq already holds xn's NVFP4 rows and record (written by cuda_small.router_topk
         or fused.add_rmsnorm_quant). CUDA expert GEMM only: `fuse_act` (gate_up's last CTA of
-        each expert block quantizes act), `act_in_down` (the down GEMM's CTAs quantize act's
-        rows themselves; no act record exists, so nothing else needs them), `pdl` (both GEMMs
-        as programmatic dependent launches)."""
+        each expert block quantizes act), `pdl` (both GEMMs as programmatic dependent
+        launches)."""
         s = self.shape
-        if (fuse_act or act_in_down or pdl) and not self.cuda_gemm:
-            raise ValueError("fuse_act / act_in_down / pdl need the CUDA expert GEMM")
-        if fuse_act and act_in_down:
-            raise ValueError("fuse_act and act_in_down both quantize act: pick one")
+        if (fuse_act or pdl) and not self.cuda_gemm:
+            raise ValueError("fuse_act / pdl need the CUDA expert GEMM")
         if not x_quantized:
             quantize_rows(self.xn, scale_2=None, capture=None if rec is None else rec[0],
                           out=(self.xq.codes, self.xq.scales, self.xq.scale_2),
@@ -336,15 +314,15 @@ class DecodeEngine:
             gemm = functools.partial(moe_gemm_cuda, pdl=pdl, by_pairs=self.experts_by_pairs)
         else:
             gemm = functools.partial(moe.moe_gemm, impl="triton")
-        act_quant = dict(quant_out=self.actq, counter=self.fp4_counters[2:]) if fuse_act else {}
+        act_quant = dict(quant_out=self.actq, counter=self.fp4_counters) if fuse_act else {}
         gemm(self.xq, lw.gate_up, plan, gated=True, a_div=s.top_k, mul_route_w=False,
              out=self.act, **act_quant)  # fmt: skip
-        if not (fuse_act or act_in_down):
+        if not fuse_act:
             quantize_rows(self.act, scale_2=None,
                           out=(self.actq.codes, self.actq.scales, self.actq.scale_2),
                           dq16=self.actq.dq16)  # fmt: skip
-        gemm(self.act if act_in_down else self.actq, lw.down, plan, gated=False, a_div=1,
-             mul_route_w=True, out=self.y)  # fmt: skip
+        gemm(self.actq, lw.down, plan, gated=False, a_div=1, mul_route_w=True,
+             out=self.y)  # fmt: skip
 
     def _step_small(self) -> None:
         """`step` on the small-batch kernels. The residual alternates between self.resid and
@@ -364,9 +342,6 @@ class DecodeEngine:
                 cache=None if self.fp4 else cache.values, q_heads=s.q_heads,
                 kv_heads=s.kv_heads, eps=s.eps,
             )  # fmt: skip
-            if self.kv_append_site == "qkv":  # the FP4 KV append (and k, v records) in qkv_rope
-                qkv_args.update(fp4_cache=cache, kv_counters=self.fp4_counters[:2],
-                                kv_capture=None if rec is None else rec[1])  # fmt: skip
             if b * (nsum + 1) <= cuda_small.PROLOGUE_MAX_ROWS:
                 cuda_small.qkv_rope(**qkv_args, resid_in=cur, delta=delta, nsum=nsum,
                                     ln_w=lw.ln1, resid_out=other, pdl=self.pdl)  # fmt: skip
@@ -396,9 +371,8 @@ class DecodeEngine:
             )  # fmt: skip
             cur, other = other, cur
             if self.fp4:
-                self._experts_fp4(lw, plan, rec, x_quantized="xq" in fuse,
-                                  fuse_act="act" in fuse and not self.act_in_down,
-                                  act_in_down=self.act_in_down, pdl=self.pdl and "pdl" in fuse)  # fmt: skip
+                self._experts_fp4(lw, plan, rec, x_quantized="xq" in fuse, fuse_act="act" in fuse,
+                                  pdl=self.pdl and "pdl" in fuse)  # fmt: skip
                 delta, nsum = self.y, s.top_k
             else:
                 assert lw.gate_up.bf16 is not None and lw.down.bf16 is not None

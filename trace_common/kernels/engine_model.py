@@ -195,7 +195,7 @@ class EngineWeights:
     def quantize_experts_(self, gemm: str | None = None) -> None:
         """Replace every BF16 expert weight by its NVFP4 quantization (GPU quantizer), layer
         by layer, freeing the BF16 copy as it goes; for the CUDA expert GEMM (`gemm`, default
-        TRACE_FP4_GEMM) the codes are held in its packed layout only."""
+        `fp4_gemm_impl()`) the codes are held in its packed layout only."""
         cuda = fp4_gemm_impl(gemm) == "cuda"
         for lw in self.layers:
             if not lw.gate_up.is_fp4:

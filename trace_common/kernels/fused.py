@@ -9,9 +9,8 @@ exactly what the two write, bit for bit (tests/unit/gpu/test_fused_gpu.py):
 - `qk_norm_rope_append`: `attention.qk_norm_rope` + `attention.kv_append` (BF16 or FP4 cache,
   optional compact record of the k/v rows).
 
-`fused_parts()` says which ones the engine uses: TRACE_FUSED_STEP = "all" (default), "none",
-or a comma-separated subset of FUSED_PARTS; bench/fused_step_ab.py and bench/env_ab.py compare
-them. Both save a launch without serializing work: fusions that would move a step onto fewer
+The engine uses both (FUSED_PARTS) wherever the shape allows (`norm_quant_supported`,
+`qk_kv_supported`), the two launches elsewhere. Both save a launch without serializing work: fusions that would move a step onto fewer
 threads (routing top-k and block layout in one launch, the experts' act quantize inside an
 expert GEMM) cost more than the launch they save in the standard step, so they are not here.
 """
@@ -20,19 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from trace_common.kernels import env_parts, load_kernels
+from trace_common.kernels import load_kernels
 from trace_common.kernels.attention import KVCacheGPU
 from trace_common.kernels.moe import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
 
-FUSED_PARTS = ("norm_quant", "qk_kv")
+FUSED_PARTS = frozenset({"norm_quant", "qk_kv"})
 _NORM_WARPS = 4  # add_rmsnorm's launch width: the sum of squares must reduce in the same order
 _HEAD_WARPS = 1  # qk_norm_rope's
-
-
-def fused_parts(value: str | None = None) -> frozenset[str]:
-    """The fused launches to use: `value`, else TRACE_FUSED_STEP, else all of them."""
-    return env_parts("TRACE_FUSED_STEP", value, FUSED_PARTS, "all")
 
 
 def add_rmsnorm_quant(
@@ -106,7 +100,6 @@ def qk_norm_rope_append(
 __all__ = [
     "FUSED_PARTS",
     "add_rmsnorm_quant",
-    "fused_parts",
     "norm_quant_supported",
     "qk_kv_supported",
     "qk_norm_rope_append",

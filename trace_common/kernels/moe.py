@@ -215,13 +215,13 @@ def moe_gemm(
     out: torch.Tensor | None = None,  # bf16 [T*k, N_out]
     block_n: int | None = None,
     block_k: int = 128,
-    decode: str | None = None,  # "ptx" | "bits" (default: TRACE_FP4_DECODE or "ptx")
-    impl: str | None = None,  # FP4: "cuda" | "triton" (default: TRACE_FP4_GEMM, see below)
+    decode: str | None = None,  # "ptx" | "bits" (default: fp4_decode_words)
+    impl: str | None = None,  # FP4: "cuda" | "triton" (default: fp4_gemm_impl, see below)
 ) -> torch.Tensor:
     """Grouped expert GEMM (see module docstring); returns out [T*k, N_out].
 
     FP4 weights held only in the CUDA layout run the CUDA kernel (`cuda_moe`), held only in
-    the row layout the Triton kernel; holding both, `impl` (or TRACE_FP4_GEMM) chooses."""
+    the row layout the Triton kernel; holding both, `impl` (default: fp4_gemm_impl) chooses."""
     fp4 = isinstance(a, FP4Rows)
     if fp4 != w.is_fp4:
         raise ValueError(f"activation fp4={fp4} but weights fp4={w.is_fp4}: W4A4 or BF16 only")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from trace_common.fp4.guided import GuidanceRecord
+from trace_common.kernels.settings import KernelSettings
 from trace_common.model.config import (
     DEFAULT_QUANT_SITES,
     GSITE_K,
@@ -218,7 +219,7 @@ class DecodeBackend:
     def __init__(self, cfg: ModelConfig, quant: QuantConfig, guidance: GuidanceConfig | None,
                  tensors: dict[str, torch.Tensor], *, batch: int, capacity: int,
                  device: torch.device, prefill_tokens: int = 256, pad_id: int = 0,
-                 use_graph: bool = True) -> None:  # fmt: skip
+                 use_graph: bool = True, kernels: KernelSettings | None = None) -> None:  # fmt: skip
         from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
         from trace_common.rollout.prefill import Prefill
 
@@ -237,6 +238,7 @@ class DecodeBackend:
         self.engine = DecodeEngine(
             EngineShape.from_model_config(cfg), w, batch=batch, capacity=self.positions,
             context=min(capacity - 1, 1024), guided_layers=self.guided_layers, device=str(device),
+            settings=kernels,
         )  # fmt: skip
         self._parts, self.sections, index = record_layout(self.engine, cfg, self.guided_layers)
         self.slab = torch.empty(sum(p.numel() for p in self._parts), dtype=torch.uint8,
@@ -370,7 +372,7 @@ class CudaEngine:
     def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int,
                  *, device: torch.device | str = "cuda", max_batch: int = 64,
                  max_context: int = 4096, prefill_tokens: int = PREFILL_TOKENS,
-                 use_graph: bool = True) -> None:  # fmt: skip
+                 use_graph: bool = True, kernels: KernelSettings | None = None) -> None:  # fmt: skip
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"the CUDA engine needs a CUDA device, got {self.device}")
@@ -385,7 +387,7 @@ class CudaEngine:
         self.backend = DecodeBackend(self.cfg, self.quant, meta.guidance, tensors,
                                      batch=max_batch, capacity=max_context, device=self.device,
                                      prefill_tokens=prefill_tokens, pad_id=meta.pad_id,
-                                     use_graph=use_graph)  # fmt: skip
+                                     use_graph=use_graph, kernels=kernels)  # fmt: skip
         self.scheduler = SlotScheduler(self.backend, eos_id=meta.eos_id, pad_id=meta.pad_id,
                                        device=self.device, version=version)  # fmt: skip
 

@@ -39,17 +39,18 @@ def _cache(fp4: bool, b: int, cap: int, seed: int):
 def _plans(b: int, cap: int, context: int, fp4: bool, chunk: int | None, monkeypatch):
     """(fused plan, split + reduce plan) for the same shape."""
     from trace_common.kernels import attention as attn
+    from trace_common.kernels import cuda_attn
 
-    monkeypatch.setenv("TRACE_ATTN_FUSED", "on")
+    planned = cuda_attn.fused_chunk
     if chunk:
-        monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", str(chunk))
+        monkeypatch.setattr(cuda_attn, "fused_chunk", lambda *a, **k: chunk)
     kw = dict(batch=b, q_heads=32, kv_heads=4, capacity=cap, head_dim=128, context_hint=context,
               device=DEV, cuda_fp4=fp4)  # fmt: skip
     fused = attn.DecodeAttnPlan.make(**kw, fused=True)
     if fused.counters is None:  # long: the plan takes split + reduce; the kernel must still work
-        monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", "256")
+        monkeypatch.setattr(cuda_attn, "fused_chunk", lambda *a, **k: 256)
         fused = attn.DecodeAttnPlan.make(**kw, fused=True)
-    monkeypatch.delenv("TRACE_ATTN_FUSED_CHUNK", raising=False)
+    monkeypatch.setattr(cuda_attn, "fused_chunk", planned)
     assert fused.counters is not None
     if chunk:
         assert fused.chunk == chunk
@@ -156,9 +157,13 @@ def test_fused_bf16_pdl_after_qkv_append():
 
 
 def _engine(fp4: bool, fused: str, monkeypatch, batch: int = 1, small: bool = True):
+    from trace_common.kernels import cuda_attn
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
-    monkeypatch.setenv("TRACE_ATTN_FUSED", fused)
+    # fused: "on" the small-batch step's attention (the default rule there), "all" the
+    # standard step's too, "off" neither
+    monkeypatch.setattr(cuda_attn, "fused_enabled", lambda *, small_batch=True, **_: (
+        fused == "all" or (fused == "on" and small_batch)))  # fmt: skip
     shape = EngineShape.named(
         num_layers=3, hidden_size=512, num_experts=32, moe_intermediate_size=256, vocab_size=4096
     )
@@ -176,7 +181,7 @@ def _engine(fp4: bool, fused: str, monkeypatch, batch: int = 1, small: bool = Tr
 @pytest.mark.parametrize("batch,small,mode", [(1, True, "on"), (6, False, "all")])
 @pytest.mark.parametrize("fp4", [False, True])
 def test_engine_fused_attention(fp4, batch, small, mode, monkeypatch):
-    """Batch-1 small-batch step (TRACE_ATTN_FUSED=on) and the standard step at batch 6 ("all"):
+    """Batch-1 small-batch step (fused attention) and the standard step at batch 6 (forced):
     with the fused attention (PDL on where the step uses it) three graph replays equal three
     eager steps with plain launches bit for bit, and the first step's logits are close to the
     step's with split + reduce attention from the same state (> 20 dB: the attention output

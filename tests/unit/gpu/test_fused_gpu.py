@@ -131,7 +131,7 @@ def test_qk_norm_rope_append_equals_unfused(b, hq, hkv, fp4, capture):
 
 @pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "triton"), (True, "cuda")])
 def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
-    """One eager step with every fusion (TRACE_FUSED_STEP=all) and one with none, from the
+    """One eager step with every fusion (fused.FUSED_PARTS) and one with none, from the
     same state: same tokens, logits, KV caches and guidance records, bit for bit; then graph
     replay of the fused step equals its eager step."""
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
@@ -146,8 +146,11 @@ def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
         w.quantize_experts_(gemm)
     tokens = torch.randint(0, shape.vocab, (6,), device=DEV)
 
-    def make(parts: str) -> DecodeEngine:  # the engine reads TRACE_FUSED_STEP when built
-        monkeypatch.setenv("TRACE_FUSED_STEP", parts)
+    def make(parts: str) -> DecodeEngine:  # the engine reads fused.FUSED_PARTS when built
+        from trace_common.kernels import fused
+
+        every = frozenset({"norm_quant", "qk_kv"})
+        monkeypatch.setattr(fused, "FUSED_PARTS", every if parts == "all" else frozenset())
         eng = DecodeEngine(shape, w, batch=6, capacity=300, context=250,
                            guided_layers=(1, 2) if fp4 else (), device=DEV,
                            small_batch=False)  # fmt: skip
@@ -180,8 +183,8 @@ def test_engine_fused_step_equals_unfused(fp4, gemm, monkeypatch):
         return [t.clone() for t in state(eng)]
 
     plain, fused_eng = make("none"), make("all")
-    assert not (plain.qk_kv or plain.norm_quant), "TRACE_FUSED_STEP=none left a fusion on"
-    assert fused_eng.qk_kv and fused_eng.norm_quant == fp4, "TRACE_FUSED_STEP=all: fusions off"
+    assert not (plain.qk_kv or plain.norm_quant), "no fused parts, yet a fusion is on"
+    assert fused_eng.qk_kv and fused_eng.norm_quant == fp4, "every fused part: fusions off"
     start = [t.clone() for t in state(plain)]
     unfused = run(plain, start)
     fused_eager = run(fused_eng, start)

@@ -280,15 +280,16 @@ def test_quantize_dq16_bit_exact(k):
     assert torch.equal(dq.cpu().view(torch.int16), want.view(torch.int16)), "dq16 bits differ"
 
 
-@pytest.mark.parametrize("kernel", ["mma", "stream", "tma"])
+@pytest.mark.parametrize("kernel", ["mma", "stream"])
 @pytest.mark.parametrize("block_m", [8, 16])
 @pytest.mark.parametrize("t", [1, 5, 64, 256])
 def test_moe_gemm_fp4_cuda(t, block_m, kernel, monkeypatch):
     """The CUDA kernels on identical FP4 operands: only accumulation order (and the bf16
     output) differ from fp32 math on the dequantized operands; and they match Triton."""
-    from trace_common.kernels import moe, quant
+    from trace_common.kernels import cuda_moe, moe, quant
 
-    monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", kernel)
+    monkeypatch.setattr(cuda_moe, "KERNEL_FOR", {})  # every shape: DEFAULT_CUDA_KERNEL
+    monkeypatch.setattr(cuda_moe, "DEFAULT_CUDA_KERNEL", kernel)
 
     plan, x, wgu, wd, k = _moe_setup(t, seed=200 + t)
     plan = moe.RoutePlan(plan.topk_ids, plan.topk_w,
@@ -397,34 +398,6 @@ def test_moe_gemm_fp4_wg_model_shape(t, block_m):
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
-def test_moe_gemm_fp4_tma_model_shape(t, block_m, pdl):
-    """The bulk-copy kernel (`tma`) at the model's expert shape, where a CTA walks many items
-    across expert blocks and its buffers wrap many times: with the first CUDA kernel's split of
-    K (same warps, same k groups per warp: the same summation order and epilogue order) it
-    equals that kernel bit for bit; with its defaults and with 2 buffers it agrees to > 60 dB;
-    every output is written; with and without the PDL launch attribute."""
-    from trace_common.kernels import cuda_moe
-
-    plan, cases = _model_shape_gemms(t, block_m)
-    for wt, a, gated, a_div, mrw, n_out in cases:
-        mma_cfg = cuda_moe.default_config(wt.k, block_m, gated)
-        ref = cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                     kernel="mma", config=mma_cfg).float()  # fmt: skip
-        same_order = (*mma_cfg[:3], 2)
-        default = cuda_moe.default_tma_config(wt.k, block_m, gated, n_out)
-        for cfg in (same_order, None, (*default[:3], 2)):
-            got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
-            cuda_moe.moe_gemm_cuda(a, wt, plan, gated=gated, a_div=a_div, mul_route_w=mrw,
-                                   out=got, config=cfg, kernel="tma", pdl=pdl)  # fmt: skip
-            assert torch.isfinite(got.float()).all(), f"unwritten outputs, config {cfg}"
-            if cfg == same_order:
-                assert torch.equal(got.float(), ref), f"tma != mma bits ({gated=}, {cfg})"
-            db = sqnr_db(ref, got)
-            assert db > 60, f"tma vs mma (gated={gated}, config {cfg}): {db:.1f} dB <= 60"
-
-
-@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("t", [1, 2, 8])
 def test_moe_gemm_fp4_mma_by_pairs(t, pdl):
     """The mma kernel by pairs (one block per pair from the top-k ids, the block layout unread:
@@ -529,8 +502,10 @@ def test_decode_attention_fp4_appends_in_kernel(b, cap, lens, capture, fused, mo
     and the same attention output as kv_append + attention: at a split's first position (fused:
     256-key splits), at position 0, at the cache's end, fused and split + reduce plans."""
     pytest.importorskip("cupy", reason="the CUDA attention kernel is launched through CuPy")
-    monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", "256")
     from trace_common.kernels import attention as attn
+    from trace_common.kernels import cuda_attn
+
+    monkeypatch.setattr(cuda_attn, "fused_chunk", lambda *a, **k: 256)
     from trace_common.kernels.quant import CompactRecordBuffers
 
     hq, hkv, d = 32, 4, 128
@@ -593,7 +568,6 @@ def test_decode_attention_fp4_cuda_shape_fallback():
         (True, "cuda", "cuda"),
         (True, "cuda-mma", "cuda"),
         (True, "cuda-stream", "cuda"),
-        (True, "cuda-tma", "cuda"),
     ],
 )
 def test_engine_graph_replay_equals_eager(fp4, gemm, attn_impl, monkeypatch):
@@ -601,12 +575,19 @@ def test_engine_graph_replay_equals_eager(fp4, gemm, attn_impl, monkeypatch):
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
     if gemm and gemm.startswith("cuda-"):  # the CUDA GEMM with a given kernel
+        from trace_common.kernels import cuda_moe
+
         gemm, kernel = gemm.split("-")
-        monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", kernel)
+        monkeypatch.setattr(cuda_moe, "KERNEL_FOR", {})  # every shape: DEFAULT_CUDA_KERNEL
+        monkeypatch.setattr(cuda_moe, "DEFAULT_CUDA_KERNEL", kernel)
     if "cuda" in (gemm, attn_impl):
         pytest.importorskip("cupy", reason="the CUDA kernels are launched through CuPy")
     if attn_impl:
-        monkeypatch.setenv("TRACE_FP4_ATTN", attn_impl)
+        from trace_common.kernels import fp4_attn_impl
+
+        for mod in ("engine", "attention"):
+            monkeypatch.setattr(f"trace_common.kernels.{mod}.fp4_attn_impl",
+                                lambda impl=None: fp4_attn_impl(impl or attn_impl))  # fmt: skip
 
     shape = EngineShape.named(
         num_layers=3, hidden_size=512, num_experts=32, moe_intermediate_size=256, vocab_size=4096

@@ -316,13 +316,15 @@ def _steps_agree(ref, eng, what: str) -> None:
 
 @pytest.mark.parametrize("fp4", [False, True])
 def test_engine_standard_step_gemv_sites(fp4, monkeypatch):
-    """The standard step with its projections on the small-batch GEMV (TRACE_STEP_GEMV=all) vs
-    on cuBLAS, from the same state: same math up to accumulation order (logits SQNR > 20 dB, a
-    routing tie can flip an expert); its graph replay equals its eager step."""
-    monkeypatch.setenv("TRACE_STEP_GEMV", "all")
+    """The standard step with all its projections on the small-batch GEMV vs on cuBLAS, from
+    the same state: same math up to accumulation order (logits SQNR > 20 dB, a routing tie can
+    flip an expert); its graph replay equals its eager step."""
+    from trace_common.kernels import engine
+
+    monkeypatch.setattr(engine, "step_gemv_sites", lambda *a: frozenset(engine.STEP_GEMV_SITES))
     eng, _, _ = _engine(fp4, "cuda" if fp4 else None, 6, small=False, layers=2)
     assert eng.gemv_sites == {"qkv", "o", "router"}
-    monkeypatch.setenv("TRACE_STEP_GEMV", "none")
+    monkeypatch.setattr(engine, "step_gemv_sites", lambda *a: frozenset())
     ref, _, _ = _engine(fp4, "cuda" if fp4 else None, 6, small=False, layers=2)
     assert not ref.gemv_sites
     state = [eng.tokens, eng.pos, eng.lens, *(c.codes if fp4 else c.values for c in eng.caches)]
@@ -617,15 +619,18 @@ def test_qkv_rope_cluster_equals_counter_path(t, h, pro, fp4):
     assert int(counters.abs().sum()) == 0 and int(kv_counters.abs().sum()) == 0, "counters"
 
 
-@pytest.mark.parametrize("fused", ["all", "pdl,xq,act,kv", "pdl,xq,act_in_down,kv_attn"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_engine_small_fp4_fusions_equal_unfused(batch, fused, monkeypatch):
-    """The FP4 small-batch step with its fusions (quantizes folded into router_topk and
-    gate_up or the down GEMM ("all": act_in_down), PDL expert GEMMs) equals the step without
-    them bit for bit (logits, tokens, FP4 KV cache, guidance records), eager and replayed."""
+def test_engine_small_fp4_fusions_equal_unfused(batch, monkeypatch):
+    """The FP4 small-batch step with its fusions (cuda_small.FP4_FUSE: quantizes folded into
+    router_topk and gate_up, the KV append into the attention kernel, PDL expert GEMMs) equals
+    the step without them bit for bit (logits, tokens, FP4 KV cache, guidance records), eager
+    and replayed."""
+    from trace_common.kernels import cuda_small
+
+    default = cuda_small.FP4_FUSE
     results = {}
-    for spec in ("none", fused):
-        monkeypatch.setenv("TRACE_SMALL_FP4_FUSE", spec)
+    for spec in ("none", "default"):
+        monkeypatch.setattr(cuda_small, "FP4_FUSE", default if spec == "default" else frozenset())
         eng, _, _ = _engine(True, "cuda", batch, small=True)
         eng.pdl = True
         eng.step()
@@ -636,11 +641,8 @@ def test_engine_small_fp4_fusions_equal_unfused(batch, fused, monkeypatch):
         results[spec] = [eng.logits, eng.tokens,
                          *(t for c in eng.caches for t in (c.codes, c.scales, c.row_scales)),
                          *(t for r in rec for t in (r.mbits, r.block_scales, r.row_scales))]  # fmt: skip
-        assert eng.act_in_down == ("act_in_down" in spec or spec == "all")
-        assert eng.kv_append_site == {"none": "launch", "pdl,xq,act,kv": "qkv"}.get(
-            spec, "attention"
-        )
-    for i, (a, b) in enumerate(zip(results["none"], results[fused], strict=True)):
+        assert eng.kv_append_site == ("launch" if spec == "none" else "attention")
+    for i, (a, b) in enumerate(zip(results["none"], results["default"], strict=True)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
 
 
@@ -712,19 +714,6 @@ def _assert_same_bytes(ref: list, got: list) -> None:
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
 
 
-@pytest.mark.parametrize("env", ["TRACE_ROUTER_CLUSTER", "TRACE_QKV_CLUSTER"])
-@pytest.mark.parametrize("fp4,gemm,batch", [(False, None, 1), (True, "cuda", 1),
-                                            (True, "cuda", 4)])  # fmt: skip
-def test_engine_small_cluster_equals_counter_path(fp4, gemm, batch, env, monkeypatch):
-    """The small-batch step with the cluster router (qkv) equals the step with the counter
-    path there (logits, tokens, KV cache, guidance records), eager and replayed with PDL."""
-    results = {}
-    for mode in ("off", "on"):
-        monkeypatch.setenv(env, mode)
-        results[mode] = _replayed_outputs(fp4, gemm, batch)[1]
-    _assert_same_bytes(results["off"], results["on"])
-
-
 @pytest.mark.parametrize("fp4,gemm", [(False, None), (True, "cuda")])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_engine_small_experts_by_pairs_equals_blocks(batch, fp4, gemm, monkeypatch):
@@ -732,8 +721,11 @@ def test_engine_small_experts_by_pairs_equals_blocks(batch, fp4, gemm, monkeypat
     equals the step by blocks (logits, tokens, KV cache, guidance records), eager and replayed
     with PDL."""
     results = {}
+    from trace_common.kernels import cuda_small
+
+    default = cuda_small.PAIRS_MAX_BATCH
     for mode in ("blocks", "pairs"):
-        monkeypatch.setenv("TRACE_SMALL_GATE_UP", mode)
+        monkeypatch.setattr(cuda_small, "PAIRS_MAX_BATCH", default if mode == "pairs" else 0)
         eng, results[mode] = _replayed_outputs(fp4, gemm, batch)
         assert eng.experts_by_pairs == (mode == "pairs")
     _assert_same_bytes(results["blocks"], results["pairs"])

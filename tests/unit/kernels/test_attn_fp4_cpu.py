@@ -205,21 +205,23 @@ def test_kernel_name_configs():
             kernel_name(bad)
 
 
-def test_attn_config_from_env(monkeypatch):
-    """TRACE_ATTN_CONFIG selects a launch configuration by its comma form (checked as
-    kernel_name checks a tuple); unset or empty: DEFAULT_CONFIG."""
+def test_attn_config_from_settings():
+    """KernelSettings.attn_config replaces the launch configuration used where none is given
+    (checked as kernel_name checks it); None: DEFAULT_CONFIG. parse_config reads the comma
+    form."""
     from trace_common.kernels import cuda_attn
+    from trace_common.kernels.settings import KernelSettings
 
-    monkeypatch.delenv("TRACE_ATTN_CONFIG", raising=False)
     assert cuda_attn.default_config() == cuda_attn.DEFAULT_CONFIG
-    monkeypatch.setenv("TRACE_ATTN_CONFIG", "")
+    try:
+        KernelSettings(attn_config=cuda_attn.parse_config("ring, 4, 2, 5")).apply()
+        assert cuda_attn.default_config() == ("ring", 4, 2, 5)
+        assert cuda_attn.ring_ctas_per_sm() == 2
+    finally:
+        KernelSettings().apply()
     assert cuda_attn.default_config() == cuda_attn.DEFAULT_CONFIG
-    monkeypatch.setenv("TRACE_ATTN_CONFIG", "ring, 4, 2, 5")
-    assert cuda_attn.default_config() == ("ring", 4, 2, 5)
-    assert cuda_attn.ring_ctas_per_sm() == 2
-    monkeypatch.setenv("TRACE_ATTN_CONFIG", "regs,4,3")
-    assert cuda_attn.default_config() == ("regs", 4, 3)
     for bad in ("ring,4,4,x", "ring,4,4,1", "ring,4,4", "warp,1", ","):
-        monkeypatch.setenv("TRACE_ATTN_CONFIG", bad)
-        with pytest.raises(ValueError, match="TRACE_ATTN_CONFIG"):
-            cuda_attn.default_config()
+        with pytest.raises(ValueError, match="attention launch config"):
+            cuda_attn.parse_config(bad)
+    with pytest.raises(ValueError, match="CUDA FP4 attention config"):
+        KernelSettings(attn_config=("ring", 4, 4, 1))

@@ -107,7 +107,7 @@ def test_fused_kernel_names():
     assert [fused_bf16_warps(c) for c in (16, 32, 64, 128, 512)] == [1, 2, 4, 4, 4]
 
 
-def test_fused_plan_chunks(monkeypatch):
+def test_fused_plan_chunks():
     """The fused plan splits by the wave rule for the fused kernels' resident CTAs, at least
     FUSED_MIN_CHUNK keys: at 1K context and batch 1, 128-token splits (the wave rule's 64
     raised; 9 x 4 kv heads = 36 CTAs); at 32K (more splits than FUSED_MAX_SPLITS) or not asked
@@ -122,33 +122,19 @@ def test_fused_plan_chunks(monkeypatch):
         assert plan.counters.shape == (4,) and plan.counters.dtype == torch.int32
     long = dict(kw, capacity=33000, context_hint=32768)  # > FUSED_MAX_SPLITS: split + reduce
     assert attn.DecodeAttnPlan.make(**long, fused=True).counters is None
-    monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", "512")
-    assert attn.DecodeAttnPlan.make(**long, fused=True).chunk == 512
-    monkeypatch.delenv("TRACE_ATTN_FUSED_CHUNK")
     assert attn.DecodeAttnPlan.make(**kw).counters is None
 
 
-def test_fused_enabled_modes(monkeypatch):
-    """TRACE_ATTN_FUSED: "on" fuses the small-batch step's attention only, "all" the standard
-    step's too, "auto" (default) the small-batch step's and the standard step's BF16 cache from
-    FUSED_BF16_MIN_CONTEXT tokens, "off" neither (CuPy present); a bad value is refused."""
+def test_fused_enabled_rule(monkeypatch):
+    """The small-batch step's attention is fused, and the standard step's for a BF16 cache from
+    FUSED_BF16_MIN_CONTEXT tokens (CuPy present); nothing without CuPy."""
     from trace_common.kernels import cuda_attn
 
     monkeypatch.setattr(cuda_attn, "cupy_available", lambda: True)
-    monkeypatch.delenv("TRACE_ATTN_FUSED", raising=False)
     long, short = cuda_attn.FUSED_BF16_MIN_CONTEXT, cuda_attn.FUSED_BF16_MIN_CONTEXT - 1
-    assert cuda_attn.fused_mode() == "auto"
     assert cuda_attn.fused_enabled() and cuda_attn.fused_enabled(fp4=True, context=short)
     assert cuda_attn.fused_enabled(small_batch=False, context=long)
     assert not cuda_attn.fused_enabled(small_batch=False, context=short)
     assert not cuda_attn.fused_enabled(small_batch=False, fp4=True, context=long)
-    assert not cuda_attn.fused_enabled("on", small_batch=False, context=long)
-    assert cuda_attn.fused_enabled("on") and not cuda_attn.fused_enabled("on", small_batch=False)
-    assert cuda_attn.fused_enabled("all") and cuda_attn.fused_enabled("all", small_batch=False)
-    assert not cuda_attn.fused_enabled("off") and not cuda_attn.fused_enabled("off",
-                                                                              small_batch=False)  # fmt: skip
-    monkeypatch.setenv("TRACE_ATTN_FUSED", "sometimes")
-    with pytest.raises(ValueError, match="sometimes"):
-        cuda_attn.fused_enabled()
     monkeypatch.setattr(cuda_attn, "cupy_available", lambda: False)
-    assert not cuda_attn.fused_enabled("all")
+    assert not cuda_attn.fused_enabled()

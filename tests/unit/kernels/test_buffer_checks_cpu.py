@@ -67,36 +67,6 @@ def test_norm_quant_supported():
     assert not fused.norm_quant_supported(8) and not fused.norm_quant_supported(1536)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-16", "24"])
-def test_forced_fused_chunk_must_be_a_multiple_of_the_tile(value, monkeypatch):
-    from trace_common.kernels import cuda_attn
-
-    monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", value)
-    with pytest.raises(ValueError, match="TRACE_ATTN_FUSED_CHUNK"):
-        cuda_attn.fused_chunk(4, 1024, fp4=False, sms=132)
-    monkeypatch.setenv("TRACE_ATTN_FUSED_CHUNK", "64")
-    assert cuda_attn.fused_chunk(4, 1024, fp4=False, sms=132) == 64
-
-
-@pytest.mark.parametrize("cuda_fp4", [True, False])
-@pytest.mark.parametrize("value", ["abc", "0", "32", "100"])
-def test_forced_split_chunk(value, cuda_fp4, monkeypatch):
-    """TRACE_ATTN_CHUNK forces the split size of the split + reduce plan (FP4 ring kernel or
-    Triton): a positive multiple of 64 tokens, anything else refused naming the variable."""
-    from trace_common.kernels import attention as attn
-
-    kw = dict(batch=32, q_heads=32, kv_heads=4, capacity=1100, head_dim=128, context_hint=1024,
-              device="cpu", cuda_fp4=cuda_fp4)  # fmt: skip
-    planned = attn.DecodeAttnPlan.make(**kw).chunk
-    monkeypatch.setenv("TRACE_ATTN_CHUNK", value)
-    with pytest.raises(ValueError, match="TRACE_ATTN_CHUNK"):
-        attn.DecodeAttnPlan.make(**kw)
-    forced = 128 if planned != 128 else 64
-    monkeypatch.setenv("TRACE_ATTN_CHUNK", str(forced))
-    plan = attn.DecodeAttnPlan.make(**kw)
-    assert plan.chunk == forced and plan.nsplit == -(-1100 // forced)
-
-
 @pytest.mark.parametrize("batch,context", [(8, 1024), (32, 1024), (128, 1024), (8, 32768),
                                            (16, 32768)])  # fmt: skip
 def test_ring_plan_keeps_one_wave_up_to_capacity(batch, context):

@@ -1,4 +1,4 @@
-"""cuda_launch's cuLaunchKernelEx plumbing (PDL, clusters), without a GPU: the TRACE_PDL switch,
+"""cuda_launch's cuLaunchKernelEx plumbing (PDL, clusters), without a GPU: the PDL default,
 the ctypes mirrors of cuda.h's launch structures, and argument checking before any driver call.
 The launches themselves run in tests/unit/gpu/test_small_batch_gpu.py."""
 
@@ -12,13 +12,9 @@ import pytest
 from trace_common.kernels import cuda_launch
 
 
-def test_pdl_switch(monkeypatch):
-    monkeypatch.setenv("TRACE_PDL", "sometimes")
-    with pytest.raises(ValueError, match="TRACE_PDL='sometimes'"):
-        cuda_launch.pdl_enabled()
-    assert cuda_launch.pdl_enabled("off") is False
+def test_pdl_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(cuda_launch.torch.cuda, "is_available", lambda: False)
-    assert cuda_launch.pdl_enabled("on") is False  # no GPU: never on
+    assert cuda_launch.pdl_enabled() is False  # no GPU: never on
 
 
 def test_launch_structures_match_cuda_h():

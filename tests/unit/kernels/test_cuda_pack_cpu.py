@@ -123,27 +123,37 @@ def test_in_kernel_quantize_rows_fit_the_down_configs():
     rw, wk, _, _ = cuda_moe.CONFIGS[(2048, 8, True)]
     assert cuda_moe.smem_bytes(8, rw, wk, True, xq_rows=1, k=2048) <= lim
     assert cuda_moe.smem_bytes(8, 2, 4, False, xq_rows=8, k=768) == 4096 + 8 * (2 * 768 + 32)
-    # a part of the small step's "all", not of its default
-    assert "act_in_down" in cuda_small.fp4_fuse_parts("all")
-    assert "kv_attn" in cuda_small.fp4_fuse_parts(cuda_small.DEFAULT_FP4_FUSE)
-    assert "act_in_down" not in cuda_small.fp4_fuse_parts(cuda_small.DEFAULT_FP4_FUSE)
+    assert {"pdl", "xq", "act", "kv_attn"} == cuda_small.FP4_FUSE
 
 
-def test_config_override_file(tmp_path, monkeypatch):
-    f = tmp_path / "cfg.json"
-    f.write_text('{"2048,8,True": [2, 16, 2, 2]}')
-    monkeypatch.setenv("TRACE_FP4_CUDA_CONFIGS", str(f))
+@pytest.fixture
+def overrides(tmp_path):
+    """Apply a launch-config file's overrides (through KernelSettings, as the engine does);
+    the built-in tables again afterwards."""
+    from trace_common.kernels.settings import KernelSettings
+
+    def apply(text: str) -> None:
+        f = tmp_path / "cfg.json"
+        f.write_text(text)
+        KernelSettings(expert_gemm_configs=f).apply()
+
+    yield apply
+    KernelSettings().apply()
+
+
+def test_config_override_file(overrides):
+    overrides('{"2048,8,True": [2, 16, 2, 2]}')
     assert cuda_moe.default_config(2048, 8, True) == (2, 16, 2, 2)
     assert cuda_moe.default_config(768, 8, False) == cuda_moe.CONFIGS[(768, 8, False)]
 
 
-def test_gemm_impl_validation(monkeypatch):
-    from trace_common.kernels import fp4_gemm_impl
+def test_gemm_impl_validation():
+    from trace_common.kernels import cupy_available, fp4_gemm_impl
 
-    monkeypatch.setenv("TRACE_FP4_GEMM", "cutlass")
     with pytest.raises(ValueError, match="'cutlass'"):
-        fp4_gemm_impl()
+        fp4_gemm_impl("cutlass")
     assert fp4_gemm_impl("triton") == "triton"
+    assert fp4_gemm_impl() == ("cuda" if cupy_available() else "triton")
 
 
 def _fp4_bytes(w: int) -> tuple[int, int]:
@@ -169,13 +179,13 @@ def test_attention_decode_formula_every_code_every_position(pos):
             assert byte << 8 == E2M1_FP16_BITS[c], f"code {c:#x} at nibble {pos}"
 
 
-def test_attn_impl_validation(monkeypatch):
-    from trace_common.kernels import fp4_attn_impl
+def test_attn_impl_validation():
+    from trace_common.kernels import cupy_available, fp4_attn_impl
 
-    monkeypatch.setenv("TRACE_FP4_ATTN", "flash")
     with pytest.raises(ValueError, match="'flash'"):
-        fp4_attn_impl()
+        fp4_attn_impl("flash")
     assert fp4_attn_impl("triton") == "triton"
+    assert fp4_attn_impl() == ("cuda" if cupy_available() else "triton")
 
 
 def test_no_cupy_at_import_time():
@@ -218,23 +228,6 @@ def test_stream_configs_fit():
         assert smem <= cuda_moe.STREAM_SMEM_MAX, (k, bm, gated, rw, wk, kgw, stages)
 
 
-def test_tma_configs_fit():
-    """Every bulk-copy config the engine may pick (the table and the fallback for other
-    shapes) splits K exactly, tiles N_out and fits the opt-in shared memory with >= 2 buffers."""
-    shapes = [(k, bm, gated, n) for k, n in ((2048, 768), (768, 2048), (512, 256), (256, 512),
-                                             (4096, 1536), (1536, 4096))
-              for bm in cuda_moe.BLOCK_MS for gated in (True, False)]  # fmt: skip
-    for k, bm, gated, n_out in shapes:
-        rw, wk, kgw, stages = cuda_moe.default_tma_config(k, bm, gated, n_out)
-        assert wk * kgw * cuda_moe.K_GROUP == k and n_out % (16 * rw) == 0 and stages >= 2
-        smem = cuda_moe.tma_smem_bytes(k, bm, rw, wk, stages, gated)
-        assert smem <= cuda_moe.STREAM_SMEM_MAX, (k, bm, gated, rw, wk, kgw, stages, smem)
-    with pytest.raises(ValueError, match="K=8192"):
-        cuda_moe.default_tma_config(8192, 8, True, 768)
-    # one gate_up item of the model: 2 halves x 32 k groups x (512 B codes + 64 B scales)
-    assert cuda_moe.tma_smem_bytes(2048, 8, 1, 8, 1, True) == 36864 + 2 * 8 * 2 * 512
-
-
 def test_stream_grid_covers_every_item_in_one_wave():
     for n_items in (1, 7, 24, 48, 128):
         for est in (1.0, 8.0, 50.0, 112.0, 128.5, 200.0):
@@ -252,30 +245,26 @@ def test_expected_blocks():
     assert cuda_moe.expected_blocks(1000, 8, 16, 16, 516) == 500  # pairs / block_m
 
 
-def test_cuda_kernel_validation(monkeypatch):
-    monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", "marlin")
+def test_cuda_kernel_validation():
     with pytest.raises(ValueError, match="'marlin'"):
-        cuda_moe.cuda_kernel()
+        cuda_moe.cuda_kernel("marlin")
+    with pytest.raises(ValueError, match="'tma'"):
+        cuda_moe.cuda_kernel("tma")
     assert cuda_moe.cuda_kernel("stream") == "stream"
-    monkeypatch.delenv("TRACE_FP4_CUDA_KERNEL")
     assert cuda_moe.cuda_kernel() == cuda_moe.DEFAULT_CUDA_KERNEL
 
 
-def test_config_override_file_stream(tmp_path, monkeypatch):
-    f = tmp_path / "cfg.json"
-    f.write_text('{"2048,8,True": [1, 16, 2, 3, 1], "768,8,False": [4, 4, 3, 0]}')
-    monkeypatch.setenv("TRACE_FP4_CUDA_CONFIGS", str(f))
+def test_config_override_file_stream(overrides):
+    overrides('{"2048,8,True": [1, 16, 2, 3, 1], "768,8,False": [4, 4, 3, 0]}')
     assert cuda_moe.default_stream_config(2048, 8, True, 768) == (1, 16, 2, 3, 1)
     assert cuda_moe.default_stream_config(768, 8, False, 2048) == cuda_moe.STREAM_CONFIGS[
         (768, 8, False)]  # fmt: skip
     assert cuda_moe.default_config(768, 8, False) == (4, 4, 3, 0)
 
 
-def test_cuda_kernel_per_shape(tmp_path, monkeypatch):
+def test_cuda_kernel_per_shape(overrides):
     """The kernel follows KERNEL_FOR per shape; an override file's config length picks the
-    kernel for its shapes; TRACE_FP4_CUDA_KERNEL or the argument force one everywhere."""
-    monkeypatch.delenv("TRACE_FP4_CUDA_KERNEL", raising=False)
-    monkeypatch.delenv("TRACE_FP4_CUDA_CONFIGS", raising=False)
+    kernel for its shapes; the argument forces one."""
     for key, kern in cuda_moe.KERNEL_FOR.items():
         assert cuda_moe.cuda_kernel(key=key) == kern
         assert key in cuda_moe.CONFIGS and key in cuda_moe.STREAM_CONFIGS
@@ -285,20 +274,15 @@ def test_cuda_kernel_per_shape(tmp_path, monkeypatch):
     assert cuda_moe.cuda_kernel(key=(2048, 16, True), n_pairs=many) == "stream"
     assert cuda_moe.cuda_kernel("wg", key=(2048, 16, True), n_pairs=many) == "wg"
     assert cuda_moe.cuda_kernel(key=(2048, 8, True), n_pairs=many) == "mma"
-    f = tmp_path / "cfg.json"
-    f.write_text('{"2048,8,True": [1, 8, 4, 4, 2], "2048,16,True": [2, 8, 4, 2]}')
-    monkeypatch.setenv("TRACE_FP4_CUDA_CONFIGS", str(f))
+    overrides('{"2048,8,True": [1, 8, 4, 4, 2], "2048,16,True": [2, 8, 4, 2]}')
     assert cuda_moe.cuda_kernel(key=(2048, 8, True)) == "stream"
     assert cuda_moe.cuda_kernel(key=(2048, 16, True)) == "mma"
     assert cuda_moe.cuda_kernel(key=(768, 8, False)) == cuda_moe.KERNEL_FOR[(768, 8, False)]
     assert cuda_moe.cuda_kernel("mma", key=(2048, 8, True)) == "mma"
-    monkeypatch.setenv("TRACE_FP4_CUDA_KERNEL", "stream")
-    assert cuda_moe.cuda_kernel(key=(2048, 16, True)) == "stream"
-    f.write_text('{"2048,8,True": [1, 8], "768,16,False": [3, 3, 2]}')  # 3 numbers: wg
-    monkeypatch.delenv("TRACE_FP4_CUDA_KERNEL")
-    with pytest.raises(ValueError, match="not 3, 4 or 5"):
-        cuda_moe.cuda_kernel(key=(2048, 8, True))
-    f.write_text('{"768,16,False": [3, 3, 2]}')
+    assert cuda_moe.cuda_kernel("stream", key=(2048, 16, True)) == "stream"
+    with pytest.raises(ValueError, match="not 'K,block_m,gated': 3, 4 or 5"):
+        overrides('{"2048,8,True": [1, 8], "768,16,False": [3, 3, 2]}')
+    overrides('{"768,16,False": [3, 3, 2]}')
     assert cuda_moe.cuda_kernel(key=(768, 16, False)) == "wg"
     assert cuda_moe.cuda_kernel(key=(768, 8, False)) == cuda_moe.KERNEL_FOR[(768, 8, False)]
 
@@ -349,15 +333,9 @@ def test_compiled_function_smem_opt_in(monkeypatch, tmp_path):
     assert len(compiled) == 1
 
 
-def test_block_m_for_rule_and_override(monkeypatch):
-    monkeypatch.delenv("TRACE_FP4_BLOCK_M", raising=False)
+def test_block_m_for_rule():
     assert cuda_moe.block_m_for(5 * 128, 128) == 8
     assert cuda_moe.block_m_for(5 * 128 + 1, 128) == 16
-    monkeypatch.setenv("TRACE_FP4_BLOCK_M", "8")
-    assert cuda_moe.block_m_for(1024, 128) == 8
-    monkeypatch.setenv("TRACE_FP4_BLOCK_M", "32")
-    with pytest.raises(ValueError, match="TRACE_FP4_BLOCK_M='32'"):
-        cuda_moe.block_m_for(1024, 128)
 
 
 def test_wg_configs_fit():
@@ -402,6 +380,3 @@ def test_wave_grid():
         for mean in (8.0, 60.0, 131.0, 150.0, 250.0):
             gy, ipc = cuda_moe.wave_grid(n_items, mean, mean / 10, 264, 400)
             assert gy * ipc >= n_items and (gy - 1) * ipc < n_items
-    assert cuda_moe.expert_grid("even") == "even"
-    with pytest.raises(ValueError, match="TRACE_EXPERT_GRID='rows'"):
-        cuda_moe.expert_grid("rows")

@@ -1,4 +1,4 @@
-"""cuda_small's launch-shape settings (no GPU needed): configure / TRACE_SMALL_CONFIG."""
+"""cuda_small's launch-shape settings (no GPU needed): configure / KernelSettings.small_launch."""
 
 from __future__ import annotations
 
@@ -39,10 +39,15 @@ def test_by_tokens_defaults_yield_to_named_keys(restore):
     assert cuda_small.warps_of("gate_up", 2) == 2 and cuda_small.stages_of("down", 1) == 2
 
 
-def test_configure_reads_the_environment(restore, monkeypatch):
-    monkeypatch.setenv("TRACE_SMALL_CONFIG", '{"router": 4, "RING_STAGE_CHUNKS": 2}')
-    cfg = cuda_small.configure()
-    assert cfg["router"] == 4 and cuda_small.RING_STAGE_CHUNKS == 2
+def test_kernel_settings_apply_small_launch(restore):
+    from trace_common.kernels.settings import KernelSettings
+
+    KernelSettings(small_launch={"router": 4, "RING_STAGE_CHUNKS": 2}).apply()
+    assert cuda_small.config()["router"] == 4 and cuda_small.RING_STAGE_CHUNKS == 2
+    KernelSettings().apply()
+    assert cuda_small.config() == cuda_small.configure({})
+    with pytest.raises(ValueError, match="key 'qkvv'"):
+        KernelSettings(small_launch={"qkvv": 8})
 
 
 @pytest.mark.parametrize(
@@ -61,27 +66,9 @@ def test_configure_rejects_bad_settings(restore, spec, message):
     assert cuda_small.config() == before, "a refused setting changed nothing"
 
 
-def test_router_cluster_switch(monkeypatch):
-    monkeypatch.delenv("TRACE_ROUTER_CLUSTER", raising=False)
-    assert cuda_small.router_cluster_enabled() is (cuda_small.DEFAULT_ROUTER_CLUSTER == "on")
-    monkeypatch.setenv("TRACE_ROUTER_CLUSTER", "off")
-    assert cuda_small.router_cluster_enabled() is False
-    assert cuda_small.router_cluster_enabled("on") is True
-    monkeypatch.setenv("TRACE_ROUTER_CLUSTER", "maybe")
-    with pytest.raises(ValueError, match="TRACE_ROUTER_CLUSTER='maybe'"):
-        cuda_small.router_cluster_enabled()
-
-
-def test_gate_up_mode_switch(monkeypatch):
-    monkeypatch.delenv("TRACE_SMALL_GATE_UP", raising=False)
+def test_experts_by_pairs_rule():
     limit = cuda_small.PAIRS_MAX_BATCH
     assert cuda_small.experts_by_pairs(limit) and not cuda_small.experts_by_pairs(limit + 1)
-    monkeypatch.setenv("TRACE_SMALL_GATE_UP", "blocks")
-    assert not cuda_small.experts_by_pairs(1)
-    assert cuda_small.experts_by_pairs(8, "pairs")
-    monkeypatch.setenv("TRACE_SMALL_GATE_UP", "pair")
-    with pytest.raises(ValueError, match="TRACE_SMALL_GATE_UP='pair'"):
-        cuda_small.experts_by_pairs(1)
 
 
 def test_gate_up_rejects_mixed_or_missing_routing():
@@ -112,16 +99,6 @@ def test_configure_site_stages(restore):
         cuda_small.configure({"o_stages": 2})
 
 
-def test_qkv_cluster_switch(monkeypatch):
-    monkeypatch.delenv("TRACE_QKV_CLUSTER", raising=False)
-    assert cuda_small.qkv_cluster_enabled() is (cuda_small.DEFAULT_QKV_CLUSTER == "on")
-    monkeypatch.setenv("TRACE_QKV_CLUSTER", "off")
-    assert cuda_small.qkv_cluster_enabled() is False and cuda_small.qkv_cluster_enabled("on")
-    monkeypatch.setenv("TRACE_QKV_CLUSTER", "1")
-    with pytest.raises(ValueError, match="TRACE_QKV_CLUSTER='1'"):
-        cuda_small.qkv_cluster_enabled()
-
-
 def test_gemv_supported_shapes():
     assert cuda_small.gemv_supported(2048, 4096)
     assert not cuda_small.gemv_supported(2040, 4096)  # not whole 16-row tiles
@@ -130,29 +107,21 @@ def test_gemv_supported_shapes():
 
 
 def test_step_gemv_sites(monkeypatch):
-    """TRACE_STEP_GEMV picks the standard step's GEMV projections; none where the GEMV cannot
-    run (CPU device, batch over MAX_TOKENS, no CuPy), and a bad value names the variable."""
+    """The standard step's GEMV projections: AUTO_STEP_GEMV up to AUTO_STEP_GEMV_MAX_BATCH
+    tokens; none where the GEMV cannot run (CPU device, no CuPy) or the shape does not fit."""
     from trace_common.kernels import engine
 
     shape = engine.EngineShape.named()
     monkeypatch.setattr("trace_common.kernels.engine.cupy_available", lambda: True)
-    assert engine.step_gemv_sites(shape, 8, "cuda", "all") == set(engine.STEP_GEMV_SITES)
-    assert engine.step_gemv_sites(shape, 4, "cuda", "o,router") == {"o", "router"}
-    assert engine.step_gemv_sites(shape, 32, "cuda", "o") == {"o"}
-    assert engine.step_gemv_sites(shape, 33, "cuda", "all") == frozenset()
-    assert engine.step_gemv_sites(shape, 8, "cpu", "all") == frozenset()
-    auto = set(engine.AUTO_STEP_GEMV.split(","))
-    assert engine.step_gemv_sites(shape, engine.AUTO_STEP_GEMV_MAX_BATCH, "cuda") == auto
+    assert {"o", "router"} == engine.AUTO_STEP_GEMV
+    assert engine.step_gemv_sites(shape, 1, "cuda") == engine.AUTO_STEP_GEMV
+    assert engine.step_gemv_sites(shape, engine.AUTO_STEP_GEMV_MAX_BATCH, "cuda") == {"o", "router"}
     assert engine.step_gemv_sites(shape, engine.AUTO_STEP_GEMV_MAX_BATCH + 1, "cuda") == set()
-    monkeypatch.setenv("TRACE_STEP_GEMV", "router")
-    assert engine.step_gemv_sites(shape, 2, "cuda") == {"router"}
-    assert engine.step_gemv_sites(shape, 32, "cuda") == {"router"}  # named: any batch it takes
+    assert engine.step_gemv_sites(shape, 8, "cpu") == frozenset()
     odd = engine.EngineShape.named(num_experts=8, top_k=2)  # an 8-row router is not a whole tile
-    assert engine.step_gemv_sites(odd, 2, "cuda", "all") == {"qkv", "o"}
-    with pytest.raises(ValueError, match="TRACE_STEP_GEMV='lm_head'"):
-        engine.step_gemv_sites(shape, 2, "cuda", "lm_head")
+    assert engine.step_gemv_sites(odd, 2, "cuda") == {"o"}
     monkeypatch.setattr("trace_common.kernels.engine.cupy_available", lambda: False)
-    assert engine.step_gemv_sites(shape, 8, "cuda", "all") == frozenset()
+    assert engine.step_gemv_sites(shape, 8, "cuda") == frozenset()
 
 
 def test_gemv_rejects_token_counts_and_pdl():

@@ -63,10 +63,9 @@ def test_engine_shape_validation():
 def test_decode_mode_validation(monkeypatch):
     from trace_common.kernels import fp4_decode_words
 
-    monkeypatch.setenv("TRACE_FP4_DECODE", "fast")
     with pytest.raises(ValueError, match="'fast'"):
-        fp4_decode_words("cuda")
-    monkeypatch.setenv("TRACE_FP4_DECODE", "ptx")
+        fp4_decode_words("cuda", "fast")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert fp4_decode_words("cuda") is True
     assert fp4_decode_words("cpu") is False  # inline PTX never on CPU
     assert fp4_decode_words("cuda", "bits") is False

@@ -75,43 +75,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// ---- bulk copies (the Tensor Memory Accelerator, sm_90) with an mbarrier per buffer ---------
-// One thread arms the buffer's barrier with the bytes to expect and issues the copies; the
-// barrier's phase completes when they have all landed, and readers wait on that phase's parity.
-
-// a CTA-local barrier that completes a phase on `count` arrivals (+ the expected bytes)
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-// barrier inits visible to the async proxy (the bulk copies) before any copy completes on them
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// arrive once and expect `bytes` more from bulk copies in this phase
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// spin until the phase of parity `parity` has completed
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  u32 done = 0;
-  while (!done) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                 "selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  }
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on `bar`
-__device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 // ---- programmatic dependent launch (cuda_launch.launch_ex; sm_90) ----------------------------
 // Both are no-ops in a grid launched without the attribute (or with no programmatic dependent).
 
