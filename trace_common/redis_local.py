@@ -114,6 +114,13 @@ class LocalRedis:
                     raise RuntimeError(f"redis-server did not answer on {self.url}") from None
                 time.sleep(0.02)
 
+    def kill(self) -> None:
+        """SIGKILL: gone at once (a SIGTERMed Redis serves on until its next cron tick)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()
+
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()

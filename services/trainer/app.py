@@ -127,6 +127,7 @@ class TrainerApp:
                 run_id=run.run_id, steps=run.steps, prompts_per_step=run.prompts_per_step,
                 group_size=run.group_size, mode=run.mode, max_staleness=run.max_staleness,
                 sampling=run.sampling, measure_records=run.guidance.measure_records,
+                lost_records=s.lost_records, regenerate_attempts=s.regenerate_attempts,
             ),
             prompts=PromptStream(self.task, tok, seed=run.seed),
             dispatcher=Dispatcher(self.directory, run.dispatch),

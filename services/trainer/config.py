@@ -44,6 +44,18 @@ class TrainerSettings(ServiceSettings):
     checkpoint_dir: pathlib.Path | None = Field(None, description="where checkpoints go")
     metrics_file: pathlib.Path | None = Field(None, description="metrics.jsonl path")
     generate_timeout_seconds: float = Field(300.0, gt=0)
+    lost_records: Literal["regenerate", "unguided", "drop"] = Field(
+        "regenerate",
+        description="a group whose records are lost for good (a Redis restart, eviction): "
+        "regenerate = generate its prompt again in the same step and train it guided (up to "
+        "regenerate_attempts rounds, then dropped); unguided = train it without records "
+        "(round-to-nearest QAT, own routing); drop = do not train it. Counted in "
+        "samples_regenerated / samples_unguided / samples_dropped_records. A sharded "
+        "(torchrun) trainer drops",
+    )
+    regenerate_attempts: int = Field(
+        2, ge=1, description="lost_records=regenerate: rounds per step before a group is dropped"
+    )
     torch_threads: int = Field(1, ge=1)
     device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
     start_paused: bool = Field(False, description="restore/publish, then wait for Resume")

@@ -11,6 +11,8 @@ Documented series (all gauges unless noted; every one is set on every step where
 - ``trace_trainer_staleness_mean``, ``trace_trainer_staleness_max``
 - ``trace_trainer_samples_total``, ``trace_trainer_samples_dropped_stale_total``,
   ``trace_trainer_samples_dropped_records_total`` (records missing/corrupt in quant-cache),
+  ``trace_trainer_samples_regenerated_total``, ``trace_trainer_samples_unguided_total``
+  (records lost: generated again / trained without records, TRACE_LOST_RECORDS),
   ``trace_trainer_redispatched_units_total`` (counters)
 - ``trace_trainer_rollout_tokens_per_second{replica}``
 - ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica}``
@@ -67,6 +69,12 @@ class TrainerMetrics:
         self.dropped_records = metrics.counter(
             "samples_dropped_records", "samples dropped: records missing or corrupt in quant-cache"
         )
+        self.regenerated = metrics.counter(
+            "samples_regenerated", "samples generated again: their records were lost"
+        )
+        self.unguided = metrics.counter(
+            "samples_unguided", "samples trained without records: their records were lost"
+        )
         self.redispatched = metrics.counter("redispatched_units", "work units re-dispatched")
         self.tps = metrics.gauge(
             "rollout_tokens_per_second", "rollout tokens/s by replica", ("replica",)
@@ -94,6 +102,8 @@ class TrainerMetrics:
             self.samples.inc(m.get("samples", 0))
             self.dropped.inc(m.get("samples_dropped_stale", 0))
             self.dropped_records.inc(m.get("samples_dropped_records", 0))
+            self.regenerated.inc(m.get("samples_regenerated", 0))
+            self.unguided.inc(m.get("samples_unguided", 0))
             self.redispatched.inc(m.get("redispatched_units", 0))
             for r, v in (m.get("rollout_tokens_per_s_per_replica") or {}).items():
                 self.tps.labels(r).set(v)

@@ -1,18 +1,22 @@
 """Faults injected into a running system (issue 28): real processes, a real Redis, gRPC over
 loopback. Each case asserts that the run finishes with one metrics row per step and every
-sample trained (none dropped)."""
+sample trained exactly once, or counted as regenerated or unguided (none dropped)."""
 
 from __future__ import annotations
 
+import collections
 import pathlib
 import time
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import pytest
+import redis
 
 from trace_common.clients import WeightSyncClient
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from trace_common.rl.audit import read_audit
 from trace_common.rl.cluster import ClusterConfig, LocalCluster
 from trace_common.rl.plots import read_metrics
 from trace_common.service.grpc_server import AUTH_HEADER
@@ -20,12 +24,13 @@ from trace_common.service.grpc_server import AUTH_HEADER
 pytestmark = pytest.mark.timeout(400)
 
 RUN_TIMEOUT_S = 180.0
-SAMPLES_PER_STEP = 8  # 2 prompts x 4 completions
+GROUP_SIZE = 4
+SAMPLES_PER_STEP = 2 * GROUP_SIZE  # 2 prompts x 4 completions, one prompt per work unit
 TRAINER_ENV = {
     "TRACE_TASK": "reverse",
     "TRACE_TASK_DIFFICULTY": "2",
     "TRACE_PROMPTS_PER_STEP": "2",
-    "TRACE_GROUP_SIZE": "4",
+    "TRACE_GROUP_SIZE": str(GROUP_SIZE),
     "TRACE_PROMPTS_PER_UNIT": "1",
     "TRACE_START_PAUSED": "true",
 }
@@ -75,13 +80,36 @@ def _settled(c: LocalCluster, quiet_s: float = 2.0) -> dict:
         st = now
 
 
-def _assert_every_sample_trained(metrics: pathlib.Path, steps: int) -> None:
-    rows = read_metrics(metrics)
+def _start_run(
+    c: LocalCluster, tmp_path: pathlib.Path, run_id: str, steps: int, **env: str
+) -> trainer_pb2_grpc.TrainerStub:
+    """Replace the fixture's trainer by one for run `run_id` (metrics.jsonl and the record
+    audit under `tmp_path`) and let it run."""
+    assert c.trainer is not None
+    c.trainer.stop()
+    env = {"TRACE_RUN_ID": run_id, "TRACE_STEPS": str(steps),
+           "TRACE_METRICS_FILE": str(tmp_path / "metrics.jsonl"),
+           "TRACE_RECORD_AUDIT_FILE": str(tmp_path / "trainer-audit.jsonl"), **env}  # fmt: skip
+    c.start_trainer(wait=True, env=env)
+    stub = _trainer(c)
+    stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(c), timeout=10)
+    return stub
+
+
+def _assert_every_sample_trained(tmp_path: pathlib.Path, steps: int) -> dict[str, int]:
+    """One metrics row per step; every sample of every step trained, none dropped, no record
+    blob trained twice. Returns the run's regenerated / unguided totals."""
+    rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "one row per step"
     for r in rows:
         assert r["samples"] == SAMPLES_PER_STEP, r
         assert r["samples_trained"] == SAMPLES_PER_STEP, r
         assert r["samples_dropped_records"] == 0 and r["samples_dropped_stale"] == 0, r
+    audit = tmp_path / "trainer-audit.jsonl"
+    if audit.exists():  # the blobs trained on: each sample id once
+        ids = collections.Counter((a["version"], a["sample_id"]) for a in read_audit(audit))
+        assert not [k for k, n in ids.items() if n > 1], "a record trained twice"
+    return {k: sum(r[k] for r in rows) for k in ("samples_regenerated", "samples_unguided")}
 
 
 def test_weight_sync_restart_mid_run_loses_nothing(
@@ -90,15 +118,8 @@ def test_weight_sync_restart_mid_run_loses_nothing(
     """weight-sync killed twice: once between steps together with the replica (the fresh
     replica can only load the version the trainer publishes again), once in the middle of
     the run. Replicas register again by themselves; the run finishes with nothing lost."""
-    metrics = tmp_path / "metrics.jsonl"
     steps = 8
-    assert cluster.trainer is not None
-    cluster.trainer.stop()
-    env = {"TRACE_RUN_ID": "chaos-ws", "TRACE_STEPS": str(steps),
-           "TRACE_METRICS_FILE": str(metrics)}  # fmt: skip
-    cluster.start_trainer(wait=True, env=env)
-    stub = _trainer(cluster)
-    stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(cluster), timeout=10)
+    stub = _start_run(cluster, tmp_path, "chaos-ws", steps)
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
     stub.Pause(trainer_pb2.PauseRequest(reason="chaos"), metadata=_auth(cluster), timeout=10)
     _wait(cluster, lambda st: st["state"] == "paused", "the pause")
@@ -117,7 +138,7 @@ def test_weight_sync_restart_mid_run_loses_nothing(
 
     assert final["step"] == steps and at_kill <= steps - 2, (at_kill, final)
     assert final["versions_republished"] >= 1, final  # the fresh replica needed it
-    _assert_every_sample_trained(metrics, steps)
+    _assert_every_sample_trained(tmp_path, steps)
     assert cluster.weight_sync is not None
     ws = WeightSyncClient(cluster.weight_sync.grpc_address, cluster.config.token)
     deadline = time.monotonic() + 10
@@ -129,3 +150,66 @@ def test_weight_sync_restart_mid_run_loses_nothing(
         time.sleep(0.2)
     assert ok, listed
     assert listed["rollout-0"].alive
+
+
+def _restart_redis_between_units(c: LocalCluster, run_id: str, metrics: pathlib.Path) -> int:
+    """Restart Redis empty after a step's first work unit stored its records and before the
+    trainer reads them (one replica runs the units one after the other; the trainer reads
+    once both are done): that group's records are lost for good. A restart that came too
+    early (the writer's retry stores the batch again) or too late is tried again at a later
+    step. Returns the index of the step that lost records."""
+    assert c.redis is not None
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        step = c.trainer_status()["step"]
+        admin = redis.Redis.from_url(c.redis.url)
+        first = admin.keys(f"trace:qc:{run_id}:*:s{step}-u0-a0-*")
+        if len(first) == GROUP_SIZE and not admin.keys(f"trace:qc:{run_id}:*:s{step}-u1-*"):
+            admin.close()
+            time.sleep(0.02)  # the writer has its answer: no retry brings the batch back
+            c.restart_redis()
+            _wait(c, lambda _st, n=step: len(read_metrics(metrics)) > n, f"step {step + 1}'s row")
+            row = read_metrics(metrics)[step]
+            lost = ("samples_regenerated", "samples_unguided", "samples_dropped_records")
+            if any(row[k] for k in lost):
+                return step
+        admin.close()
+        time.sleep(0.005)
+    raise AssertionError("never restarted Redis between a step's two work units")
+
+
+def test_redis_restart_mid_step_records_are_regenerated(
+    cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    """Redis restarts empty after a step's first unit wrote its records: the trainer finds
+    that group's records missing for good and generates it again (TRACE_LOST_RECORDS
+    default), so every sample of the step is still trained, and the regeneration counted."""
+    steps = 5
+    _start_run(cluster, tmp_path, "chaos-redis", steps)
+    _wait(cluster, lambda st: st["step"] >= 1, "step 1")
+    lost_at = _restart_redis_between_units(cluster, "chaos-redis", tmp_path / "metrics.jsonl")
+    final = _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
+    assert final["step"] == steps
+    totals = _assert_every_sample_trained(tmp_path, steps)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert rows[lost_at]["samples_regenerated"] >= GROUP_SIZE, rows[lost_at]
+    assert totals["samples_unguided"] == 0, totals
+    assert cluster.trainer is not None
+    text = httpx.get(f"{cluster.trainer.http_url}/metrics", timeout=5).text
+    assert f"trace_trainer_samples_regenerated_total {float(totals['samples_regenerated'])}" in text
+
+
+def test_redis_restart_mid_step_records_trained_unguided(
+    cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    """The same fault with TRACE_LOST_RECORDS=unguided: the group is trained without records
+    (round-to-nearest QAT) and counted as unguided."""
+    steps = 5
+    _start_run(cluster, tmp_path, "chaos-unguided", steps, TRACE_LOST_RECORDS="unguided")
+    _wait(cluster, lambda st: st["step"] >= 1, "step 1")
+    lost_at = _restart_redis_between_units(cluster, "chaos-unguided", tmp_path / "metrics.jsonl")
+    _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
+    totals = _assert_every_sample_trained(tmp_path, steps)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert rows[lost_at]["samples_unguided"] >= GROUP_SIZE, rows[lost_at]
+    assert totals["samples_regenerated"] == 0, totals

@@ -108,6 +108,19 @@ class LocalCluster:
         self.weight_sync = self._weight_sync(port).start()
         return self.weight_sync
 
+    def restart_redis(self, *, down_s: float = 0.0) -> LocalRedis:
+        """Kill Redis (SIGKILL) and start an empty one (nothing is persisted: every record is
+        lost) on the same port with the same password after `down_s` seconds (chaos tests)."""
+        assert self.redis is not None
+        old = self.redis
+        config = LocalRedisConfig(
+            maxmemory_bytes=self.config.redis_maxmemory_bytes, port=old.port, password=old.password
+        )
+        old.kill()
+        time.sleep(down_s)
+        self.redis = LocalRedis(config).start()
+        return self.redis
+
     def restart_replica(self, i: int) -> LocalService:
         """Kill rollout replica `i` and start a fresh one with the same id (no weights)."""
         self.rollouts[i].kill()

@@ -58,6 +58,14 @@ class Learner(Protocol):
 
 Scorer = Callable[[RolloutSample, Problem], float]
 
+# What happens to a group whose records are lost for good (a Redis restart, eviction at the
+# memory bound, a refused record), in the setting TrainerConfig.lost_records:
+#   regenerate  its prompt is generated again in the same step, up to regenerate_attempts
+#               times, and the new group is trained guided; still lost after that: dropped
+#   unguided    trained without records: round-to-nearest QAT, no routing replay (rtn)
+#   drop        dropped untrained
+LOST_RECORDS = ("regenerate", "unguided", "drop")
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
@@ -71,6 +79,8 @@ class TrainerConfig:
     max_staleness: int = DEFAULT_MAX_STALENESS  # samples older than this many versions are dropped
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     measure_records: bool = False  # rollouts write records in every mode (for D_act metrics)
+    lost_records: str = "regenerate"  # groups whose records are lost: LOST_RECORDS
+    regenerate_attempts: int = 2  # regenerate: rounds per step before a lost group is dropped
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:
@@ -79,6 +89,12 @@ class TrainerConfig:
             raise ValueError(f"group_size must be >= 2 for GRPO, got {self.group_size}")
         if self.prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.lost_records not in LOST_RECORDS:
+            raise ValueError(
+                f"unknown lost_records {self.lost_records!r}; expected one of {LOST_RECORDS}"
+            )
+        if self.regenerate_attempts < 1:
+            raise ValueError(f"regenerate_attempts must be >= 1, got {self.regenerate_attempts}")
 
     @property
     def writes_records(self) -> bool:
@@ -166,12 +182,16 @@ class TrainerCore:
         train_samples = self._score(kept_groups, by_id)
         self._on_event(f"score groups={len(kept_groups)}")
 
-        dropped_records = 0
+        lost = LostRecords()
         # A sharded learner's ranks pull the records of the samples each trains themselves.
         pulled_by_learner = getattr(self.learner, "pulls_records", False)
         if cfg.writes_records and train_samples and not pulled_by_learner:
-            train_samples, dropped_records = self._attach_records(train_samples)
+            train_samples, lost_groups = self._attach_records(train_samples)
             self._on_event("records")
+            if lost_groups:
+                recovered, lost = self._recover(lost_groups, by_id, first_unit_id=len(batch))
+                train_samples += recovered
+                staleness += [ts.staleness for ts in recovered]
         t_records = time.perf_counter()
 
         train_metrics = self.learner.train_step(train_samples) if train_samples else {}
@@ -193,14 +213,16 @@ class TrainerCore:
             "samples": len(samples),
             "samples_trained": len(train_samples),
             "samples_dropped_stale": dropped,
-            "samples_dropped_records": dropped_records,
+            "samples_dropped_records": lost.dropped,
+            "samples_regenerated": lost.regenerated,
+            "samples_unguided": lost.unguided,
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness_max": max(staleness) if staleness else 0,
             "completion_tokens": n_completion,
             "completion_len_mean": n_completion / max(len(samples), 1),
             "rollout_tokens_per_s": n_completion / max(t_rollout - t_start, 1e-9),
             "rollout_tokens_per_s_per_replica": tps,
-            "redispatched_units": dstats.redispatched_units,
+            "redispatched_units": dstats.redispatched_units + lost.redispatched_units,
             "failed_replicas": list(dstats.failed_replicas),
             "record_bytes_per_token": sum(s.record_bytes for s in samples) / max(n_tokens, 1),
             "weight_push_seconds": push_s,
@@ -249,10 +271,12 @@ class TrainerCore:
             for j, s in enumerate(g)
         ]
 
-    def _attach_records(self, samples: Sequence[TrainSample]) -> tuple[list[TrainSample], int]:
-        """Attach each sample's record blob; a group with any record missing or corrupt (TTL,
-        eviction at the memory bound, a bad checksum) is dropped whole and counted, since its
-        advantages were normalized together. Returns (kept samples, samples dropped)."""
+    def _attach_records(
+        self, samples: Sequence[TrainSample]
+    ) -> tuple[list[TrainSample], list[list[TrainSample]]]:
+        """Attach each sample's record blob. A group with any record missing or corrupt (TTL,
+        eviction at the memory bound, a Redis restart, a bad tag) is set apart whole, since its
+        advantages were normalized together. Returns (kept samples, the groups set apart)."""
         by_version: dict[int, list[TrainSample]] = {}
         for ts in samples:
             by_version.setdefault(ts.rollout.policy_version, []).append(ts)
@@ -264,9 +288,70 @@ class TrainerCore:
             for ts in group:
                 blob = blobs.get(ts.rollout.sample_id)
                 if blob is None:
-                    log.warning("no usable record for sample %s (version %d): group dropped",
+                    log.warning("no usable record for sample %s (version %d): group lost",
                                 ts.rollout.sample_id, version)  # fmt: skip
                     lacking.add(ts.rollout.prompt_id)
                 ts.records = blob
         kept = [ts for ts in samples if ts.rollout.prompt_id not in lacking]
-        return kept, len(samples) - len(kept)
+        lost: dict[int, list[TrainSample]] = {}
+        for ts in samples:
+            if ts.rollout.prompt_id in lacking:
+                lost.setdefault(ts.rollout.prompt_id, []).append(ts)
+        return kept, [lost[pid] for pid in sorted(lost)]
+
+    def _recover(
+        self,
+        groups: list[list[TrainSample]],
+        by_id: Mapping[int, Prompt],
+        *,
+        first_unit_id: int,
+    ) -> tuple[list[TrainSample], LostRecords]:
+        """What ``config.lost_records`` says to do with groups whose records are lost: the
+        samples to train in their place, and the counts."""
+        cfg = self.config
+        n_lost = sum(len(g) for g in groups)
+        if cfg.lost_records == "drop":
+            return [], LostRecords(dropped=n_lost)
+        if cfg.lost_records == "unguided":
+            out = []
+            for g in groups:
+                for ts in g:
+                    ts.records, ts.unguided = None, True
+                    out.append(ts)
+            self._on_event(f"unguided samples={n_lost}")
+            return out, LostRecords(unguided=n_lost)
+        stats, out = LostRecords(), []
+        for _ in range(cfg.regenerate_attempts):
+            if not groups:
+                break
+            prompts = [by_id[g[0].rollout.prompt_id] for g in groups]
+            stats.regenerated += sum(len(g) for g in groups)
+            self._on_event(f"regenerate groups={len(groups)}")
+            samples, dstats = self.dispatcher.run(
+                prompts,
+                run_id=cfg.run_id,
+                step=self.step_index,
+                group_size=cfg.group_size,
+                sampling=cfg.sampling,
+                min_policy_version=max(self.version_floor or 0, self.version - cfg.max_staleness),
+                write_records=True,
+                first_unit_id=first_unit_id,
+            )
+            first_unit_id += len(prompts)  # >= the units this round used: fresh sample ids
+            stats.redispatched_units += dstats.redispatched_units
+            kept_groups, stale, _ = self._filter_groups(samples)
+            stats.dropped += stale  # the replicas lag the floor: rare, counted as dropped
+            got, groups = self._attach_records(self._score(kept_groups, by_id))
+            out += got
+        stats.dropped += sum(len(g) for g in groups)
+        return out, stats
+
+
+@dataclass(kw_only=True, slots=True)
+class LostRecords:
+    """One step's samples whose records were lost, by what became of them."""
+
+    regenerated: int = 0  # generated again (each round counts the samples it replaced)
+    unguided: int = 0  # trained without records
+    dropped: int = 0  # not trained
+    redispatched_units: int = 0  # units of the regeneration rounds sent to another replica

@@ -145,11 +145,11 @@ class Dispatcher:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def make_units(self, prompts: Sequence[Prompt]) -> list[WorkUnit]:
+    def make_units(self, prompts: Sequence[Prompt], first_unit_id: int = 0) -> list[WorkUnit]:
         n = self.config.prompts_per_unit
         return [
             WorkUnit(
-                unit_id=i // n,
+                unit_id=first_unit_id + i // n,
                 prompt_ids=[p.prompt_id for p in prompts[i : i + n]],
                 prompt_tokens=[p.token_ids for p in prompts[i : i + n]],
             )
@@ -166,9 +166,13 @@ class Dispatcher:
         sampling: SamplingConfig,
         min_policy_version: int,
         write_records: bool,
+        first_unit_id: int = 0,
     ) -> tuple[list[RolloutSample], DispatchStats]:
+        """Every completion of ``prompts`` exactly once. Units are numbered from
+        ``first_unit_id``: a second round in the same step (regenerating groups whose records
+        were lost) starts past the first round's units, so its sample ids and seeds differ."""
         cfg = self.config
-        pending = collections.deque(self.make_units(prompts))
+        pending = collections.deque(self.make_units(prompts, first_unit_id))
         done: dict[int, list[RolloutSample]] = {}
         inflight: dict[Future[list[RolloutSample]], tuple[str, GenerateCall, float]] = {}
         failed_at: dict[str, float] = {}  # replica -> when it may be used again

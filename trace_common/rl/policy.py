@@ -42,7 +42,7 @@ from trace_common.model.discrepancy import (
     rollout_reference,
     routing_mismatch,
 )
-from trace_common.model.train_forward import pad_right
+from trace_common.model.train_forward import TrainForwardOutput, pad_right
 from trace_common.rl.objective import DEFAULT_CLIP_EPS, DEFAULT_TIS_CAP, clipped_policy_loss
 from trace_common.rl.types import TrainSample
 from trace_common.rollout.meta import PolicyMeta
@@ -226,20 +226,25 @@ class ModelLearner:
         dev = self.device
         tokens, lengths = tokens.to(dev), lengths.to(dev)
         logp_rollout, comp_mask, adv = logp_rollout.to(dev), comp_mask.to(dev), adv.to(dev)
-        if cfg.mode == "trace" and any(ts.records is None for ts in samples):
-            raise ValueError("trace mode needs every sample's records")
+        if cfg.mode == "trace" and any(ts.records is None and not ts.unguided for ts in samples):
+            raise ValueError("trace mode needs every sample's records (or the sample unguided)")
         measured = None  # records for the discrepancy metrics (any mode, when present)
         if all(ts.records is not None for ts in samples):
             measured = [SampleRecords.from_bytes(ts.records) for ts in samples]  # type: ignore[arg-type]
-        records = measured if cfg.mode == "trace" else None  # records that steer training
+        records = None  # records that steer training
+        unguided: list[int] = []  # trace mode: samples whose records were lost, trained rtn
+        if cfg.mode == "trace":
+            unguided = [i for i, ts in enumerate(samples) if ts.records is None]
+            records = measured or [
+                None if ts.records is None else SampleRecords.from_bytes(ts.records)
+                for ts in samples
+            ]
         replay = cfg.mode == "trace" and cfg.routing_replay
         kw = dict(qat_mode=qat, routing_replay=replay, temperature=cfg.temperature)
 
         self.model.train()
         with torch.no_grad(), self.compute():
-            ref = forward_logprobs(
-                self.model, tokens, lengths=lengths, records=records, collect=True, **kw
-            )
+            ref = self._forward(tokens, lengths, records, unguided, collect=True, **kw)
         fresh = [i for i, ts in enumerate(samples) if ts.staleness == 0]
         metrics = self._discrepancy(ref, logp_rollout, comp_mask, measured, fresh or None, lengths)
         stale = [i for i, ts in enumerate(samples) if ts.staleness > 0]
@@ -253,10 +258,9 @@ class ModelLearner:
         for chunk in chunks:
             mb = torch.tensor(chunk, dtype=torch.long, device=dev)
             sub_records = [records[i] for i in chunk] if records is not None else None
+            sub_unguided = [j for j, i in enumerate(chunk) if i in unguided]
             with self.compute():
-                out = forward_logprobs(
-                    self.model, tokens[mb], lengths=lengths[mb], records=sub_records, **kw
-                )
+                out = self._forward(tokens[mb], lengths[mb], sub_records, sub_unguided, **kw)
             res = clipped_policy_loss(
                 out.logprobs,
                 logp_old[mb],
@@ -297,6 +301,41 @@ class ModelLearner:
         if dev.type == "cuda":
             metrics["train_peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)
         return metrics
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        records: list[SampleRecords | None] | None,
+        unguided: list[int],
+        *,
+        collect: bool = False,
+        **kw: Any,
+    ) -> Any:
+        """``forward_logprobs`` of the batch; the rows in ``unguided`` (trace mode, records
+        lost) run apart, with round-to-nearest QAT and the model's own routing. Such a batch
+        reports log-probs only (no site values: its discrepancy is measured on log-probs)."""
+        if not unguided:
+            return forward_logprobs(
+                self.model, tokens, lengths=lengths, records=records, collect=collect, **kw
+            )
+        assert records is not None
+        b, t = tokens.shape
+        logprobs = torch.zeros(b, t - 1, device=tokens.device)  # [B, T-1], fp32 like the parts
+        mask = torch.zeros(b, t - 1, dtype=torch.bool, device=tokens.device)
+        u = torch.tensor(unguided, device=tokens.device)
+        guided = [i for i in range(b) if i not in set(unguided)]
+        parts = [(u, None, {**kw, "qat_mode": "rtn", "routing_replay": False})]
+        if guided:
+            g = torch.tensor(guided, device=tokens.device)
+            parts.append((g, [records[i] for i in guided], kw))
+        for rows, part_records, part_kw in parts:
+            out = forward_logprobs(
+                self.model, tokens[rows], lengths=lengths[rows], records=part_records, **part_kw
+            )
+            logprobs[rows] = out.logprobs
+            mask[rows] = out.mask
+        return TrainForwardOutput(logprobs=logprobs, mask=mask)
 
     def _discrepancy(
         self,

@@ -57,6 +57,9 @@ class TrainSample:
     reward: float
     advantage: float
     records: bytes | None = None  # this sample's SampleRecords blob (trace mode)
+    # Its records were lost and the run trains such samples anyway (lost_records=unguided):
+    # trace mode trains it with round-to-nearest QAT and the model's own routing.
+    unguided: bool = False
     staleness: int = 0  # trainer version - the version that generated the sample
 
 

@@ -19,7 +19,10 @@ def scorer(sample, problem) -> float:
     return exact_match_reward(sample.completion_tokens, problem.answer, TOK)
 
 
-def make_core(replicas, log, store, *, mode="trace", prompts=4, group=2, units=1, max_staleness=3):
+def make_core(
+    replicas, log, store, *, mode="trace", prompts=4, group=2, units=1, max_staleness=3,
+    lost_records="regenerate",
+):  # fmt: skip
     stream = PromptStream(make_task("reverse", 1), TOK, seed=0)
     # reverse of 1 digit is the digit itself: build each prompt's right answer tokens
     answers = {i: [*TOK.encode(stream.problem(i).answer)] for i in range(64)}
@@ -32,6 +35,7 @@ def make_core(replicas, log, store, *, mode="trace", prompts=4, group=2, units=1
         mode=mode,
         max_staleness=max_staleness,
         sampling=SamplingConfig(max_new_tokens=4),
+        lost_records=lost_records,
     )
     disp = Dispatcher(
         StaticDirectory(replicas),
@@ -202,7 +206,9 @@ def test_dead_replica_backs_off_exponentially() -> None:
 
 def test_group_with_a_missing_record_is_dropped_and_counted() -> None:
     log, store = EventLog(), {}
-    core, learner, _ = make_core([FakeReplica("a", store=store)], log, store, units=4)
+    core, learner, _ = make_core(
+        [FakeReplica("a", store=store)], log, store, units=4, lost_records="drop"
+    )
 
     class Evicting(FakeRecordStore):
         def fetch(self, run_id, policy_version, sample_ids):
@@ -269,3 +275,69 @@ def test_republish_pushes_the_same_version_with_the_same_weights() -> None:
     (v1, meta1), (v2, meta2) = publisher.pushed[-2:]
     assert v1 == v2 == version and meta1 == meta2  # same step, same export
     assert log.events[-1] == f"republish version={version}"
+
+
+class Losing(FakeRecordStore):
+    """Loses the records of the samples whose ids match `lost` (a Redis restart wiped them)."""
+
+    def __init__(self, store, log, lost) -> None:
+        super().__init__(store, log)
+        self.lost = lost
+
+    def fetch(self, run_id, policy_version, sample_ids):
+        got = super().fetch(run_id, policy_version, sample_ids)
+        return {k: v for k, v in got.items() if not self.lost(k)}
+
+
+def test_lost_records_are_regenerated_in_the_same_step_and_counted() -> None:
+    log, store = EventLog(), {}
+    core, learner, _ = make_core([FakeReplica("a", store=store)], log, store, units=1)
+    # prompt 1's group (unit 1 of the first round) loses one record
+    core.records = Losing(store, log, lambda sid: sid == "s0-u1-a0-0-1")
+    core.publish()
+    m = core.step()
+    assert m["samples_regenerated"] == 2 and m["samples_dropped_records"] == 0, m
+    assert m["samples_unguided"] == 0 and m["samples_trained"] == m["samples"] == 8
+    kinds = log.kinds()
+    i = kinds.index("regenerate")
+    assert "dispatch" in kinds[i:] and kinds.index("learner.train") > i  # before training
+    seen = learner.seen[0]
+    assert all(ts.records is not None and not ts.unguided for ts in seen)
+    assert sorted(ts.rollout.prompt_id for ts in seen) == sorted([0, 0, 1, 1, 2, 2, 3, 3])
+    again = [ts.rollout.sample_id for ts in seen if ts.rollout.prompt_id == 1]
+    assert again == ["s0-u4-a0-0-0", "s0-u4-a0-0-1"]  # a fresh unit id: fresh sample ids
+
+
+def test_regeneration_is_bounded_then_the_group_is_dropped() -> None:
+    log, store = EventLog(), {}
+    core, _, _ = make_core([FakeReplica("a", store=store)], log, store, units=1)
+    core.records = Losing(store, log, lambda sid: sid.endswith("-0-1") and "-u0-" not in sid)
+    core.publish()  # every group but unit 0's, and each regenerated one, loses a record
+    m = core.step()
+    assert core.config.regenerate_attempts == 2
+    assert m["samples_regenerated"] == 2 * 6, m  # 3 groups of 2, twice
+    assert m["samples_dropped_records"] == 6 and m["samples_trained"] == 2, m
+    assert log.kinds().count("regenerate") == 2
+
+
+def test_lost_records_trained_unguided_when_configured() -> None:
+    log, store = EventLog(), {}
+    core, learner, _ = make_core(
+        [FakeReplica("a", store=store)], log, store, units=1, lost_records="unguided"
+    )
+    core.records = Losing(store, log, lambda sid: sid == "s0-u2-a0-0-0")
+    core.publish()
+    m = core.step()
+    assert m["samples_unguided"] == 2 and m["samples_regenerated"] == 0, m
+    assert m["samples_trained"] == 8 and m["samples_dropped_records"] == 0
+    unguided = [ts for ts in learner.seen[0] if ts.unguided]
+    assert {ts.rollout.prompt_id for ts in unguided} == {2}
+    assert all(ts.records is None for ts in unguided)
+    assert all(ts.records is not None for ts in learner.seen[0] if not ts.unguided)
+
+
+def test_config_rejects_unknown_lost_records() -> None:
+    with pytest.raises(ValueError, match="lost_records"):
+        TrainerConfig(lost_records="retry")
+    with pytest.raises(ValueError, match="regenerate_attempts"):
+        TrainerConfig(regenerate_attempts=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -89,6 +91,41 @@ def test_engine_loads_pushed_codes_without_requantizing() -> None:
     rec = SampleRecords.from_bytes(samples[0].records)
     assert rec.tokens.tolist() == [1, 4, 13, *samples[0].completion_tokens]
     assert {layer for layer, _ in rec.guidance} == {2, 3}  # the deeper half by default
+
+
+def test_unguided_samples_run_rtn_without_replay_beside_guided_ones() -> None:
+    """Records lost, lost_records=unguided: those rows get the rtn forward with the model's
+    own routing, the others the guided one with replay, in one batch."""
+    from trace_common.model import forward_logprobs
+    from trace_common.model.train_forward import pad_right
+    from trace_common.rl.testing import engine_train_samples
+
+    core, holders, _, _ = build_loop("trace", ALL_LAYERS_FULL)
+    core.publish()
+    engine, _ = holders[0].snapshot()
+    samples = engine_train_samples(
+        engine, [[1, 4, 13], [1, 5, 12]], 2, SamplingConfig(max_new_tokens=3),
+        advantages=[1.0, -1.0],
+    )  # fmt: skip
+    for ts in samples[2:]:
+        ts.records, ts.unguided = None, True
+    learner = core.learner
+    seqs = [list(ts.rollout.prompt_tokens) + ts.rollout.completion_tokens for ts in samples]
+    tokens, lengths = pad_right(seqs, TOK.pad_id)
+    recs = [SampleRecords.from_bytes(ts.records) for ts in samples[:2]]
+    kw = dict(qat_mode="trace", routing_replay=True, temperature=1.0)
+    with torch.no_grad():
+        mixed = learner._forward(tokens, lengths, [*recs, None, None], [2, 3], **kw).logprobs
+        guided = forward_logprobs(learner.model, tokens[:2], lengths=lengths[:2], records=recs,
+                                  **kw).logprobs  # fmt: skip
+        rtn = forward_logprobs(learner.model, tokens[2:], lengths=lengths[2:], qat_mode="rtn",
+                               temperature=1.0).logprobs  # fmt: skip
+    assert torch.equal(mixed[:2], guided) and torch.equal(mixed[2:], rtn)
+    m = learner.train_step(samples)
+    assert math.isfinite(m["loss"]) and "d_act_mean" not in m  # measured on log-probs only
+    samples[0].records = None  # lost but not marked unguided: refused, never trained rtn
+    with pytest.raises(ValueError, match="records"):
+        learner.train_step(samples)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp4", "rtn"])
