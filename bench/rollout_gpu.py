@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import pathlib
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from trace_common.kernels import cuda_small
+from trace_common.kernels import cuda_small, fp4_attn_impl
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.engine import (
     DecodeEngine,
@@ -42,6 +41,7 @@ from trace_common.kernels.engine import (
     small_batch_supported,
 )
 from trace_common.kernels.moe import MAX_FUSED_ROUTE_TOKENS
+from trace_common.kernels.settings import KernelSettings
 
 GIB = 1 << 30
 STEP_MARGIN = 64  # cache capacity beyond the context: warm-up + timed steps
@@ -101,11 +101,13 @@ def time_engine(
     profile: bool = False,
     small: bool = False,
     pdl: bool = False,
+    settings: KernelSettings | None = None,
 ) -> tuple[float, int]:  # fmt: skip
-    """(seconds per decode step, bytes the step moved) for one captured configuration."""
+    """(seconds per decode step, bytes the step moved) for one captured configuration
+    (`settings`: the kernels' launch shapes; default the built-in ones)."""
     eng = DecodeEngine(shape, weights, batch=batch, capacity=context + STEP_MARGIN,
                        context=context, guided_layers=guided, small_batch=small,
-                       pdl=pdl)  # fmt: skip
+                       pdl=pdl, settings=settings)  # fmt: skip
     eng.fill_context_()
     eng.tokens.random_(0, shape.vocab)
     eng.capture(warmup=2)
@@ -186,16 +188,11 @@ def transformers_baseline(
 
 
 def check_fp4_decode() -> str:
-    """Use the inline-PTX FP4 decode if it compiles and agrees with the plain one here, else
-    fall back to "bits" (sets TRACE_FP4_DECODE for the engine)."""
-    import os
-
+    """Check that the Triton kernels' inline-PTX FP4 decode compiles and agrees with the plain
+    one here; returns "ptx" (a disagreement raises: the Triton FP4 path would be wrong)."""
     from trace_common.kernels import moe
     from trace_common.kernels.quant import quantize_rows
 
-    want = os.environ.get("TRACE_FP4_DECODE", "ptx")
-    if want != "ptx":
-        return want
     try:
         w = moe.quantize_weights(torch.randn(8, 256, 256, device="cuda").bfloat16(),
                                  shared_halves=False)  # fmt: skip
@@ -207,9 +204,7 @@ def check_fp4_decode() -> str:
         if not torch.equal(outs[0], outs[1]):
             raise RuntimeError("ptx and bits decodes disagree")
     except Exception as exc:
-        print(f"FP4 ptx decode unusable here ({exc}); using 'bits'", flush=True)
-        os.environ["TRACE_FP4_DECODE"] = "bits"
-        return "bits"
+        raise RuntimeError(f"the FP4 ptx decode is unusable here: {exc}") from exc
     return "ptx"
 
 
@@ -232,15 +227,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke: 1K context, batches 1 and 8")
     ap.add_argument("--profile", action="store_true", help="kernel-time table per config")
     ap.add_argument("--fp4-gemm", choices=("cuda", "triton"), default="cuda",
-                    help="FP4 expert GEMM: CUDA C++ mma.sync kernel or Triton")  # fmt: skip
-    ap.add_argument("--fp4-attn", choices=("cuda", "triton"), default="cuda",
-                    help="FP4 decode attention: CUDA C++ mma.sync kernel or Triton")  # fmt: skip
+                    help="FP4 expert GEMM: CUDA C++ mma.sync kernel or Triton (the fallback "
+                         "without CuPy)")  # fmt: skip
     ap.add_argument("--small", choices=("auto", "off", "on", "both"), default="auto",
                     help="small-batch kernels (cuda_small) at batch <= 8: the engine's default "
-                         "(TRACE_SMALL_BATCH), off, on, or both (each configuration twice)")  # fmt: skip
+                         "(cuda_small.small_batch_enabled), off, on, or both (each configuration "
+                         "twice)")  # fmt: skip
     ap.add_argument("--pdl", choices=("auto", "off", "on", "both"), default="auto",
                     help="programmatic dependent launch of the small-batch kernels: the engine's "
-                         "default (TRACE_PDL), off, on, or both (A/B)")  # fmt: skip
+                         "default (on from sm_90), off, on, or both (A/B)")  # fmt: skip
     ap.add_argument("--no-capture", action="store_true", help="skip the guidance-capture rows")
     ap.add_argument(
         "--gemv-table",
@@ -251,8 +246,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.batches = [1024], [1, 8]
-    os.environ["TRACE_FP4_GEMM"] = args.fp4_gemm
-    os.environ["TRACE_FP4_ATTN"] = args.fp4_attn
     decode = check_fp4_decode()
     args.out.mkdir(parents=True, exist_ok=True)
     shape = EngineShape.named(num_layers=args.layers)
@@ -262,9 +255,8 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda,
         "command": " ".join(sys.argv), "fp4_decode": decode, "fp4_gemm": args.fp4_gemm,
-        "fp4_attn": args.fp4_attn, "small": args.small, "pdl": args.pdl,
-        "router_cluster": cuda_small.router_cluster_enabled(),
-        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRACE_")},
+        "fp4_attn": fp4_attn_impl(), "small": args.small, "pdl": args.pdl,
+        "small_launch": cuda_small.config(),
     }  # fmt: skip
     print(env, flush=True)
     bw = copy_bandwidth()

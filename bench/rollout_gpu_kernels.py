@@ -108,7 +108,6 @@ def bench_moe(bw: float, sweep: frozenset[str], write_configs: pathlib.Path | No
             ("fp4-ptx", "ptx", "triton", None, None, None),
             ("fp4-cuda", None, "cuda", "mma", None, None),
             ("fp4-stream", None, "cuda", "stream", None, None),
-            ("fp4-tma", None, "cuda", "tma", None, None),
             ("fp4-wg", None, "cuda", "wg", None, None),
             ("fp4-cuda-default", None, "cuda", None, None, None),  # kernel per shape (engine's)
         ]
@@ -119,14 +118,6 @@ def bench_moe(bw: float, sweep: frozenset[str], write_configs: pathlib.Path | No
             for cfg in SWEEP_STREAM_DOWN:
                 if cuda_moe.stream_smem_bytes(bm, *cfg[:4], False) <= cuda_moe.STREAM_SMEM_MAX:
                     variants.append((f"stream dn{cfg}", None, "cuda", "stream", None, cfg))
-        if "tma" in sweep:  # the bulk-copy kernel (moe_fp4_tma)
-            for gated, k, cfgs in ((True, H, SWEEP_TMA_GATE_UP), (False, INTER, SWEEP_TMA_DOWN)):
-                for cfg in cfgs:  # (RW, WK, KGW, S)
-                    if cuda_moe.tma_smem_bytes(k, bm, *cfg[:2], cfg[3], gated) <= (
-                            cuda_moe.STREAM_SMEM_MAX):  # fmt: skip
-                        variants.append((f"tma {'gu' if gated else 'dn'}{cfg}", None, "cuda",
-                                         "tma", cfg if gated else None,
-                                         None if gated else cfg))  # fmt: skip
         if "wg" in sweep:  # the warpgroup-MMA kernel (moe_fp4_wg)
             for gated, k, cfgs in ((True, H, SWEEP_WG_GATE_UP), (False, INTER, SWEEP_WG_DOWN)):
                 for cfg in cfgs:  # (KGW, S, NWG)
@@ -187,7 +178,7 @@ def bench_moe(bw: float, sweep: frozenset[str], write_configs: pathlib.Path | No
             tbs = gb / ((us_gu + us_dn) * 1e-6) / 1e3
             line = (f"| {t} | {variant}{note} | {us_gu:.1f} | {us_dn:.1f} | {used:.1f} | "
                     f"{gb:.3f} | {tbs:.2f} | {100 * tbs / bw:.0f} |")  # fmt: skip
-            swept = variant.startswith(("stream ", "tma ", "ws ", "wg "))
+            swept = variant.startswith(("stream ", "ws ", "wg "))
             if kern in ("mma", "stream") and waves == 1 and (db is None or db > 60):  # by config
                 timed = [(f"{H},{bm},True", cfg_gu, us_gu), (f"{INTER},{bm},False", cfg_dn, us_dn)]
                 if variant.startswith("stream "):  # only the swept GEMM ran a new config
@@ -206,8 +197,8 @@ def bench_moe(bw: float, sweep: frozenset[str], write_configs: pathlib.Path | No
             if not swept:
                 print(line, flush=True)
     if sweep_rows:
-        print("\nStreaming kernel configs (RW, WK, KGW, S, MINB) and bulk-copy kernel configs "
-              "(RW, WK, KGW, S); only the named GEMM uses it:")  # fmt: skip
+        print("\nStreaming kernel configs (RW, WK, KGW, S, MINB) and warpgroup-MMA kernel configs "
+              "(KGW, S, NWG); only the named GEMM uses it:")  # fmt: skip
         print("\n".join(sweep_rows))
         chosen = {key: list(min(cfgs, key=cfgs.get)) for key, cfgs in best.items()}
         print("fastest configs summed over the token counts of each block size (4 numbers: "
@@ -228,10 +219,6 @@ def bench_moe(bw: float, sweep: frozenset[str], write_configs: pathlib.Path | No
 # groups per warp, ring stages, CTAs per SM asked of the register allocator (0: no ask)
 SWEEP_STREAM_GATE_UP = [(2, 8, 4, 4, 2), (1, 16, 2, 4, 1), (4, 8, 4, 3, 1), (1, 4, 8, 3, 3)]
 SWEEP_STREAM_DOWN = [(4, 6, 2, 6, 3), (2, 4, 3, 4, 3), (4, 3, 4, 4, 0), (2, 2, 6, 4, 0)]
-# Bulk-copy kernel (RW, WK, KGW, S): output tiles per item, warps along K, 64-wide k groups per
-# warp, item buffers (the grid: as many CTAs as the SMs hold)
-SWEEP_TMA_GATE_UP = [(1, 16, 2, 5), (1, 16, 2, 2), (1, 8, 4, 2), (2, 8, 4, 2), (2, 16, 2, 2)]
-SWEEP_TMA_DOWN = [(2, 6, 2, 4), (4, 4, 3, 3), (4, 12, 1, 3), (2, 12, 1, 4), (2, 4, 3, 3)]
 # Warpgroup-MMA kernel (KGW, S, NWG): 64-wide k groups per ring stage, ring stages, warpgroups
 # per CTA (NWG <= 4 for gate_up, <= 6 for down: more threads per CTA leave fewer registers than
 # the instances use, ~120 / ~80)
@@ -240,7 +227,7 @@ SWEEP_WG_GATE_UP = [(4, 2, 4), (4, 2, 3), (4, 2, 1), (2, 2, 2), (4, 2, 2), (2, 3
 SWEEP_WG_DOWN = [(6, 2, 4), (6, 2, 2), (3, 2, 2), (6, 2, 6), (4, 2, 6), (4, 2, 4), (3, 2, 4),
                  (6, 2, 3), (3, 3, 2)]  # fmt: skip
 SWEEP_STREAM_WAVES = [3]  # the default configs with the grid sized for 3 waves of resident CTAs
-SWEEP_KERNELS = ("stream", "tma", "wg")  # --cuda-sweep's choices
+SWEEP_KERNELS = ("stream", "wg")  # --cuda-sweep's choices
 
 
 ATTN_SWEEP = [("regs", 4, 3), ("ring", 4, 4, 4), ("ring", 4, 4, 3), ("ring", 4, 5, 3),
@@ -346,7 +333,8 @@ def main() -> None:
     ap.add_argument("--attn-cold", action="store_true",
                     help="attention calls cycle through copies of the cache (>= 3x L2), so each "
                          "reads its KV from HBM as the engine's layers do")  # fmt: skip
-    ap.add_argument("--write-configs", type=pathlib.Path, help="json of the fastest configs")
+    ap.add_argument("--write-configs", type=pathlib.Path,
+                    help="json of the fastest configs (KernelSettings.expert_gemm_configs)")  # fmt: skip
     args = ap.parse_args()
     if args.launch_once:
         bench_moe(0.0, frozenset(), None, tuple(args.tokens), once=True)

@@ -6,7 +6,8 @@ of each call site (`cuda_small.WARPS`) and the cp.async ring depth (`RING_STAGES
 size (`RING_STAGE_CHUNKS`), timing the captured BF16 batch-1 step (small path + PDL; the best
 of `--rounds` x `--steps` replays). A setting that does not launch (too much shared memory, too
 many threads) is reported and skipped. Then an interleaved A/B of the defaults against the
-best found, BF16 at each context and FP4 at the first:
+best found, BF16 at each context and FP4 at the first. The best is what
+`KernelSettings(small_launch=...)` takes:
 
     python3 bench/small_batch_sweep.py --contexts 1024 32768
 """
@@ -28,6 +29,7 @@ from rollout_gpu import time_engine
 
 from trace_common.kernels import cuda_small
 from trace_common.kernels.engine import EngineShape, EngineWeights
+from trace_common.kernels.settings import KernelSettings
 
 # knob -> values tried; WARPS keys are call sites, the rest module constants of cuda_small
 KNOBS: dict[str, tuple[int, ...]] = {
@@ -52,17 +54,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="graph replays per timing")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--best-out", type=pathlib.Path, help="write the best found as JSON here "
-                    "(for TRACE_SMALL_CONFIG)")  # fmt: skip
+                    "(KernelSettings.small_launch)")  # fmt: skip
     args = ap.parse_args()
     shape = EngineShape.named(num_layers=args.layers)
     weights = EngineWeights.random(shape, "cuda")
     ctx0 = args.contexts[0]
 
     def ms(cfg: dict[str, int], ctx: int, rounds: int) -> float | None:
-        cuda_small.configure(cfg)
+        settings = KernelSettings(small_launch=cfg)
         try:
             return 1e3 * min(time_engine(shape, weights, batch=1, context=ctx, steps=args.steps,
-                                         small=True, pdl=True)[0] for _ in range(rounds))  # fmt: skip
+                                         small=True, pdl=True, settings=settings)[0]
+                             for _ in range(rounds))  # fmt: skip
         except Exception as exc:  # a launch shape the kernels or the GPU refuse
             print(f"  {cfg}: does not run ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
             torch.cuda.synchronize()
@@ -101,7 +104,7 @@ def main() -> None:
     weights.quantize_experts_("cuda")
     torch.cuda.empty_cache()
     ab("FP4", ctx0)
-    cuda_small.configure()  # back to TRACE_SMALL_CONFIG / the defaults
+    KernelSettings().apply()  # back to the defaults
     if args.best_out:
         args.best_out.write_text(json.dumps(best))
 

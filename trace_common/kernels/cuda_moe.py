@@ -158,7 +158,7 @@ CUDA_KERNELS = ("stream", "mma", "wg")  # moe_fp4_stream, moe_fp4_mma, moe_fp4_w
 # `moe_fp4_wg` (warpgroup MMAs, 8- or 16-slot blocks; cuda/moe_fp4_wg.cu) per (K, token slots,
 # gated): (KGW 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA);
 # 16 slots: the fastest of `bench/rollout_gpu_kernels.py --cuda-sweep wg` at 96 / 128 tokens on
-# an H200, confirmed in the engine with bench/env_ab.py.
+# an H200, confirmed in the engine.
 WG_CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (2048, 16, True): (4, 2, 4),
     (768, 16, False): (6, 2, 4),
@@ -168,8 +168,8 @@ DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # `bench/rollout_gpu_kernels.py --cuda-sweep`). 16 slots on sm_90: the warpgroup-MMA kernel
 # (`wg`); `stream` where wgmma is missing (not sm_90).
 # ... and `wg` only up to this many pairs (batch 156 at top-8), `stream` past them, where its
-# item-walking grid keeps more CTAs busy (both on `wave_grid`; the crossover measured with
-# bench/env_ab.py is in docs/benchmarks.md, "Expert GEMM defaults").
+# item-walking grid keeps more CTAs busy (both on `wave_grid`; the crossover is in
+# docs/benchmarks.md, "Expert GEMM defaults").
 WG_MAX_PAIRS = 1248
 KERNEL_FOR: dict[tuple[int, int, bool], str] = {
     (2048, 8, True): "mma",
