@@ -282,9 +282,8 @@ class DecodeEngine:
 
     def _finish(self, delta: torch.Tensor | None, resid: torch.Tensor, nsum: int) -> None:
         """The step's tail on both paths: the last layer's output `delta` (`nsum` rows per
-        token) added to `resid`, final RMSNorm, LM head (cuBLAS: 144 vs 173 us for the 622 MB
-        LM head at batch 1 against the small-batch GEMV, bench/rollout_gpu.py --gemv-table),
-        greedy token, positions advanced."""
+        token) added to `resid`, final RMSNorm, LM head (cuBLAS, faster than the small-batch
+        GEMV at the LM head's size: docs/kernels.md), greedy token, positions advanced."""
         s, w = self.shape, self.w
         attn.add_rmsnorm(delta, resid, w.final_norm, self.xn, nsum=nsum, eps=s.eps)
         torch.mm(self.xn, w.lm_head.t(), out=self.logits)

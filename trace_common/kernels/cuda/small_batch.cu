@@ -30,9 +30,9 @@
 //    heads), fp4_common.cuh's quantizer.
 // Rounding points follow the Triton kernels (trace_common/kernels/_tl_attn.py, _tl_moe.py).
 //
-// Programmatic dependent launch (cuda_launch.launch_ex, TRACE_PDL=on): every kernel here calls
-// pdl_wait() before it reads an activation or writes anything, and pdl_launch_dependents()
-// right after it. The projections issue their first weight stages before the wait (no kernel
+// Programmatic dependent launch (cuda_launch.launch_ex; the engine's default on sm_90): every
+// kernel here calls pdl_wait() before it reads an activation or writes anything, and
+// pdl_launch_dependents() right after it. The projections issue their first weight stages before the wait (no kernel
 // writes weights), so their prefetch overlaps the previous kernel's tail; gate_up waits first
 // (the routing picks its weights), down streams its weights before the wait (the routing is
 // complete when it starts: see moe_down_bf16). Launched without the attribute, both are no-ops.
