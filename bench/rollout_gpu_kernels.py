@@ -230,7 +230,7 @@ SWEEP_STREAM_WAVES = [3]  # the default configs with the grid sized for 3 waves 
 SWEEP_KERNELS = ("stream", "wg")  # --cuda-sweep's choices
 
 
-ATTN_SWEEP = [("regs", 4, 3), ("ring", 4, 4, 4), ("ring", 4, 4, 3), ("ring", 4, 5, 3),
+ATTN_SWEEP = [("ring", 4, 4, 4), ("ring", 4, 4, 3), ("ring", 4, 5, 3),
               ("ring", 4, 5, 4), ("ring", 4, 3, 4), ("ring", 8, 2, 2)]  # fmt: skip
 ATTN_RING = ("ring", 4, 4, 4)
 
@@ -285,7 +285,7 @@ def bench_attention(bw: float, sweep: bool = False, cold: bool = False) -> None:
                 target = None if split_only else target
                 impl = "cuda" if cuda else "triton"
                 if cuda:
-                    cuda_attn.DEFAULT_CONFIG = cfg  # what decode_attention launches
+                    cuda_attn.set_default_config(cfg)  # what decode_attention launches
                 attn.TARGET_PROGRAMS = target or target0
                 plan = attn.DecodeAttnPlan.make(batch=b, q_heads=HQ, kv_heads=HKV, capacity=ctx,
                                                 head_dim=D, context_hint=ctx, device="cuda",
@@ -309,7 +309,7 @@ def bench_attention(bw: float, sweep: bool = False, cold: bool = False) -> None:
                 name += " (split kernel only)" if split_only else ""
                 print(f"| {b} | {ctx} | {name} | {us:.1f} | {gb:.3f} | {tbs:.2f} | "
                       f"{100 * tbs / bw:.0f} | {db} |", flush=True)  # fmt: skip
-            cuda_attn.DEFAULT_CONFIG = default
+            cuda_attn.set_default_config(default)
             del cache, caches
 
 

@@ -20,10 +20,6 @@ LOG2E = 1.4426950408889634
 ATTN_BLOCK_N = 64  # keys per inner tile
 ATTN_MIN_CHUNK = 256  # keys per split, at least
 TARGET_PROGRAMS = 528  # ~4 programs per SM on a 132-SM H200
-# The CUDA FP4 kernel (3 CTAs of 4 warps per SM) takes twice the splits from this context on:
-# long contexts gain from the extra parallelism, short ones at large batch only pay the extra
-# reduction (bench/rollout_gpu_kernels.py --attention-only --attn-sweep decides it).
-CUDA_FP4_LONG_CONTEXT = 8192
 # The ring CUDA kernel streams each split through a cp.async ring, so a split costs its tokens
 # plus a fixed start (first tiles' latency, the warp merge, the partials): modelled as this many
 # tokens. Its plan picks the split size that minimises waves x (split + this), see ring_chunk.
@@ -112,8 +108,7 @@ class DecodeAttnPlan:
     ) -> DecodeAttnPlan:  # fmt: skip
         """Pick keys-per-split so that batch * kv_heads * splits of the expected context fill
         the GPU; splits past a sequence's length return at once. `cuda_fp4`: for the CUDA FP4
-        kernel: the ring kernel's wave rule (`ring_chunk`) at `capacity` tokens, or 2x the splits
-        from CUDA_FP4_LONG_CONTEXT tokens for the first ("regs") kernel. `fused`: the one-launch
+        kernel: its wave rule (`ring_chunk`) at `capacity` tokens. `fused`: the one-launch
         kernels where `fused_chunk` takes the context (short ones); then `counters` is set
         (the engine asks for them per `cuda_attn.fused_enabled`)."""
         from trace_common.kernels import cuda_attn
@@ -123,16 +118,13 @@ class DecodeAttnPlan:
             chunk = cuda_attn.fused_chunk(batch * kv_heads, context_hint, fp4=cuda_fp4,
                                           sms=_sm_count(device))  # fmt: skip
         fused = chunk > 0  # else the split kernels' rules below
-        ring_slots = cuda_attn.ring_ctas_per_sm() * _sm_count(device) if cuda_fp4 else 0
-        if not fused and ring_slots:
+        if not fused and cuda_fp4:
             # for the longest sequence the plan serves: planned for the starting length, a step
             # past a split boundary (1K + a few tokens) needs a second wave of CTAs
+            ring_slots = cuda_attn.ring_ctas_per_sm() * _sm_count(device)
             chunk = ring_chunk(batch * kv_heads, max(context_hint, capacity), ring_slots)
         elif not fused:
-            target = TARGET_PROGRAMS
-            if cuda_fp4 and context_hint >= CUDA_FP4_LONG_CONTEXT:
-                target *= 2
-            want = max(1, math.ceil(target / (batch * kv_heads)))
+            want = max(1, math.ceil(TARGET_PROGRAMS / (batch * kv_heads)))
             chunk = max(ATTN_MIN_CHUNK,
                         math.ceil(context_hint / want / ATTN_BLOCK_N) * ATTN_BLOCK_N)  # fmt: skip
         nsplit = math.ceil(capacity / chunk)
@@ -261,7 +253,7 @@ def _attention_cuda(
     if not _fp4_cuda_runs(q, cache, plan, impl):
         return ""
     kv = cache.codes
-    fused = plan.counters is not None and cuda_attn.default_config()[0] == "ring"
+    fused = plan.counters is not None
     cuda_attn.decode_attn_split_cuda(
         q, kv, cache.scales, cache.row_scales, lens, plan.part_o, plan.part_ml,  # type: ignore[arg-type]
         chunk=plan.chunk, qk_scale=qk_scale, counters=plan.counters if fused else None,

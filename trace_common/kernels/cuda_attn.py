@@ -1,11 +1,10 @@
 """CUDA C++ split-KV decode attention over the FP4 KV cache (mma.sync, Hopper).
 
-Two kernels in `cuda/attn_fp4.cu`, picked by the launch config (`kernel_name`): `attn_fp4_ring`
-(the default: a per-warp cp.async shared-memory ring, swapped MMAs) and `attn_fp4_split` (the
-first version, "regs"). Both read the cache in the layout the append kernel writes
+`attn_fp4_ring` in `cuda/attn_fp4.cu` (a per-warp cp.async shared-memory ring, swapped MMAs;
+launch shapes per `kernel_name`) reads the cache in the layout the append kernel writes
 (`attention.KVCacheGPU`: NVFP4 codes + e4m3 block scales + per-token fp32 scale, contiguous)
-and write the same split partials as the Triton split kernel, so `attention.decode_attention`
-combines them with the Triton reduce kernel either way. It handles head_dim 128 and 8 query
+and writes the same split partials as the Triton split kernel, so `attention.decode_attention`
+combines them with the Triton reduce kernel. It handles head_dim 128 and 8 query
 heads per kv head (the Qwen3-MoE shape); `supports` says whether a shape fits. Compiled by
 NVRTC through CuPy on first use and launched on PyTorch's current stream (CUDA-graph safe).
 
@@ -42,14 +41,10 @@ SMALL_SOURCE = pathlib.Path(__file__).with_name("cuda") / "attn_small.cu"
 HEAD_DIM = 128
 GROUP = 8  # query heads per kv head
 TILE = 16  # tokens per warp step
-# Launch configurations: ("ring", warps per CTA, CTAs per SM asked of the register allocator,
-# shared-memory stages per warp) runs `attn_fp4_ring` (cp.async ring, swapped MMAs); ("regs",
-# warps, CTAs per SM) runs `attn_fp4_split`, the first version (register double buffer).
-# ("regs", 4, 3) fits 168 registers, ("ring", 4, 4, 4) 115, neither spills (nvcc -Xptxas -v,
-# sm_90a); bench/rollout_gpu_kernels.py --attention-only --attn-sweep times them. The ring
-# kernel is the default: it keeps more bytes in flight than the register double buffer, and
-# was faster at every shape swept on an H200. `KernelSettings.attn_config` replaces it
-# (`set_default_config`).
+# Launch configuration ("ring", warps per CTA, CTAs per SM asked of the register allocator,
+# shared-memory stages per warp) of `attn_fp4_ring`: ("ring", 4, 4, 4) fits 115 registers
+# without spills (nvcc -Xptxas -v, sm_90a); bench/rollout_gpu_kernels.py --attention-only
+# --attn-sweep times others. `KernelSettings.attn_config` replaces it (`set_default_config`).
 DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
 _CONFIG: list[tuple] = [DEFAULT_CONFIG]  # the configuration in force
 
@@ -83,8 +78,6 @@ def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
     from trace_common.kernels.attention import ring_chunk
 
     per_sm = ring_ctas_per_sm() if fp4 else FUSED_BF16_CTAS_PER_SM
-    if not per_sm:  # the FP4 "regs" kernel: no fused variant
-        return 0
     chunk = max(ring_chunk(heads, context, per_sm * sms), FUSED_MIN_CHUNK)
     return chunk if -(-max(context, 1) // chunk) <= FUSED_MAX_SPLITS else 0
 
@@ -105,11 +98,8 @@ def kernel_name(config: tuple, fused: bool = False, append: bool = False) -> tup
     if kind == "ring" and len(p) == 3 and p[2] >= 2:
         flags = f", {str(fused).lower()}, true" if append else (", true" if fused else "")
         return f"attn_fp4_ring<{p[0]}, {p[1]}, {p[2]}{flags}>", p[0]
-    if kind == "regs" and len(p) == 2 and not (fused or append):
-        return f"attn_fp4_split<{p[0]}, {p[1]}>", p[0]
     raise ValueError(f"CUDA FP4 attention config {config!r}: expected ('ring', warps, "
-                     f"CTAs per SM, stages >= 2) or ('regs', warps, CTAs per SM); fused={fused}, "
-                     f"append={append} (the ring kernel's variants only)")  # fmt: skip
+                     "CTAs per SM, stages >= 2)")  # fmt: skip
 
 
 def parse_config(text: str) -> tuple:
@@ -139,10 +129,10 @@ def set_default_config(config: tuple | None) -> None:
 
 
 def ring_ctas_per_sm(config: tuple | None = None) -> int:
-    """CTAs per SM the ring kernel's config asks for (0 for the "regs" kernel)."""
+    """CTAs per SM the ring kernel's config asks for."""
     config = config or default_config()
     kernel_name(config)
-    return config[2] if config[0] == "ring" else 0
+    return config[2]
 
 
 def supports(q_heads: int, kv_heads: int, head_dim: int, chunk: int) -> bool:
@@ -170,9 +160,9 @@ def decode_attn_split_cuda(
 ) -> None:
     """Split kernel of FP4 decode attention: writes part_o / part_ml for splits of `chunk`
     tokens (splits starting at or past lens[b] are left untouched, as the reduce skips them).
-    With `counters` and `out` (ring kernel only): the fused variant, which also combines the
-    splits into `out`; `pdl`: launched as a programmatic dependent launch. With `kv_new` (ring
-    kernel, HKV <= its warps): the CTAs of the split holding position lens[b] - 1 first append
+    With `counters` and `out`: the fused variant, which also combines the
+    splits into `out`; `pdl`: launched as a programmatic dependent launch. With `kv_new` (HKV <=
+    its warps): the CTAs of the split holding position lens[b] - 1 first append
     that token's K/V rows there, as quant.kv_append_fp4(kv_new, ..., pos=lens - 1, kv_capture)
     bit for bit, instead of an append launch before."""
     import numpy as np
@@ -204,19 +194,18 @@ def decode_attn_split_cuda(
         ptr(part_ml.data_ptr()), np.int32(b), np.int32(hkv), np.int32(s), np.int32(chunk),
         np.int32(nsplit), np.float32(qk_scale),
     )  # fmt: skip
-    if config[0] == "ring":  # its FUSED and KVQ arguments (unused, null, when off)
-        rec = kv_capture
-        args += pointers(counters, out if fused else None, kv_new,
-                         *((None,) * 3 if rec is None else (rec.mbits, rec.block_scales,
-                                                            rec.row_scales)))  # fmt: skip
+    rec = kv_capture  # the FUSED and KVQ arguments (unused, null, when off)
+    args += pointers(counters, out if fused else None, kv_new,
+                     *((None,) * 3 if rec is None else (rec.mbits, rec.block_scales,
+                                                        rec.row_scales)))  # fmt: skip
     launch_on_torch_stream(fn, (nsplit, hkv, b), (warps * 32,), args, q.device, pdl=pdl)
 
 
 def append_supported(hkv: int, config: tuple | None = None) -> bool:
     """Whether the FP4 attention kernel of `config` (default: default_config()) can append the
-    newest token itself: the ring kernel, one warp per kv head at least."""
+    newest token itself: one warp per kv head at least."""
     config = config or default_config()
-    return config[0] == "ring" and hkv <= config[1]
+    return hkv <= config[1]
 
 
 def _check_append(kv_new: torch.Tensor, rec: CompactRecordBuffers | None, b: int, hkv: int,

@@ -1,19 +1,16 @@
-"""Both CUDA FP4 decode attention kernels (`cuda_attn.kernel_name`: "ring" and "regs") and
-several launch configurations, on the H200 (skipped without a GPU and CuPy): > 40 dB SQNR per
-sequence against fp32 attention over the dequantized cache and against the Triton kernel, and
-the decode graph replays the eager step with the first ("regs") kernel."""
+"""The CUDA FP4 decode attention kernel (`cuda_attn.kernel_name`) in several launch
+configurations, on the H200 (skipped without a GPU and CuPy): > 40 dB SQNR per sequence against
+fp32 attention over the dequantized cache and against the Triton kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from test_kernels_gpu import DEV, sqnr_db
-from test_kernels_gpu import test_engine_graph_replay_equals_eager as _engine_replay
 
 pytestmark = pytest.mark.gpu
 
-CONFIGS = [("regs", 4, 3), ("ring", 4, 4, 4), ("ring", 4, 5, 3), ("ring", 4, 4, 2),
-           ("ring", 8, 2, 2)]  # fmt: skip
+CONFIGS = [("ring", 4, 4, 4), ("ring", 4, 5, 3), ("ring", 4, 4, 2), ("ring", 8, 2, 2)]
 
 
 def _peaky_fp4_cache(b: int, cap: int, seed: int):
@@ -45,7 +42,7 @@ def test_fp4_attention_kernels(b, cap, lens, config, monkeypatch):
     from trace_common.kernels import attention as attn
     from trace_common.kernels import cuda_attn
 
-    monkeypatch.setattr(cuda_attn, "DEFAULT_CONFIG", config)
+    monkeypatch.setattr(cuda_attn, "_CONFIG", [config])  # the config in force
     cache, q = _peaky_fp4_cache(b, cap, seed=cap + 3 * b)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     plan = attn.DecodeAttnPlan.make(batch=b, q_heads=32, kv_heads=4, capacity=cap, head_dim=128,
@@ -69,7 +66,7 @@ def test_fp4_attention_ignores_garbage_past_len(monkeypatch):
     from trace_common.kernels import attention as attn
     from trace_common.kernels import cuda_attn
 
-    monkeypatch.setattr(cuda_attn, "DEFAULT_CONFIG", ("ring", 4, 4, 4))
+    monkeypatch.setattr(cuda_attn, "_CONFIG", [("ring", 4, 4, 4)])
     b, cap, lens = 3, 1200, [1000, 7, 333]
     cache, q = _peaky_fp4_cache(b, cap, seed=11)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
@@ -81,13 +78,3 @@ def test_fp4_attention_ignores_garbage_past_len(monkeypatch):
         cache.scales[:, i, :, n:] = 0x7F
     dirty = attn.decode_attention(q, cache, lens_t, plan, impl="cuda")
     assert torch.equal(clean, dirty), "data past lens[b] changed the output"
-
-
-def test_engine_graph_replay_regs_kernel(monkeypatch):
-    """The first ("regs") kernel stays selectable: the engine's graph with it replays the eager
-    step (test_kernels_gpu runs the engine with the default, the ring kernel)."""
-    pytest.importorskip("cupy", reason="the CUDA kernels are launched through CuPy")
-    from trace_common.kernels import cuda_attn
-
-    monkeypatch.setattr(cuda_attn, "DEFAULT_CONFIG", ("regs", 4, 3))
-    _engine_replay(True, "cuda", "cuda", monkeypatch)

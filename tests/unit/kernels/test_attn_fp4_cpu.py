@@ -199,8 +199,7 @@ def test_kernel_name_configs():
     from trace_common.kernels.cuda_attn import kernel_name
 
     assert kernel_name(("ring", 4, 4, 4)) == ("attn_fp4_ring<4, 4, 4>", 4)
-    assert kernel_name(("regs", 4, 3)) == ("attn_fp4_split<4, 3>", 4)
-    for bad in (("ring", 4, 4, 1), ("ring", 4, 4), ("flash", 4, 3), ("regs", 4, 3, 2)):
+    for bad in (("ring", 4, 4, 1), ("ring", 4, 4), ("flash", 4, 3), ("regs", 4, 3)):
         with pytest.raises(ValueError, match="CUDA FP4 attention config"):
             kernel_name(bad)
 
