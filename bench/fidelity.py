@@ -67,7 +67,7 @@ class Setup:
     temperature: float = 1.0
     warmstart_lr: float = 5e-4
     warmstart_target: float = 0.2
-    warmstart_max_steps: int = 200
+    warmstart_max_steps: int = 150
     eval_prompts: int = 256
 
     def trainer_env(self, mode: str, steps: int, init: str, out: pathlib.Path) -> dict[str, str]:
@@ -178,7 +178,7 @@ def warm(args: argparse.Namespace) -> None:
     model = model.to(setup.device)
     wcfg = WarmStartConfig(
         max_steps=setup.warmstart_max_steps, target_accuracy=setup.warmstart_target,
-        seed=setup.seed, eval_every=10, lr=setup.warmstart_lr,
+        seed=setup.seed, eval_every=25, lr=setup.warmstart_lr,
     )  # fmt: skip
     t0 = time.perf_counter()
     res = warm_start(model, PromptStream(task, tok, seed=setup.seed), wcfg,
@@ -236,7 +236,7 @@ def site_probe(state: dict[str, Any], setup: Setup, prompts: int = 16) -> dict[s
             flips: list[float] = []
             for s in got:  # sample i ran in slot i: all fit in one batch, group 1
                 rec = SampleRecords.from_bytes(s.records)
-                seq = ps[s.prompt_index].token_ids + s.completion_tokens
+                seq = [*ps[s.prompt_index].token_ids, *s.completion_tokens]
                 with torch.no_grad(), learner.compute():
                     fwd = forward_logprobs(
                         learner.model, [seq], qat_mode=mode, records=[rec], collect=True,
@@ -319,10 +319,15 @@ def arm(args: argparse.Namespace) -> None:
 
 
 def launch(sub: list[str], device: str, log: pathlib.Path, smoke: bool) -> subprocess.Popen:
+    # One GPU per process tree: the arm's trainer and replica see only `device` (as cuda).
+    env = dict(os.environ)
+    if device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        device = "cuda"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *sub, "--device", device]
     if smoke:
         cmd.append("--smoke")
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
 def run_all(args: argparse.Namespace) -> None:

@@ -308,6 +308,8 @@ class SlotScheduler:
     # ------------------------------------------------------------------ loop
 
     def _run(self) -> None:
+        if self.device.type == "cuda":  # the current device is per thread: Triton launches on it
+            torch.cuda.set_device(self.device)
         try:
             while True:
                 with self._cond:
