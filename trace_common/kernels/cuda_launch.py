@@ -105,7 +105,7 @@ def pointers(*ts: torch.Tensor | None) -> tuple:
     return tuple(np.uint64(0 if t is None else t.data_ptr()) for t in ts)
 
 
-_STREAMS: dict[int, object] = {}
+_STREAMS: dict[tuple[int, int | None], object] = {}  # (stream handle, device) -> CuPy stream
 
 
 def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
@@ -116,13 +116,18 @@ def launch_on_torch_stream(fn, grid: tuple[int, ...], block: tuple[int, ...], ar
     `pdl`: as a programmatic dependent launch; `cluster` > 0: in thread-block clusters of that
     many CTAs along x (both through `launch_ex`)."""
     cp = require_cupy()
-    ptr = torch.cuda.current_stream(device).cuda_stream
+    stream = torch.cuda.current_stream(device)
+    ptr = stream.cuda_stream
     if pdl or cluster:
         launch_ex(fn, grid, block, args, ptr, shared_mem, pdl=pdl, cluster=cluster)
         return
-    s = _STREAMS.get(ptr)
+    key = (ptr, stream.device.index)  # the legacy default stream is handle 0 on every device
+    s = _STREAMS.get(key)
     if s is None:
-        s = _STREAMS[ptr] = cp.cuda.ExternalStream(ptr)
+        # CuPy's wrapper of a stream it does not own, through the CUDA stream protocol (torch's
+        # Stream.__cuda_stream__); it records the current device as the stream's
+        with cp.cuda.Device(stream.device.index):
+            s = _STREAMS[key] = cp.cuda.Stream.from_external(stream)
     with s:
         fn(grid, block, args, shared_mem=shared_mem)
 

@@ -53,3 +53,54 @@ def test_launch_ex_rejects_unknown_argument_before_the_driver(monkeypatch):
     monkeypatch.setattr(cuda_launch, "_driver", no_driver)
     with pytest.raises(TypeError, match="not a numpy scalar"):
         cuda_launch.launch_ex(None, (1,), (32,), (np.uint64(0), 3), stream=0)
+
+
+def test_launch_wraps_torch_stream_per_device(monkeypatch):
+    """launch_on_torch_stream launches inside a CuPy wrapper of PyTorch's current stream, made
+    once per (stream handle, device) through the CUDA stream protocol (Stream.from_external)
+    under that device (the legacy default stream is handle 0 on every device); CuPy faked."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    made, devices, launched = [], [], []
+
+    class FakeStream:
+        def __init__(self, obj):
+            self.obj = obj
+
+        @classmethod
+        def from_external(cls, obj):
+            made.append(obj.__cuda_stream__())
+            return cls(obj)
+
+        def __enter__(self):
+            launched.append(("enter", self.obj.device.index))
+
+        def __exit__(self, *exc):
+            return False
+
+    def device(index):
+        devices.append(index)
+        return nullcontext()
+
+    cp = SimpleNamespace(cuda=SimpleNamespace(Stream=FakeStream, Device=device))
+    monkeypatch.setattr(cuda_launch, "require_cupy", lambda: cp)
+    monkeypatch.setattr(cuda_launch, "_STREAMS", {})
+
+    class TorchStream:  # what torch.cuda.current_stream returns, as far as the launch reads it
+        def __init__(self, index):
+            self.cuda_stream, self.device = 0, SimpleNamespace(index=index)
+
+        def __cuda_stream__(self):
+            return (0, self.cuda_stream)
+
+    monkeypatch.setattr(cuda_launch.torch.cuda, "current_stream", lambda d: TorchStream(d))
+
+    def fn(grid, block, args, shared_mem=0):
+        launched.append(("launch", grid, shared_mem))
+
+    for index in (0, 0, 1):
+        cuda_launch.launch_on_torch_stream(fn, (2,), (32,), (), index, shared_mem=16)
+    assert made == [(0, 0), (0, 0)] and devices == [0, 1], "one wrapper per (handle, device)"
+    assert launched == [("enter", 0), ("launch", (2,), 16)] * 2 + [("enter", 1),
+                                                                   ("launch", (2,), 16)]  # fmt: skip
