@@ -395,19 +395,18 @@ def _resident_kernel(name: str, warps: int, smem: int, device: torch.device,
 
 
 def _kernel(block_m: int, rw: int, wk: int, kgw: int, gated: bool, minb: int,
-            qout: bool = False, pdl: bool = False, pairs: bool = False, xq: bool = False):  # fmt: skip
+            qout: bool = False, pdl: bool = False, pairs: bool = False):  # fmt: skip
     """The compiled expert-GEMM instance for one launch configuration (`qout`: it also
     quantizes its output, see `moe_gemm_cuda`; `pdl`: launched as a programmatic dependent
-    launch, it waits for the previous grid first; `pairs`: one block per pair; `xq`: it
-    quantizes its bf16 input rows itself)."""
-    flags = ", ".join(str(f).lower() for f in (qout, pdl, pairs, xq))
+    launch, it waits for the previous grid first; `pairs`: one block per pair)."""
+    flags = ", ".join(str(f).lower() for f in (qout, pdl, pairs))
     name = (f"moe_fp4_mma<{block_m // MMA_N}, {rw}, {wk}, {kgw}, {str(gated).lower()}, "
             f"{minb}, {flags}>")  # fmt: skip
     return compiled_function(SOURCE, name)
 
 
 def moe_gemm_cuda(
-    a: FP4Rows | torch.Tensor,
+    a: FP4Rows,
     w: ExpertWeights,
     plan: RoutePlan,
     *,
@@ -426,11 +425,6 @@ def moe_gemm_cuda(
 ) -> torch.Tensor:
     """`moe.moe_gemm` for packed weights and fp16-decoded activations (see module docstring).
 
-    `a` as a bf16 tensor [rows, K] (the `mma` kernel only): every CTA NVFP4-quantizes the rows
-    of its block's pairs itself (as quant.quantize_rows(a, scale_2=None), bit for bit) into
-    shared memory, so the GEMM equals quantize_rows + this GEMM without the quantize launch or
-    its dq16 round trip; no guidance record is written.
-
     `by_pairs` (the `mma` kernel, block_m 8): one block per pair, its expert from
     plan.topk_ids; the plan's block layout is not read (the router may skip it) and
     `counter` needs one entry per pair.
@@ -443,14 +437,7 @@ def moe_gemm_cuda(
     `stream_probe` (no decode, no block scale) times what those cost; its outputs are wrong."""
     if w.packed is None:
         raise ValueError("weights are not packed for the CUDA kernel: pack_fp4_weights first")
-    xq = isinstance(a, torch.Tensor)
-    if xq:
-        rows = -(-plan.n_pairs // a_div)
-        if (a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != w.k
-                or a.shape[0] < rows or not a.is_contiguous()):  # fmt: skip
-            raise ValueError(f"a: contiguous bf16 [>= {rows}, {w.k}] rows to quantize in the "
-                             f"kernel, got {a.dtype} {tuple(a.shape)}")  # fmt: skip
-    elif a.dq16 is None:
+    if a.dq16 is None:
         raise ValueError("activations lack dq16: quantize_rows(..., dq16=...) first")
     if plan.block_m not in BLOCK_MS:
         raise ValueError(f"plan.block_m={plan.block_m}; the CUDA kernel handles {BLOCK_MS}")
@@ -464,11 +451,7 @@ def moe_gemm_cuda(
     if by_pairs and (kern != "mma" or plan.block_m != MMA_N):
         raise ValueError(f"by_pairs needs the mma kernel and block_m {MMA_N} (got {kern!r}, "
                          f"block_m {plan.block_m})")  # fmt: skip
-    if xq and kern != "mma":
-        raise ValueError(f"bf16 activations (quantized in the kernel) need the mma kernel, got "
-                         f"{kern!r}")  # fmt: skip
     if kern != "mma":
-        assert not isinstance(a, torch.Tensor)
         if kern == "stream":
             _launch_stream(a, w, plan, gated, a_div, mul_route_w, out, config, stream_waves,
                            stream_probe)  # fmt: skip
@@ -506,19 +489,15 @@ def row_multiplier(a_div: int, n_pairs: int) -> int:
     return -(-(1 << 32) // a_div)
 
 
-def _args(a: FP4Rows | torch.Tensor, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor,
+def _args(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, out: torch.Tensor,
           n_out: int, a_div: int, mul_route_w: bool, by_pairs: bool = False) -> tuple:  # fmt: skip
     """The kernel arguments every CUDA kernel starts with (`by_pairs`: the top-k ids in the
-    block -> expert slot; `a` a bf16 tensor: its rows, no scale_2)."""
+    block -> expert slot)."""
     import numpy as np
 
-    assert w.packed is not None
+    assert w.packed is not None and a.dq16 is not None
     ptr = np.uint64
-    if isinstance(a, torch.Tensor):
-        x, x_g = a.data_ptr(), 0
-    else:
-        assert a.dq16 is not None
-        x, x_g = a.dq16.data_ptr(), a.scale_2.data_ptr()
+    x, x_g = a.dq16.data_ptr(), a.scale_2.data_ptr()
     return (
         ptr(w.packed.words.data_ptr()), ptr(w.packed.scales.data_ptr()),
         ptr(w.scale_2.data_ptr()), ptr(x), ptr(x_g),
@@ -600,7 +579,7 @@ def _launch_wg(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool, a_div
                            out.device, shared_mem=smem)  # fmt: skip
 
 
-def _launch_mma(a: FP4Rows | torch.Tensor, w: ExpertWeights, plan: RoutePlan, gated: bool,
+def _launch_mma(a: FP4Rows, w: ExpertWeights, plan: RoutePlan, gated: bool,
                 a_div: int, mul_route_w: bool, out: torch.Tensor, config: tuple[int, ...] | None,
                 pdl: bool = False, quant_out: FP4Rows | None = None,
                 counter: torch.Tensor | None = None, by_pairs: bool = False) -> None:  # fmt: skip
@@ -610,16 +589,14 @@ def _launch_mma(a: FP4Rows | torch.Tensor, w: ExpertWeights, plan: RoutePlan, ga
     if len(cfg) != 4:
         raise ValueError(f"mma config {cfg}: expected (RW, WK, KGW, MINB)")
     rw, wk, kgw, minb = cfg
-    xq = isinstance(a, torch.Tensor)
-    xq_rows = (1 if by_pairs else plan.block_m) if xq else 0
     if (
         wk * kgw * K_GROUP != w.k
         or n_out % (MMA_M * rw)
-        or smem_bytes(plan.block_m, rw, wk, gated, xq_rows=xq_rows, k=w.k) > SMEM_LIMIT
+        or smem_bytes(plan.block_m, rw, wk, gated) > SMEM_LIMIT
     ):
         raise ValueError(f"config RW={rw}, WK={wk}, KGW={kgw} does not fit N_out={n_out}, "
                          f"K={w.k}, block_m={plan.block_m}")  # fmt: skip
-    fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None, pdl, by_pairs, xq)
+    fn = _kernel(plan.block_m, rw, wk, kgw, gated, minb, quant_out is not None, pdl, by_pairs)
     # (output tiles, expert blocks): blocks as the slow dimension, so the CTAs of the empty ones
     # (past the routing's) come last instead of in every wave
     grid = (n_out // (MMA_M * rw), plan.n_pairs if by_pairs else plan.block_expert.numel())
@@ -639,12 +616,10 @@ def block_m_for(n_pairs: int, num_experts: int) -> int:
     return 8 if n_pairs <= 5 * num_experts else 16
 
 
-def smem_bytes(block_m: int, rw: int, wk: int, gated: bool, *, xq_rows: int = 0,
-               k: int = 0) -> int:  # fmt: skip
-    """Static shared memory of the kernel's split-K reduction (fp32 per fragment value), plus
-    with `xq_rows` the rows it quantizes itself (k fp16 values + 8 words of padding each)."""
+def smem_bytes(block_m: int, rw: int, wk: int, gated: bool) -> int:
+    """Static shared memory of the kernel's split-K reduction (fp32 per fragment value)."""
     tiles = 2 * rw if gated else rw
-    return wk * tiles * (block_m // MMA_N) * 4 * LANES * 4 + xq_rows * (2 * k + 32)
+    return wk * tiles * (block_m // MMA_N) * 4 * LANES * 4
 
 
 __all__ = [

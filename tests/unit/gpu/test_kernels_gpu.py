@@ -325,11 +325,10 @@ def test_moe_gemm_fp4_cuda(t, block_m, kernel, monkeypatch):
     assert sqnr_db(y_ref, y) > 40, f"CUDA down SQNR {sqnr_db(y_ref, y):.1f} dB <= 40"
 
 
-def _model_shape_gemms(t: int, block_m: int, with_bf16: bool = False) -> tuple:
+def _model_shape_gemms(t: int, block_m: int) -> tuple:
     """(plan, [(weights, activation rows, gated, a_div, mul_route_w, N_out)] for gate_up and
     down) at the model's expert shape: 128 experts, 2048 -> 2 x 768 -> 2048, top-8, `t`
-    tokens routed at random, packed NVFP4 weights, NVFP4 rows with their dq16 operand
-    (`with_bf16`: and a third item, the bf16 rows they were quantized from)."""
+    tokens routed at random, packed NVFP4 weights, NVFP4 rows with their dq16 operand."""
     from trace_common.kernels import moe, quant
 
     torch.manual_seed(t)
@@ -342,17 +341,16 @@ def _model_shape_gemms(t: int, block_m: int, with_bf16: bool = False) -> tuple:
                               shared_halves=False)  # fmt: skip
     gu.pack_for_cuda_()
     dn.pack_for_cuda_()
-    rows, src = {}, []
+    rows = {}
     for name, r, kk in (("x", t, h), ("act", t * k, inter)):
         dq = torch.empty(r, kk, dtype=torch.float16, device=DEV)
         xin = torch.randn(r, kk, device=DEV).bfloat16()
         if name == "act":  # a row of zeros and one of one huge value: the scale_2 edge cases
             xin[0] = 0
             xin[-1, 5] = 3e4
-        src.append(xin)
         rows[name] = moe.FP4Rows(*quant.quantize_rows(xin, scale_2=None, dq16=dq), dq)
     cases = [(gu, rows["x"], True, k, False, inter), (dn, rows["act"], False, 1, True, h)]
-    return (plan, cases, src) if with_bf16 else (plan, cases)
+    return plan, cases
 
 
 @pytest.mark.parametrize("t,block_m", [(1, 8), (8, 8), (32, 8), (128, 16), (200, 16)])
@@ -428,49 +426,6 @@ def test_moe_gemm_fp4_mma_by_pairs(t, pdl):
         assert torch.isfinite(outs[1][0].float()).all(), "unwritten outputs by pairs"
         for i, (x, y) in enumerate(zip(*outs, strict=True)):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{gated=}: output {i}"
-
-
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("t,block_m,by_pairs", [(1, 8, True), (2, 8, True), (1, 8, False),
-                                                (8, 8, False), (32, 8, False), (40, 16, False)])  # fmt: skip
-def test_moe_gemm_fp4_mma_quantizes_bf16_rows(t, block_m, by_pairs, pdl):
-    """The mma kernel given bf16 rows (each CTA quantizes its slots' rows into shared memory)
-    equals quant.quantize_rows + the kernel on the NVFP4 rows, bit for bit, at the model's
-    expert shape: the down GEMM by blocks (8 and 16 slots) and by pairs, the gate_up by pairs
-    (by blocks its rows do not fit beside the reduction: refused by name)."""
-    from trace_common.kernels import cuda_moe, moe
-
-    plan, cases, src = _model_shape_gemms(t, block_m, with_bf16=True)
-    if by_pairs:  # the block layout poisoned: by pairs must not read it
-        plan = moe.RoutePlan(plan.topk_ids, plan.topk_w, torch.full_like(plan.sorted_pair, -7),
-                             torch.full_like(plan.block_expert, -7), block_m)  # fmt: skip
-    for (wt, a, gated, a_div, mrw, n_out), x in zip(cases, src, strict=True):
-        kw = dict(gated=gated, a_div=a_div, mul_route_w=mrw, kernel="mma", pdl=pdl,
-                  by_pairs=by_pairs)  # fmt: skip
-        if gated and not by_pairs:
-            with pytest.raises(ValueError, match="does not fit"):
-                cuda_moe.moe_gemm_cuda(x, wt, plan, **kw)
-            continue
-        ref = cuda_moe.moe_gemm_cuda(a, wt, plan, **kw)
-        got = torch.full((plan.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
-        cuda_moe.moe_gemm_cuda(x, wt, plan, out=got, **kw)
-        assert torch.isfinite(got.float()).all(), f"{gated=}: unwritten outputs"
-        assert torch.equal(ref.view(torch.uint8), got.view(torch.uint8)), f"{gated=}: bits differ"
-
-
-def test_moe_gemm_fp4_bf16_rows_checked():
-    """bf16 rows for the in-kernel quantize: wrong dtype, width, row count or a kernel
-    without it are refused by name, before anything runs."""
-    from trace_common.kernels import cuda_moe
-
-    plan, cases, src = _model_shape_gemms(2, 8, with_bf16=True)
-    wt, x = cases[1][0], src[1]
-    kw = dict(gated=False, a_div=1, mul_route_w=True)
-    for bad in (x.float(), x[:, :512], x[:3]):
-        with pytest.raises(ValueError, match="rows to quantize"):
-            cuda_moe.moe_gemm_cuda(bad, wt, plan, kernel="mma", **kw)
-    with pytest.raises(ValueError, match="need the mma kernel"):
-        cuda_moe.moe_gemm_cuda(x, wt, plan, kernel="stream", **kw)
 
 
 @pytest.mark.parametrize("fp4,decode", [(False, None), (True, "bits"), (True, "ptx")])

@@ -108,21 +108,9 @@ def test_block_m_and_configs():
     assert wk * kgw * 64 == 512
 
 
-def test_in_kernel_quantize_rows_fit_the_down_configs():
-    """The rows the mma kernel quantizes itself (bf16 input, `act_in_down`) fit beside the
-    reduction for the model's down GEMM at 8 and 16 slots and for its gate_up by pairs (one
-    row), not for the gate_up by blocks (moe_gemm_cuda refuses those)."""
+def test_small_step_fp4_fusions():
     from trace_common.kernels import cuda_small
 
-    lim = cuda_moe.SMEM_LIMIT
-    for bm in (8, 16):
-        rw, wk, _, _ = cuda_moe.CONFIGS[(768, bm, False)]
-        assert cuda_moe.smem_bytes(bm, rw, wk, False, xq_rows=bm, k=768) <= lim
-        rw, wk, _, _ = cuda_moe.CONFIGS[(2048, bm, True)]
-        assert cuda_moe.smem_bytes(bm, rw, wk, True, xq_rows=bm, k=2048) > lim
-    rw, wk, _, _ = cuda_moe.CONFIGS[(2048, 8, True)]
-    assert cuda_moe.smem_bytes(8, rw, wk, True, xq_rows=1, k=2048) <= lim
-    assert cuda_moe.smem_bytes(8, 2, 4, False, xq_rows=8, k=768) == 4096 + 8 * (2 * 768 + 32)
     assert {"pdl", "xq", "act", "kv_attn"} == cuda_small.FP4_FUSE
 
 

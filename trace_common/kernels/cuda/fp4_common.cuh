@@ -207,9 +207,7 @@ __device__ __forceinline__ u32 quad_or(u32 v) {
 }
 
 // Lane q of a quad quantizes elements 4q..4q+3 (x) of block blk of a row whose scale_2 is g
-// and block amax bamax (over the quad) into o (all but scale_2). !CODES: codes and scales are
-// not written (o.codes, o.scales unused: a kernel that only needs dq16).
-template <bool CODES = true>
+// and block amax bamax (over the quad) into o (all but scale_2).
 __device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], float bamax, float g,
                                                        int blk, int q, const NVFP4RowOut& o) {
   float s = div_rn_f32(bamax, NVFP4_E2M1_MAX * g);  // fp32 product first, as the reference
@@ -229,10 +227,8 @@ __device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], floa
   }
   mb = quad_or(mb << (4 * q));
   const int seg = blk / o.seg_blocks, bi = blk - seg * o.seg_blocks;
-  if (CODES) {
-    *reinterpret_cast<u16*>(o.codes + seg * o.seg_codes + 8 * bi + 2 * q) = (u16)cw;
-    if (q == 0) o.scales[seg * o.seg_scales + bi] = (u8)sbyte;
-  }
+  *reinterpret_cast<u16*>(o.codes + seg * o.seg_codes + 8 * bi + 2 * q) = (u16)cw;
+  if (q == 0) o.scales[seg * o.seg_scales + bi] = (u8)sbyte;
   if (o.dq16) {  // B-fragment order: the pair (kk, kk + 1), kk even, is word ((kk % 8) / 2) * 2 + kk / 8
     u32* dq = reinterpret_cast<u32*>(o.dq16 + 16 * blk);
 #pragma unroll
@@ -251,7 +247,7 @@ __device__ __forceinline__ void nvfp4_quantize_quarter(const float (&x)[4], floa
 
 // Quarter q of block blk of row r, once the rows' amax are in s_amax: the row's scale_2 (written
 // by the block-0 quad's lane 0, with the record's) and the quarter's outputs.
-template <bool CODES, class Out>
+template <class Out>
 __device__ __forceinline__ void nvfp4_store_quarter(const float (&x)[4], float bamax, int r,
                                                     int blk, int q, const float* s_amax,
                                                     const Out& out) {
@@ -261,7 +257,7 @@ __device__ __forceinline__ void nvfp4_store_quarter(const float (&x)[4], float b
     *o.scale_2 = g;
     if (o.rec_g) *o.rec_g = g;
   }
-  nvfp4_quantize_quarter<CODES>(x, bamax, g, blk, q, o);
+  nvfp4_quantize_quarter(x, bamax, g, blk, q, o);
 }
 
 __device__ __forceinline__ float quad_block_amax(const float (&x)[4]) {
@@ -274,50 +270,14 @@ __device__ __forceinline__ float quad_block_amax(const float (&x)[4]) {
 // (lane q: elements 4q..4q+3; short per-thread chains, as the Triton kernel's), quad i of the
 // CTA blocks i, i + NTHREADS / 4, ... of the flattened [rows, k/16] (one each at decode sizes,
 // then kept in registers); the row amax meets in shared memory (atomicMax on the bits: >= 0).
-// !CODES: see nvfp4_quantize_quarter. Ends without a barrier: sync before reading the outputs.
-// ITEMS > 0 (the caller guarantees rows * k / 4 <= ITEMS * NTHREADS): every thread issues the
-// loads of all its blocks at once and keeps them in registers, one round of loads instead of
-// one per block and pass (the mma kernel's own act quantize, where that chain was its cost);
-// same outputs. It then loads before its first barrier: whatever `load` reads from shared
-// memory must be synced before the call.
-template <int NTHREADS, bool CODES = true, int ITEMS = 0, class Load, class Out>
+// Ends without a barrier: sync before reading the outputs.
+template <int NTHREADS, class Load, class Out>
 __device__ __forceinline__ void nvfp4_quantize_rows_cta(int rows, int k, const Load& load,
                                                         const Out& out) {
   static_assert(NTHREADS % 32 == 0, "whole warps");
   __shared__ float s_amax[NVFP4_CTA_MAX_ROWS];
   const int nb = k >> 4, total = rows * nb * 4, q = threadIdx.x & 3;
   for (int r = threadIdx.x; r < rows; r += NTHREADS) s_amax[r] = 0.f;
-  if (ITEMS > 0) {
-    constexpr int N = ITEMS > 0 ? ITEMS : 1;
-    float xs[N][4], bm[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int i = threadIdx.x + j * NTHREADS;
-      if (i < total) {
-        const int r = i / (4 * nb), blk = (i >> 2) - r * nb;
-        load(r, 16 * blk + 4 * q, xs[j]);
-      }
-    }
-    __syncthreads();  // s_amax zeroed
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int i = threadIdx.x + j * NTHREADS;
-      if (i < total) {  // a quad is active or not as a whole
-        bm[j] = quad_block_amax(xs[j]);
-        if (q == 0) atomicMax(reinterpret_cast<int*>(s_amax + i / (4 * nb)), __float_as_int(bm[j]));
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int i = threadIdx.x + j * NTHREADS;
-      if (i < total) {
-        const int r = i / (4 * nb);
-        nvfp4_store_quarter<CODES>(xs[j], bm[j], r, (i >> 2) - r * nb, q, s_amax, out);
-      }
-    }
-    return;
-  }
   __syncthreads();
   float x[4], bamax = 0.f;
   for (int i = threadIdx.x; i < total; i += NTHREADS) {  // a quad is active or not as a whole
@@ -333,6 +293,6 @@ __device__ __forceinline__ void nvfp4_quantize_rows_cta(int rows, int k, const L
       load(r, 16 * blk + 4 * q, x);
       bamax = quad_block_amax(x);
     }
-    nvfp4_store_quarter<CODES>(x, bamax, r, blk, q, s_amax, out);
+    nvfp4_store_quarter(x, bamax, r, blk, q, s_amax, out);
   }
 }

@@ -118,16 +118,6 @@ struct SlotScalars {
     rw = ok && mul_route_w ? route_w[pair] : 1.f;
   }
 
-  // load_scales with the row's scale_2 already at hand (the XQ kernels' own quantize); not
-  // written in terms of each other: that reordered load_scales' loads and the 64-register
-  // gate_up instance spilled 4 bytes more (nvcc 13.0, sm_90a)
-  __device__ __forceinline__ void use_scales(float row_g, const float* route_w, int n_pairs,
-                                             int mul_route_w) {
-    const bool ok = pair < n_pairs;
-    xg = ok ? row_g : 0.f;
-    rw = ok && mul_route_w ? route_w[pair] : 1.f;
-  }
-
   template <int BT>
   __device__ __forceinline__ void load(const int* sorted_pair, const float* x_g,
                                        const float* route_w, int blk, int n_pairs,
@@ -169,57 +159,6 @@ __device__ __forceinline__ void load_b_fragments(u32 (&b)[KGW * 4][NT][2], const
         b[kk][nt][0] = 0u;
         b[kk][nt][1] = 0u;
       }
-    }
-  }
-}
-
-// XQ: the CTA NVFP4-quantizes the activation rows of its XR token slots itself, from bf16 rows
-// x_bf [rows][K] (as quant.quantize_rows with per-row scale_2, bit for bit), into shared
-// memory: row r of xq_s (XS words apart) gets slot r's dq16 in B-fragment order, xg_s[r] its
-// scale_2. Slot r's pair is pair_s[r]; padding slots (>= n_pairs) become zero rows, never read.
-// Each CTA of a block quantizes the same rows (a few KB from L2) instead of a quantize launch
-// or a last-CTA tail between the GEMMs. Ends without a barrier.
-template <int NTHREADS, int XR, int K, int XS>
-__device__ __forceinline__ void quantize_slots_smem(const u16* x_bf, const int* pair_s,
-                                                    int n_pairs, unsigned long long a_mul,
-                                                    u32 (*xq_s)[XS], float* xg_s) {
-  auto load = [&](int r, int e, float (&x)[4]) {
-    const int pair = pair_s[r];
-    if (pair < n_pairs) {
-      load_bf16x4_cg(x_bf + (long)pair_row(pair, a_mul) * K + e, x);
-    } else {
-      x[0] = x[1] = x[2] = x[3] = 0.f;
-    }
-  };
-  auto dst = [&](int r) {
-    NVFP4RowOut o = nvfp4_row_out(nullptr, nullptr, xg_s + r);
-    o.dq16 = reinterpret_cast<u16*>(xq_s[r]);
-    return o;
-  };
-  // quarter blocks per thread; up to 2 (the down GEMM by pairs: 192 quarters, 128 threads) are
-  // loaded in one round and kept in registers (ITEMS mode), more take the looping mode (0)
-  constexpr int PER_THREAD = (XR * K / 4 + NTHREADS - 1) / NTHREADS;
-  constexpr int ITEMS = PER_THREAD <= 2 ? PER_THREAD : 0;
-  if (ITEMS > 0) __syncthreads();  // pair_s written: that mode loads before its first barrier
-  nvfp4_quantize_rows_cta<NTHREADS, false, ITEMS>(XR, K, load, dst);
-}
-
-// load_b_fragments from quantize_slots_smem's rows: slot nt*8 + g is row nt*8 + g (PAIRS: the
-// one row 0, slot 0).
-template <int NT, int KGW, int XS, bool PAIRS>
-__device__ __forceinline__ void load_b_fragments_smem(u32 (&b)[KGW * 4][NT][2],
-                                                      const u32 (*xq_s)[XS], const int* pair_s,
-                                                      int kg0, int g, int t, int n_pairs) {
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int c = nt * 8 + g;
-    const bool valid = PAIRS ? c == 0 : pair_s[c] < n_pairs;
-    const u32* xp = xq_s[valid ? c : 0] + (kg0 * 16 + t) * 2;
-#pragma unroll
-    for (int kk = 0; kk < KGW * 4; ++kk) {
-      const uint2 v = valid ? *reinterpret_cast<const uint2*>(xp + kk * 8) : make_uint2(0u, 0u);
-      b[kk][nt][0] = v.x;
-      b[kk][nt][1] = v.y;
     }
   }
 }
@@ -323,17 +262,14 @@ __device__ __forceinline__ void quantize_block_rows_if_last(const u16* out, cons
 // PAIRS (NT = 1): one block per pair, without the block layout: block_expert is then the
 // top-k ids ([n_pairs], pair-major as route_w), block blk holds pair blk in slot 0 alone, and
 // sorted_pair is not read (one dependent load fewer; an expert two pairs share is read twice).
-// XQ: x_dq is bf16 rows [rows][K] and x_g unused: each CTA quantizes its slots' rows itself
-// (quantize_slots_smem) after issuing its weight loads.
 template <int NT, int RW, int WK, int KGW, bool GATED, int MINB, bool QOUT = false,
-          bool PDL = false, bool PAIRS = false, bool XQ = false>
+          bool PDL = false, bool PAIRS = false>
 __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
     const u32* __restrict__ wq,        // packed codes [E][N_W/16][K/64][32 lanes][4]
     const u32* __restrict__ ws,        // packed e4m3 scales [E][N_W/16][K/64][8 g][2]
     const float* __restrict__ w_g,     // [E] per-expert second-level scale
     const u32* __restrict__ x_dq,      // fp16 activations, B-fragment order [rows][K/16][4][4]
-                                       // (XQ: bf16 [rows][K])
-    const float* __restrict__ x_g,     // [rows] per-row second-level scale (XQ: unused)
+    const float* __restrict__ x_g,     // [rows] per-row second-level scale
     const int* __restrict__ sorted_pair,   // [MAXB * NT * 8]
     const int* __restrict__ block_expert,  // [MAXB]
     const float* __restrict__ route_w,     // [n_pairs]
@@ -350,11 +286,6 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   __shared__ float red[WK][TILES][NT][4][32];
   __shared__ int pair_s[BT];
   __shared__ float xg_s[BT], rw_s[BT];
-  // XQ: the slots' quantized rows (+8 words per row: 8 rows read at once fall in 4 bank sets)
-  constexpr int XR = XQ ? (PAIRS ? 1 : BT) : 1, XS = XQ ? K / 2 + 8 : 2;
-  __shared__ __align__(16) u32 xq_s[XR][XS];
-  __shared__ float xqg_s[XR];
-  __shared__ int xpair_s[XR];
 
   if (PDL) {
     pdl_wait();
@@ -379,8 +310,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
   else
     slot.load_pair<BT>(sorted_pair, blk);
   u32 b[KGW * 4][NT][2];
-  if (!XQ)
-    load_b_fragments<NT, KGW, KT, PAIRS>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_mul);
+  load_b_fragments<NT, KGW, KT, PAIRS>(b, x_dq, sorted_pair, blk, kg0, g, t, n_pairs, a_mul);
 
   // A: packed codes and scales of every tile of this warp's K slice.
   u32 a[TILES][KGW][4];
@@ -397,16 +327,7 @@ __global__ void __launch_bounds__(WK * 32, MINB > 0 ? MINB : 1) moe_fp4_mma(
       ldg_v2(ws + ((base + j) * 8 + g) * 2, s[ti][j][0], s[ti][j][1]);
     }
   }
-  if (XQ) {  // the weights are in flight meanwhile
-    if (threadIdx.x < XR) xpair_s[threadIdx.x] = slot.pair;
-    quantize_slots_smem<WK * 32, XR, K, XS>(reinterpret_cast<const u16*>(x_dq), xpair_s, n_pairs,
-                                             a_mul, xq_s, xqg_s);
-    __syncthreads();
-    load_b_fragments_smem<NT, KGW, XS, PAIRS>(b, xq_s, xpair_s, kg0, g, t, n_pairs);
-    slot.use_scales(xqg_s[threadIdx.x < XR ? threadIdx.x : 0], route_w, n_pairs, mul_route_w);
-  } else {
-    slot.load_scales(x_g, route_w, n_pairs, a_mul, mul_route_w);
-  }
+  slot.load_scales(x_g, route_w, n_pairs, a_mul, mul_route_w);
   const float wgain = w_g[e] * FP16_GAIN_SQ;
 
   float acc[TILES][NT][4];
