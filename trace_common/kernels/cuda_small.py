@@ -8,8 +8,8 @@ KV append), attention split + reduce (unchanged), o, router (+ add/RMSNorm, soft
 block layout), expert gate_up, expert down (+ routing weights and the top-k sum).
 
 On the FP4 engine some of them also take over NVFP4 quantize launches, bit-exact with
-`quant.quantize_rows` / `quant.kv_append_fp4` (FP4_FUSE): router_topk writes the experts'
-input rows (`xq`) and gate_up the down GEMM's input rows.
+`quant.quantize_rows` (FP4_FUSE): router_topk writes the experts' input rows (`xq`) and
+gate_up the down GEMM's input rows.
 
 Compiled by NVRTC through CuPy on first use and launched on PyTorch's current stream, so the
 engine's CUDA graph captures them (`cuda_launch`). Importing this module needs neither CuPy
@@ -41,7 +41,6 @@ from trace_common.kernels.cuda_launch import (
 from trace_common.kernels.quant import check_buffer as _check
 
 if TYPE_CHECKING:
-    from trace_common.kernels.attention import KVCacheGPU
     from trace_common.kernels.moe import FP4Rows
     from trace_common.kernels.quant import CompactRecordBuffers
 
@@ -86,8 +85,7 @@ FP4_FUSE = frozenset({"pdl", "xq", "act", "kv_attn"})
 # counter path.
 #
 # qkv_rope in clusters of 8 CTAs, one per head: the head's rows meet in CTA 0's shared memory
-# behind one cluster barrier instead of a fence, a counter per head and L2 reads by the last
-# CTA.
+# behind one cluster barrier.
 
 # The small step's expert GEMMs by pairs (one expert per CTA row, from topk_ids) instead of by
 # the router's block layout, which the router then skips: BF16 moe_gate_up here, FP4 the CUDA
@@ -283,7 +281,6 @@ def qkv_rope(
     *,
     w_qkv: torch.Tensor,  # bf16 [(HQ + 2 HKV) 128, H]
     qkv: torch.Tensor,  # bf16 [T, (HQ + 2 HKV) 128] scratch
-    counters: torch.Tensor,  # int32 [>= HQ + 2 HKV], zero
     norm_w: torch.Tensor,  # bf16 [2, 128]: q norm, k norm
     pos: torch.Tensor,  # int32 [T]
     inv_freq: torch.Tensor,  # fp32 [64]
@@ -300,17 +297,10 @@ def qkv_rope(
     ln_w: torch.Tensor | None = None,  # bf16 [H]
     resid_out: torch.Tensor | None = None,  # bf16 [T, H]
     pdl: bool = False,
-    fp4_cache: KVCacheGPU | None = None,  # FP4 cache: k, v quantized and appended at pos
-    kv_counters: torch.Tensor | None = None,  # int32 [>= 2], zero (with fp4_cache)
-    kv_capture: CompactRecordBuffers | None = None,  # rows [2 T, HKV 128]: the k, v records
-    cluster: bool = True,
 ) -> None:
     """q, k, v of the new tokens: (RMSNorm(resid_in + sum delta) * ln_w, or xn) @ w_qkv^T, then
-    per-head RMSNorm + RoPE of q and k; k and v into kv_new (and the BF16 cache at pos). With
-    `fp4_cache`, the last CTA of the k (v) heads also appends them to it, equal to
-    quant.kv_append_fp4(kv_new, ..., pos, kv_capture). `cluster` (default:
-    True): each head's CTAs as one cluster that finishes the head in its CTA
-    0, the same results; `counters` are then unused."""
+    per-head RMSNorm + RoPE of q and k; k and v into kv_new (and the BF16 cache at pos). Each
+    head's CTAs run as one thread-block cluster that finishes the head in its CTA 0."""
     import numpy as np
 
     n, h = w_qkv.shape
@@ -325,8 +315,6 @@ def qkv_rope(
     _check("norm_w", norm_w, torch.bfloat16, (2, HEAD_DIM))
     _check("pos", pos, torch.int32, (t,))
     _check("inv_freq", inv_freq, torch.float32, (HEAD_DIM // 2,))
-    if counters.dtype != torch.int32 or counters.numel() < q_heads + 2 * kv_heads:
-        raise ValueError(f"counters: int32 [>= {q_heads + 2 * kv_heads}] needed")
     cap = 0
     if cache is not None:
         cap = cache.shape[3]
@@ -342,40 +330,13 @@ def qkv_rope(
         _check("xn", xn, torch.bfloat16, (t, h))
         pargs = (*pointers(None, None), np.int32(0), *pointers(None))
         rout = None
-    kvq = fp4_cache is not None
-    if kvq:
-        if cache is not None:
-            raise ValueError("fp4_cache and a BF16 cache at once")
-        cap = fp4_cache.row_scales.shape[2]
-        width = kv_heads * HEAD_DIM
-        _check("fp4_cache.codes", fp4_cache.codes, torch.uint8,
-               (2, t, kv_heads, cap, HEAD_DIM // 2))  # fmt: skip
-        _check("fp4_cache.scales", fp4_cache.scales, torch.uint8,
-               (2, t, kv_heads, cap, HEAD_DIM // 16))  # fmt: skip
-        _check("fp4_cache.row_scales", fp4_cache.row_scales, torch.float32, (2, t, cap))
-        if kv_counters is None or kv_counters.dtype != torch.int32 or kv_counters.numel() < 2:
-            raise ValueError("fp4_cache needs kv_counters: a zeroed int32 tensor of >= 2")
-        rec: tuple = (None, None, None)
-        if kv_capture is not None:
-            kv_capture.check(2 * t, width, "kv_capture")
-            rec = (kv_capture.mbits, kv_capture.block_scales, kv_capture.row_scales)
-        kvargs = pointers(
-            kv_counters, fp4_cache.codes, fp4_cache.scales, fp4_cache.row_scales, *rec
-        )
-    elif kv_capture is not None:
-        raise ValueError("kv_capture needs fp4_cache")
-    else:
-        kvargs = pointers(*(None,) * 7)
     sp = split_k(h, warps_of("qkv", t), stages=stages_of("qkv", t))
-    cl = HEAD_DIM // TILE_ROWS if cluster else 0
-    name = (f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}, "
-            f"{str(kvq).lower()}, {cl}>")  # fmt: skip
+    name = f"qkv_rope_bf16<{t}, {sp.wk}, {sp.kcw}, {sp.u}, {sp.ns}, {str(pro).lower()}>"
     fn = compiled_function(SOURCE, name, sp.smem)
-    args = (*pargs, np.float32(eps), *pointers(rout, xn, w_qkv, qkv, counters, norm_w, pos,
-            inv_freq, q_out, kv_new, cache), np.int32(cap), np.int32(q_heads),
-            np.int32(kv_heads), *kvargs)  # fmt: skip
+    args = (*pargs, np.float32(eps), *pointers(rout, xn, w_qkv, qkv, norm_w, pos, inv_freq,
+            q_out, kv_new, cache), np.int32(cap), np.int32(q_heads), np.int32(kv_heads))  # fmt: skip
     launch_on_torch_stream(fn, (n // TILE_ROWS,), (sp.wk * 32,), args, q_out.device, sp.smem,
-                           pdl, cluster=cl)  # fmt: skip
+                           pdl, cluster=HEAD_DIM // TILE_ROWS)  # fmt: skip
 
 
 def router_topk(

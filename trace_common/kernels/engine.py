@@ -168,10 +168,8 @@ class DecodeEngine:
         if self.small:
             self.resid_b = torch.empty(b, h, **bf)  # residual ping-pong (fused prologues)
             self.y_sum = torch.empty(b, h, **bf)  # BF16 experts: top-k sum per token
-            heads = s.q_heads + 2 * s.kv_heads
-            counters = torch.zeros(heads + 1, dtype=torch.int32, device=device)
-            # last-CTA counters: one per qkv head, then the router's
-            self.qkv_counters, self.router_counter = counters[:heads], counters[heads:]
+            # the router's last-CTA counter (more experts than one cluster takes)
+            self.router_counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.plans = [
             moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
@@ -336,7 +334,7 @@ class DecodeEngine:
             rec = self.records.get(li) if self.fp4 else None
             cache = self.caches[li]
             qkv_args = dict(
-                w_qkv=lw.w_qkv, qkv=self.qkv, counters=self.qkv_counters, norm_w=lw.norm_qk,
+                w_qkv=lw.w_qkv, qkv=self.qkv, norm_w=lw.norm_qk,
                 pos=self.pos, inv_freq=self.inv_freq, q_out=self.q, kv_new=self.kv_new,
                 cache=None if self.fp4 else cache.values, q_heads=s.q_heads,
                 kv_heads=s.kv_heads, eps=s.eps,

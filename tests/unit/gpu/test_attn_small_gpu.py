@@ -141,10 +141,9 @@ def test_fused_bf16_pdl_after_qkv_append():
         q = torch.full((1, 32, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
         qkv = torch.empty(1, 40 * 128, dtype=torch.bfloat16, device=DEV)
         kv_new = torch.empty(2, 1, 4 * 128, dtype=torch.bfloat16, device=DEV)
-        counters = torch.zeros(40, dtype=torch.int32, device=DEV)
         out = torch.full((1, 32 * 128), float("nan"), dtype=torch.bfloat16, device=DEV)
         torch.cuda.synchronize()
-        cuda_small.qkv_rope(w_qkv=w_qkv, qkv=qkv, counters=counters, norm_w=norm_w, pos=pos,
+        cuda_small.qkv_rope(w_qkv=w_qkv, qkv=qkv, norm_w=norm_w, pos=pos,
                             inv_freq=inv_freq, q_out=q, kv_new=kv_new, cache=cache.values,
                             q_heads=32, kv_heads=4, eps=1e-6, xn=xn, pdl=pdl)  # fmt: skip
         attn.decode_attention(q, cache, lens, plan, out=out, pdl=pdl)

@@ -109,9 +109,8 @@ def test_qkv_rope(h, t, nsum, pro):
     r_ref, xn_ref = ref_add_rmsnorm(resid, delta, nsum, ln_w, eps)
     cache = _rand(2, t, hkv, cap, D, seed=5)
     cache_before = cache.clone()
-    counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device=DEV)
     q, kv, qkv = _nan(t, hq, D), _nan(2, t, hkv * D), _nan(t, n)
-    common = dict(w_qkv=w, qkv=qkv, counters=counters, norm_w=norm_w, pos=pos,
+    common = dict(w_qkv=w, qkv=qkv, norm_w=norm_w, pos=pos,
                   inv_freq=inv_freq, q_out=q, kv_new=kv, cache=cache, q_heads=hq,
                   kv_heads=hkv, eps=eps)  # fmt: skip
     if pro:
@@ -128,7 +127,6 @@ def test_qkv_rope(h, t, nsum, pro):
     for b in range(t):
         want[:, b, :, int(pos[b])] = kv[:, b].view(2, hkv, D)
     assert torch.equal(cache, want), "cache: k/v rows at pos (== kv_new), nothing else"
-    assert int(counters.abs().sum()) == 0, "head counters not reset"
 
 
 # warps: the router CTA's warps (8 by default); fewer threads than experts make each thread
@@ -507,116 +505,6 @@ def test_fp4_gate_up_quantizes_act(t, e, h, inter):
     assert torch.equal(acts[False], acts[True]), "gate_up output differs with quant_out/PDL"
     assert torch.equal(ys[False], ys[True]), "down output differs"
     assert int(counter.abs().sum()) == 0, "counters not reset"
-
-
-@pytest.mark.parametrize("t,hkv,pro,capture", [(1, 4, True, True), (4, 4, True, False),
-                                               (8, 2, False, True), (3, 8, True, True)])  # fmt: skip
-def test_qkv_rope_fp4_kv_append(t, hkv, pro, capture):
-    """qkv_rope with fp4_cache: the FP4 cache (codes, scales, row scales: everywhere, so also
-    nothing outside pos) and the k, v records equal quant.kv_append_fp4 of its own kv_new bit
-    for bit; q and kv_new equal the launch without it; the counters left at zero."""
-    from trace_common.kernels import cuda_small
-    from trace_common.kernels.attention import KVCacheGPU
-    from trace_common.kernels.quant import CompactRecordBuffers, kv_append_fp4
-
-    h, hq, cap, eps = 512, 16, 40, 1e-6
-    n = (hq + 2 * hkv) * D
-    w = _rand(n, h, std=0.02, seed=51)
-    resid = _rand(t, h, seed=52)
-    ln_w = _norm_weight(h, seed=53)
-    norm_w = _norm_weight(2, D, seed=54)
-    pos = torch.randperm(cap, device=DEV)[:t].int()
-    inv_freq = _rope_inv_freq()
-    _, xn = ref_add_rmsnorm(resid, None, 0, ln_w, eps)
-    counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device=DEV)
-    kv_counters = torch.zeros(2, dtype=torch.int32, device=DEV)
-    caches, recs, outs = [], [], []
-    for fused in (False, True):
-        c = KVCacheGPU.allocate(fp4=True, batch=t, kv_heads=hkv, capacity=cap, head_dim=D,
-                                device=DEV)  # fmt: skip
-        c.fill_random_(torch.Generator(device=DEV).manual_seed(55))
-        rec = CompactRecordBuffers.allocate(2 * t, hkv * D, DEV) if capture else None
-        q, kv, qkv = _nan(t, hq, D), _nan(2, t, hkv * D), _nan(t, n)
-        common = dict(w_qkv=w, qkv=qkv, counters=counters, norm_w=norm_w, pos=pos,
-                      inv_freq=inv_freq, q_out=q, kv_new=kv, cache=None, q_heads=hq,
-                      kv_heads=hkv, eps=eps, pdl=fused)  # fmt: skip
-        if fused:
-            common.update(fp4_cache=c, kv_counters=kv_counters, kv_capture=rec)
-        if pro:
-            cuda_small.qkv_rope(**common, resid_in=resid, delta=None, nsum=0, ln_w=ln_w,
-                                resid_out=_nan(t, h))  # fmt: skip
-        else:
-            cuda_small.qkv_rope(**common, xn=xn)
-        if not fused:
-            kv_append_fp4(kv, c.codes, c.scales, c.row_scales, pos, rec)
-        caches.append(c)
-        recs.append(rec)
-        outs.append((q, kv))
-    torch.cuda.synchronize()
-    for a, b in zip(outs[0], outs[1], strict=True):
-        assert torch.equal(a, b), "q / kv_new differ with fp4_cache"
-    for name in ("codes", "scales", "row_scales"):
-        a, b = getattr(caches[0], name), getattr(caches[1], name)
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"FP4 cache {name}"
-    if capture:
-        for name in ("mbits", "block_scales", "row_scales"):
-            a, b = getattr(recs[0], name), getattr(recs[1], name)
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"k/v record {name}"
-    assert int(counters.abs().sum()) == 0 and int(kv_counters.abs().sum()) == 0, "counters"
-
-
-@pytest.mark.parametrize("t,h,pro,fp4", [(1, 2048, True, False), (2, 2048, True, True),
-                                          (8, 512, False, False), (5, 512, True, True)])  # fmt: skip
-def test_qkv_rope_cluster_equals_counter_path(t, h, pro, fp4):
-    """qkv_rope with each head's CTAs as one cluster (rows met in CTA 0's shared memory) equals
-    the last-CTA path bit for bit: q, kv_new, the BF16 cache or the FP4 cache and k/v records;
-    the counters left at zero (unused by the cluster path)."""
-    from trace_common.kernels import cuda_small
-    from trace_common.kernels.attention import KVCacheGPU
-    from trace_common.kernels.quant import CompactRecordBuffers
-
-    hq, hkv, cap, eps = 16, 4, 64, 1e-6
-    n = (hq + 2 * hkv) * D
-    w = _rand(n, h, std=0.02, seed=61)
-    resid, delta = _rand(t, h, seed=62), _rand(t, h, std=0.5, seed=63)
-    ln_w = _norm_weight(h, seed=64)
-    norm_w = _norm_weight(2, D, seed=65)
-    pos = torch.randperm(cap, device=DEV)[:t].int()
-    inv_freq = _rope_inv_freq()
-    _, xn = ref_add_rmsnorm(resid, delta, 1, ln_w, eps)
-    counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device=DEV)
-    kv_counters = torch.zeros(2, dtype=torch.int32, device=DEV)
-    outs = {}
-    for cluster in (False, True):
-        q, kv, qkv = _nan(t, hq, D), _nan(2, t, hkv * D), _nan(t, n)
-        common = dict(w_qkv=w, qkv=qkv, counters=counters, norm_w=norm_w, pos=pos,
-                      inv_freq=inv_freq, q_out=q, kv_new=kv, q_heads=hq, kv_heads=hkv,
-                      eps=eps, pdl=True, cluster=cluster)  # fmt: skip
-        out = [q, kv]
-        if fp4:
-            c = KVCacheGPU.allocate(fp4=True, batch=t, kv_heads=hkv, capacity=cap, head_dim=D,
-                                    device=DEV)  # fmt: skip
-            c.fill_random_(torch.Generator(device=DEV).manual_seed(66))
-            rec = CompactRecordBuffers.allocate(2 * t, hkv * D, DEV)
-            common.update(cache=None, fp4_cache=c, kv_counters=kv_counters, kv_capture=rec)
-            out += [c.codes, c.scales, c.row_scales, rec.mbits, rec.block_scales, rec.row_scales]
-        else:
-            cache = _rand(2, t, hkv, cap, D, seed=67)
-            common.update(cache=cache)
-            out.append(cache)
-        if pro:
-            r_out = _nan(t, h)
-            cuda_small.qkv_rope(**common, resid_in=resid, delta=delta, nsum=1, ln_w=ln_w,
-                                resid_out=r_out)  # fmt: skip
-            out.append(r_out)
-        else:
-            cuda_small.qkv_rope(**common, xn=xn)
-        torch.cuda.synchronize()
-        outs[cluster] = out
-    assert torch.isfinite(outs[True][0].float()).all(), "unwritten q"
-    for i, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs"
-    assert int(counters.abs().sum()) == 0 and int(kv_counters.abs().sum()) == 0, "counters"
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -486,36 +486,24 @@ __global__ void __launch_bounds__(WK * 32) gemv_bf16_tiles(const u16* __restrict
 // residual to resid_out; else the input is xn [NT, K]. Then qkv [NT, N] (N = (hq + 2 hkv) 128),
 // and the last CTA of each head: q/k RMSNorm (norm_w [2, 128]) + rotate-half RoPE at pos[b]
 // -> q_out [NT, hq, 128] and kv_new [2, NT, hkv 128] (k, v); with a BF16 cache [2, NT, hkv, S,
-// 128] it also writes k and v at position pos[b]. counters [hq + 2 hkv]: zero before and after.
-// KVQ: the FP4 KV append (as quant.kv_append_fp4): the last CTA of all k heads (then of all v
-// heads; kv_counters [2], zero before and after) NVFP4-quantizes the NT new k (v) rows of hkv
-// 128 values (one scale_2 per token over all kv heads) into the FP4 cache at pos[b]: codes
-// kv_codes [2, NT, hkv, S, 64], scales kv_scales [2, NT, hkv, S, 8], kv_g [2, NT, S]; with
-// r_mbits also the compact record of the rows r = kind NT + b (r_mbits [2 NT, hkv 16],
-// r_scales [2 NT, hkv 8], r_g [2 NT]).
-// KVQ asks ptxas for 5 CTAs per SM (<= 51 registers, the 48 it uses without; 0 = no bound):
-// the 640 CTAs of the Qwen3-30B-A3B shape stay one wave on an H200.
-// CL (= 128 / 16 = 8): launched in clusters of CL CTAs, one cluster per head: each CTA also
-// stores its tile into the cluster's CTA 0's shared memory (st.shared::cluster), one cluster
-// barrier replaces the fence + counter + L2 reads of the last-CTA path, and CTA 0 finishes
-// the head (counters unused).
-template <int NT, int WK, int KCW, int U, int NS, bool PRO, bool KVQ, int CL = 0>
-__global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
+// 128] it also writes k and v at position pos[b].
+// Launched in clusters of CL = 128 / 16 = 8 CTAs, one cluster per head: each CTA also stores its
+// tile into the cluster's CTA 0's shared memory (st.shared::cluster), and after one cluster
+// barrier CTA 0 finishes the head.
+template <int NT, int WK, int KCW, int U, int NS, bool PRO>
+__global__ void __launch_bounds__(WK * 32) qkv_rope_bf16(
     const u16* __restrict__ resid_in, const u16* __restrict__ delta, int nsum,
     const u16* __restrict__ ln_w, float eps, u16* __restrict__ resid_out,
     const u16* __restrict__ xn, const u16* __restrict__ w, u16* __restrict__ qkv,
-    int* __restrict__ counters, const u16* __restrict__ norm_w, const int* __restrict__ pos,
+    const u16* __restrict__ norm_w, const int* __restrict__ pos,
     const float* __restrict__ inv_freq, u16* __restrict__ q_out, u16* __restrict__ kv_new,
-    u16* __restrict__ cache, int cap, int hq, int hkv, int* __restrict__ kv_counters,
-    u8* __restrict__ kv_codes, u8* __restrict__ kv_scales, float* __restrict__ kv_g,
-    u8* __restrict__ r_mbits, u8* __restrict__ r_scales, float* __restrict__ r_g) {
+    u16* __restrict__ cache, int cap, int hq, int hkv) {
   constexpr int K = WK * KCW * 32;
   constexpr int XS = K + 32;  // padded smem row: token rows start 64 bytes apart in bank space
   __shared__ __align__(16) u16 xs[PRO ? NT * XS : 8];
   __shared__ float red[WK * 4 * 32];
-  __shared__ int is_last;
-  __shared__ u16 s_head[CL ? NT * HEAD_DIM : 1];  // CL: the head's rows (CTA 0's)
-  if (CL) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
+  __shared__ u16 s_head[NT * HEAD_DIM];  // the head's rows (CTA 0's)
+  cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
   const int n = (hq + 2 * hkv) * HEAD_DIM;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int row0 = blockIdx.x * TILE_ROWS;
@@ -533,28 +521,16 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
   cta_reduce<1, WK>(acc, red);
   if (warp == 0) store_tile<NT>(qkv, n, row0, acc[0]);
   const int head = row0 / HEAD_DIM;
-  if (CL) {
-    cluster_wait_acquire();  // phase 0: CTA 0 runs
-    if (warp == 0)  // the same bf16 values into CTA 0's s_head
-      store_tile_cluster<NT>(cluster_map(s_head, 0), HEAD_DIM, row0 % HEAD_DIM, acc[0]);
-    cluster_arrive_release();  // phase 1: this CTA's rows are in CTA 0
-    if (cluster_rank() != 0) return;
-    cluster_wait_acquire();  // phase 1: the head's rows are all in s_head
-  } else {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0)
-      is_last = atomicAdd(counters + head, 1) == HEAD_DIM / TILE_ROWS - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-  }
+  cluster_wait_acquire();  // phase 0: CTA 0 runs
+  if (warp == 0)  // the same bf16 values into CTA 0's s_head
+    store_tile_cluster<NT>(cluster_map(s_head, 0), HEAD_DIM, row0 % HEAD_DIM, acc[0]);
+  cluster_arrive_release();  // phase 1: this CTA's rows are in CTA 0
+  if (cluster_rank() != 0) return;
+  cluster_wait_acquire();  // phase 1: the head's rows are all in s_head
   for (int b = warp; b < NT; b += WK) {
-    const u16* src = qkv + (long)b * n + head * HEAD_DIM;
     u16 raw[4];  // d = lane, lane + 32 (first half), 64 + lane, 96 + lane (their partners)
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      raw[i] = CL ? s_head[b * HEAD_DIM + lane + 32 * i] : ld_cg_u16(src + lane + 32 * i);
+    for (int i = 0; i < 4; ++i) raw[i] = s_head[b * HEAD_DIM + lane + 32 * i];
     const int p = pos[b];
     if (head >= hq + hkv) {  // v: copy
       const int hv = head - hq - hkv;
@@ -606,38 +582,6 @@ __global__ void __launch_bounds__(WK * 32, KVQ ? 5 : 0) qkv_rope_bf16(
       }
     }
   }
-  __syncthreads();
-  if (!CL && threadIdx.x == 0) counters[head] = 0;
-  if (!KVQ || head < hq) return;
-  const int kind = head >= hq + hkv;  // 0: k, 1: v
-  __threadfence();  // this head's kv_new rows, before the group counter
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(kv_counters + kind, 1) == hkv - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const int width = hkv * HEAD_DIM;
-  auto load = [&](int b, int e, float (&x)[4]) {  // row b: token b's k (v)
-    load_bf16x4_cg(kv_new + (long)(kind * NT + b) * width + e, x);
-  };
-  auto dst = [&](int b) {
-    const int r = kind * NT + b;  // the record's row
-    const long at = (long)r * hkv * cap + pos[b];  // (kind, b, head 0, pos) in the cache
-    NVFP4RowOut o = nvfp4_row_out(kv_codes + at * (HEAD_DIM / 2), kv_scales + at * (HEAD_DIM / 16),
-                                  kv_g + (long)r * cap + pos[b]);
-    o.seg_blocks = HEAD_DIM / 16;  // a head at one position
-    o.seg_codes = (long)cap * (HEAD_DIM / 2);
-    o.seg_scales = (long)cap * (HEAD_DIM / 16);
-    if (r_mbits) {
-      o.mbits = r_mbits + (long)r * (width / 8);
-      o.rec_scales = r_scales + (long)r * (width / 16);
-      o.rec_g = r_g + r;
-    }
-    return o;
-  };
-  nvfp4_quantize_rows_cta<WK * 32>(NT, width, load, dst);
-  __syncthreads();
-  if (threadIdx.x == 0) kv_counters[kind] = 0;
 }
 
 // Fused router: add + RMSNorm prologue (resid_in + nsum delta rows, ln_w; CTA 0 writes
