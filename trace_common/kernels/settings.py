@@ -4,7 +4,8 @@ The built-in launch shapes are tuned for the Qwen3-30B-A3B shape on an H200. Ano
 model shape may run faster with others: bench/small_batch_sweep.py searches the small-batch
 kernels' shapes, `bench/rollout_gpu_kernels.py --cuda-sweep` the expert GEMM's and
 `--attn-sweep` the FP4 attention's. Every choice of kernel per op and size class is fixed in
-the kernel modules; these settings change launch shapes only, never results.
+the kernel modules; these settings change launch shapes only (and with them, at most, the
+order in which a GEMM's fp32 partial sums are added).
 
 The engine applies its settings when it is built (`DecodeEngine(settings=...)`); they hold
 for the whole process (the kernel modules keep them as module state), so engines of one
