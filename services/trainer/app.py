@@ -327,8 +327,12 @@ class TrainerApp:
         self._continue_version(path, latest, ckpt.version)
 
     def _continue_version(self, path: pathlib.Path, latest: int, version: int) -> None:
-        """After a resume: keep the checkpoint's version if weight-sync holds it, else push."""
+        """After a resume: keep the checkpoint's version if weight-sync holds it, else push.
+        Rows of the steps after the checkpoint leave metrics.jsonl: they run again."""
         self.resumed_from = str(path)
+        dropped = self.metrics.truncate_after(self.core.step_index)
+        if dropped:
+            log.info("metrics rows after the checkpoint removed", extra={"rows": dropped})
         if latest == version:
             self.core.version = version  # replicas already hold exactly these weights
             self.core.version_floor = version

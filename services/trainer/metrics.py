@@ -89,6 +89,29 @@ class TrainerMetrics:
         self.failed = metrics.gauge("run_failed", "1 once the run failed (state failed)")
         self.failed.set(0)
 
+    def truncate_after(self, step: int) -> int:
+        """Drop the metrics.jsonl rows of steps after `step` (a resume from the checkpoint of
+        `step` runs them again: without this each would have two rows). Atomic (a temp file
+        renamed over it); a torn last line is dropped too. Returns the rows dropped."""
+        if self.jsonl is None or not self.jsonl.exists():
+            return 0
+        with self._lock:
+            lines = self.jsonl.read_text().splitlines()
+            keep = []
+            for line in lines:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a write the killed trainer did not finish
+                    continue
+                if isinstance(row, dict) and row.get("step", 0) <= step:
+                    keep.append(line)
+            if len(keep) == len(lines):
+                return 0
+            tmp = self.jsonl.with_name(self.jsonl.name + ".tmp")
+            tmp.write_text("".join(x + "\n" for x in keep))
+            tmp.replace(self.jsonl)
+            return len(lines) - len(keep)
+
     def record(self, m: dict[str, Any]) -> None:
         with self._lock:
             self.step.set(m["step"])
