@@ -81,12 +81,19 @@ def _settled(c: LocalCluster, quiet_s: float = 2.0) -> dict:
 
 
 def _start_run(
-    c: LocalCluster, tmp_path: pathlib.Path, run_id: str, steps: int, **env: str
+    c: LocalCluster,
+    tmp_path: pathlib.Path,
+    run_id: str,
+    steps: int,
+    *,
+    stop: bool = True,
+    **env: str,
 ) -> trainer_pb2_grpc.TrainerStub:
-    """Replace the fixture's trainer by one for run `run_id` (metrics.jsonl and the record
-    audit under `tmp_path`) and let it run."""
+    """Replace the fixture's trainer (stopped first unless `stop` is false: it was killed) by
+    one for run `run_id` (metrics.jsonl and the record audit under `tmp_path`); let it run."""
     assert c.trainer is not None
-    c.trainer.stop()
+    if stop:
+        c.trainer.stop()
     env = {"TRACE_RUN_ID": run_id, "TRACE_STEPS": str(steps),
            "TRACE_METRICS_FILE": str(tmp_path / "metrics.jsonl"),
            "TRACE_RECORD_AUDIT_FILE": str(tmp_path / "trainer-audit.jsonl"), **env}  # fmt: skip
@@ -152,30 +159,48 @@ def test_weight_sync_restart_mid_run_loses_nothing(
     assert listed["rollout-0"].alive
 
 
-def _restart_redis_between_units(c: LocalCluster, run_id: str, metrics: pathlib.Path) -> int:
-    """Restart Redis empty after a step's first work unit stored its records and before the
-    trainer reads them (one replica runs the units one after the other; the trainer reads
-    once both are done): that group's records are lost for good. A restart that came too
-    early (the writer's retry stores the batch again) or too late is tried again at a later
-    step. Returns the index of the step that lost records."""
+def _at_unit_gap(c: LocalCluster, run_id: str) -> int:
+    """Block until a step's first work unit has stored all its records and the second none
+    (one replica runs the units one after the other, so it is generating the second, and the
+    trainer, which reads once both are done, has read nothing). Returns that step's index."""
     assert c.redis is not None
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
         step = c.trainer_status()["step"]
         admin = redis.Redis.from_url(c.redis.url)
-        first = admin.keys(f"trace:qc:{run_id}:*:s{step}-u0-a0-*")
-        if len(first) == GROUP_SIZE and not admin.keys(f"trace:qc:{run_id}:*:s{step}-u1-*"):
-            admin.close()
-            time.sleep(0.02)  # the writer has its answer: no retry brings the batch back
-            c.restart_redis()
-            _wait(c, lambda _st, n=step: len(read_metrics(metrics)) > n, f"step {step + 1}'s row")
-            row = read_metrics(metrics)[step]
-            lost = ("samples_regenerated", "samples_unguided", "samples_dropped_records")
-            if any(row[k] for k in lost):
+        try:
+            # all of unit 0's records (a partly written batch would be written again in full)
+            first = admin.keys(f"trace:qc:{run_id}:*:s{step}-u0-a0-*")
+            if len(first) == GROUP_SIZE and not admin.keys(f"trace:qc:{run_id}:*:s{step}-u1-*"):
                 return step
-        admin.close()
+        finally:
+            admin.close()
         time.sleep(0.005)
-    raise AssertionError("never restarted Redis between a step's two work units")
+    raise AssertionError("never saw a step between its two work units")
+
+
+def _rows(metrics: pathlib.Path) -> list[dict]:
+    return read_metrics(metrics) if metrics.exists() else []
+
+
+def _row(metrics: pathlib.Path, c: LocalCluster, step: int) -> dict:
+    """The metrics row of step index `step`, once written."""
+    _wait(c, lambda _st: len(_rows(metrics)) > step, f"step {step + 1}'s row")
+    return read_metrics(metrics)[step]
+
+
+def _restart_redis_between_units(c: LocalCluster, run_id: str, metrics: pathlib.Path) -> int:
+    """Restart Redis empty between a step's two units: the first group's records are lost for
+    good. A restart that came too early (the writer's retry stores the record again) or too
+    late is tried again at a later step. Returns the index of the step that lost records."""
+    lost = ("samples_regenerated", "samples_unguided", "samples_dropped_records")
+    for _ in range(5):
+        step = _at_unit_gap(c, run_id)
+        time.sleep(0.02)  # the writer has its answer: no retry brings the record back
+        c.restart_redis()
+        if any(_row(metrics, c, step)[k] for k in lost):
+            return step
+    raise AssertionError("five Redis restarts and no record lost")
 
 
 def test_redis_restart_mid_step_records_are_regenerated(
@@ -213,3 +238,88 @@ def test_redis_restart_mid_step_records_trained_unguided(
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert rows[lost_at]["samples_unguided"] >= GROUP_SIZE, rows[lost_at]
     assert totals["samples_regenerated"] == 0, totals
+
+
+def test_redis_memory_pressure_finishes_or_fails_loudly(
+    cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    """Redis's maxmemory cut to about 4 records: a step's first records are evicted by
+    its last ones before the trainer reads them. The lost groups are generated again; the run
+    either finishes with every sample trained (the regenerations counted) or, where even
+    they are evicted, fails loudly past TRACE_MAX_DROPPED_FRACTION (state failed, /healthz
+    503, run_failed 1). It never reports finished with samples dropped."""
+    steps = 6
+    metrics = tmp_path / "metrics.jsonl"
+    stub = _start_run(cluster, tmp_path, "chaos-memory", steps)
+    _wait(cluster, lambda st: st["step"] >= 1, "step 1")  # every client has connected
+    stub.Pause(trainer_pb2.PauseRequest(reason="chaos"), metadata=_auth(cluster), timeout=10)
+    _settled(cluster)
+    assert cluster.redis is not None
+    admin = redis.Redis.from_url(cluster.redis.url)
+    records = sum(admin.memory_usage(k) or 0 for k in admin.keys("trace:qc:chaos-memory:*"))
+    # room for about 4 records (a step writes 8) on top of what is not a record; a bound
+    # below that refuses writes (OOM) instead of evicting: see the README's fault table
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - records + 6000)
+    admin.close()
+    stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(cluster), timeout=10)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while (st := cluster.trainer_status())["state"] not in ("finished", "failed"):
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "one row per step"
+    for r in rows:  # each sample trained or counted
+        assert r["samples_trained"] + r["samples_dropped_records"] == r["samples"], r
+    dropped = sum(r["samples_dropped_records"] for r in rows)
+    assert cluster.trainer is not None
+    healthz = httpx.get(f"{cluster.trainer.http_url}/healthz", timeout=5).status_code
+    if st["state"] == "finished":
+        totals = _assert_every_sample_trained(tmp_path, steps)
+        assert totals["samples_regenerated"] > 0, "the memory bound never evicted a record"
+        assert healthz == 200
+    else:
+        assert dropped > 0 and "TRACE_MAX_DROPPED_FRACTION" in st["detail"], (st, rows)
+        assert healthz == 503
+        text = httpx.get(f"{cluster.trainer.http_url}/metrics", timeout=5).text
+        assert "trace_trainer_run_failed 1.0" in text
+
+
+def test_replica_killed_mid_step_its_unit_is_generated_again(
+    cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    """The only replica is killed while it generates a step's second unit and comes back
+    empty: the unit goes back to the queue and the fresh replica (once it pulls the current
+    version) generates it; nothing is lost or trained twice."""
+    steps = 4
+    metrics = tmp_path / "metrics.jsonl"
+    _start_run(cluster, tmp_path, "chaos-replica", steps)
+    _wait(cluster, lambda st: st["step"] >= 1, "step 1")
+    killed_at = _at_unit_gap(cluster, "chaos-replica")
+    cluster.restart_replica(0)
+    final = _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
+    assert final["step"] == steps
+    _assert_every_sample_trained(tmp_path, steps)
+    row = read_metrics(metrics)[killed_at]
+    assert row["redispatched_units"] >= 1 and row["failed_replicas"] == ["rollout-0"], row
+
+
+def test_trainer_killed_mid_run_resumes_with_one_row_per_step(
+    cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    """The trainer is SIGKILLed mid-step, steps past its last checkpoint (every 3 steps). The
+    restarted trainer resumes from that checkpoint and runs those steps again: metrics.jsonl
+    ends with exactly one row per step (the rows after the checkpoint were removed), every
+    sample of every step trained."""
+    steps = 7
+    metrics = tmp_path / "metrics.jsonl"
+    env = {"TRACE_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "TRACE_CHECKPOINT_EVERY": "3"}
+    _start_run(cluster, tmp_path, "chaos-trainer", steps, **env)
+    _wait(cluster, lambda _st: len(_rows(metrics)) >= 4, "step 4's row")
+    assert cluster.trainer is not None
+    cluster.trainer.kill()
+    rows_at_kill = len(read_metrics(metrics))
+    _start_run(cluster, tmp_path, "chaos-trainer", steps, stop=False, **env)
+    final = _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
+    assert final["resumed_from"] and final["resumed_from"].endswith("step-000003"), final
+    assert rows_at_kill > 3, rows_at_kill  # rows past the checkpoint existed: they were removed
+    _assert_every_sample_trained(tmp_path, steps)
