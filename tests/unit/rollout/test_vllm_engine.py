@@ -76,7 +76,7 @@ def fp4_engine():
 
 @needs_vllm
 @pytest.mark.slow
-def test_fp4_greedy_tokens_match_the_native_engine(fp4_engine) -> None:
+def test_fp4_greedy_tokens_and_records_match_the_native_engine(fp4_engine) -> None:
     _, engine, tensors, meta = fp4_engine
     assert engine.name == "vllm"
     got = engine.generate(PROMPTS, 2, GREEDY, with_records=False)
@@ -93,6 +93,21 @@ def test_fp4_greedy_tokens_match_the_native_engine(fp4_engine) -> None:
         assert max(gaps, default=0.0) < 1e-3, f"|dlogp| {gaps} on the agreeing prefix"
     agree = sum(g.completion_tokens == w.completion_tokens for g, w in zip(got, want, strict=True))
     assert agree == len(got), f"{agree}/{len(got)} greedy completions equal"
+    # Same tokens, so the records compare row for row with the native engine's: the same
+    # codes, block scales and routing; per-token fp32 scales equal up to a few ulps (the
+    # activations' amax differs in its last bits with the summation order).
+    got = engine.generate(PROMPTS, 1, GREEDY, with_records=True)
+    want = NativeEngine.from_weights(tensors, meta).generate(PROMPTS, 1, GREEDY, with_records=True)
+    for g, w in zip(got, want, strict=True):
+        a, b = SampleRecords.from_bytes(g.records), SampleRecords.from_bytes(w.records)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.routing, b.routing)
+        assert a.guidance.keys() == b.guidance.keys()
+        for key, ra in a.guidance.items():
+            rb = b.guidance[key]
+            assert torch.equal(ra.payload, rb.payload), f"codes differ at {key}"
+            assert torch.equal(ra.block_scales, rb.block_scales), f"block scales differ at {key}"
+            rel = ((ra.row_scales - rb.row_scales).abs() / rb.row_scales).max()
+            assert rel < 1e-5, f"row scales at {key}: max relative difference {rel}"
     sampled = engine.generate(PROMPTS, 3, SamplingConfig(temperature=1.0, max_new_tokens=4),
                               with_records=False)  # fmt: skip
     assert len(sampled) == 12 and all(
