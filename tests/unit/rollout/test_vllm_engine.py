@@ -280,3 +280,19 @@ def test_rl_loop_on_the_vllm_engine_learns_with_versions_loaded_in_place() -> No
         assert m["d_act_max"] == 0.0 and m["code_flip_rate"] == 0.0, m
         assert m["routing_mismatch"] == 0.0 and m["logp_abs_diff_max"] < 1e-3, m
     assert after > before + 0.5, f"logp of the rewarded token {before:.3f} -> {after:.3f}"
+
+
+@needs_vllm
+def test_a_vllm_without_the_needed_api_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM release whose MoE method API moved: an ImportError naming it, not a traceback."""
+    import sys
+
+    import trace_common.rollout
+    from trace_common.rollout import vllm_engine
+
+    monkeypatch.delattr(trace_common.rollout, "vllm_quant", raising=False)
+    monkeypatch.delitem(sys.modules, "trace_common.rollout.vllm_quant", raising=False)
+    moved = "vllm.model_executor.layers.fused_moe.fused_moe_method_base"
+    monkeypatch.setitem(sys.modules, moved, None)  # the import of this module now fails
+    with pytest.raises(ImportError, match=r"vllm \S+ lacks an API the trace_fp4 method needs"):
+        vllm_engine._import_vllm()
