@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -57,8 +58,62 @@ class Row:
     panels: tuple[Panel, ...] = field(default_factory=tuple)
 
 
+# Template variables: every query is scoped to the chosen namespace(s) and job(s), and the
+# trainer's series to the trainer(s) of the chosen run(s) (`trace_trainer_run_info{run_id}`
+# names each trainer's run; the hidden `trainer` variable holds their instances). "All" is
+# `.*`, which also matches a series without the label (compose has no `namespace`).
+SCOPE = 'namespace=~"$namespace", job=~"$job"'
+TRAINER_SCOPE = f'{SCOPE}, instance=~"$trainer"'
+METRIC = re.compile(r"\b(trace_[a-z0-9_]+|up)\b(\{[^}]*\})?(?!\()")
+
+
+def scoped(expr: str) -> str:
+    """`expr` with the template variables' selector added to every series it reads."""
+
+    def add(m: re.Match[str]) -> str:
+        name, labels = m.group(1), (m.group(2) or "{}")[1:-1]
+        scope = TRAINER_SCOPE if name.startswith("trace_trainer_") else SCOPE
+        return f"{name}{{{scope}{', ' + labels if labels else ''}}}"
+
+    return METRIC.sub(add, expr)
+
+
 def q(expr: str, legend: str) -> Query:
-    return Query(" ".join(expr.split()), legend)
+    return Query(scoped(" ".join(expr.split())), legend)
+
+
+def _variable(name: str, label: str, query: str, *, hide: int = 0) -> dict:
+    """A query variable over the Prometheus datasource: multi-select, All = `.*`."""
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "definition": query,
+        "query": {"query": query, "refId": f"{name}-values"},
+        "refresh": 2,  # on time range change: a new run shows up
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+        "hide": hide,
+    }
+
+
+VARIABLES = (
+    _variable("namespace", "Namespace", 'label_values(up{job=~".*trace.*"}, namespace)'),
+    _variable("job", "Job", 'label_values(up{namespace=~"$namespace", job=~".*trace.*"}, job)'),
+    _variable(
+        "run", "Run", 'label_values(trace_trainer_run_info{namespace=~"$namespace"}, run_id)'
+    ),
+    _variable(
+        "trainer",
+        "Trainer",
+        'label_values(trace_trainer_run_info{namespace=~"$namespace", run_id=~"$run"}, instance)',
+        hide=2,  # derived from the run
+    ),
+)
 
 
 # Which service exports each family: trace_<component>_... with component rollout, trainer,
@@ -153,8 +208,8 @@ ROWS: tuple[Row, ...] = (
                         "pull",
                     ),
                     q(
-                        "max by (replica) (trace_trainer_weight_pull_seconds)",
-                        "last pull {{replica}}",
+                        "max by (replica_id) (trace_trainer_weight_pull_seconds)",
+                        "last pull {{replica_id}}",
                     ),
                 ),
             ),
@@ -397,7 +452,8 @@ def build() -> dict:
                     "current": {},
                     "hide": 0,
                     "refresh": 1,
-                }
+                },
+                *VARIABLES,
             ]
         },
         "annotations": {"list": []},

@@ -138,7 +138,7 @@ class TrainerApp:
             learner=self.learner,
             publisher=self.publisher,
         )  # fmt: skip
-        self.metrics = TrainerMetrics(metrics, s.metrics_file)
+        self.metrics = TrainerMetrics(metrics, s.metrics_file, run.run_id)
         self.state = "starting"
         self.detail = ""
         self.last_metrics: dict[str, Any] = {}

@@ -14,8 +14,10 @@ Documented series (all gauges unless noted; every one is set on every step where
   ``trace_trainer_samples_regenerated_total``, ``trace_trainer_samples_unguided_total``
   (records lost: generated again / trained without records, TRACE_LOST_RECORDS),
   ``trace_trainer_redispatched_units_total`` (counters)
-- ``trace_trainer_rollout_tokens_per_second{replica}``
-- ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica}``
+- ``trace_trainer_rollout_tokens_per_second{replica_id}``
+- ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica_id}``
+  (``replica_id``: the label every TRACE series naming a replica uses, as weight-sync's)
+- ``trace_trainer_run_info{run_id}`` (1; the dashboard's run selector)
 - ``trace_trainer_record_bytes_per_token``
 - ``trace_trainer_step_phase_seconds{phase=rollout|records|train|push}``,
   ``trace_trainer_step_seconds`` (histogram)
@@ -55,7 +57,7 @@ PHASES = ("rollout", "records", "train", "push")
 class TrainerMetrics:
     """Writes each step's metrics to metrics.jsonl and Prometheus."""
 
-    def __init__(self, metrics: Metrics, jsonl: pathlib.Path | None) -> None:
+    def __init__(self, metrics: Metrics, jsonl: pathlib.Path | None, run_id: str = "") -> None:
         self.jsonl = jsonl
         if jsonl is not None:
             jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -77,10 +79,10 @@ class TrainerMetrics:
         )
         self.redispatched = metrics.counter("redispatched_units", "work units re-dispatched")
         self.tps = metrics.gauge(
-            "rollout_tokens_per_second", "rollout tokens/s by replica", ("replica",)
+            "rollout_tokens_per_second", "rollout tokens/s by replica", ("replica_id",)
         )
         self.pull = metrics.gauge(
-            "weight_pull_seconds", "last weight pull seconds by replica", ("replica",)
+            "weight_pull_seconds", "last weight pull seconds by replica", ("replica_id",)
         )
         self.phase = metrics.gauge(
             "step_phase_seconds", "seconds of the last step by phase", ("phase",)
@@ -88,6 +90,11 @@ class TrainerMetrics:
         self.step_seconds = metrics.histogram("step_seconds", "RL step wall time")
         self.failed = metrics.gauge("run_failed", "1 once the run failed (state failed)")
         self.failed.set(0)
+        if run_id:
+            info = metrics.gauge(
+                "run_info", "1, labelled with the run this trainer runs", ("run_id",)
+            )
+            info.labels(run_id).set(1)
 
     def truncate_after(self, step: int) -> int:
         """Drop the metrics.jsonl rows of steps after `step` (a resume from the checkpoint of

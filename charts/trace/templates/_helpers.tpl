@@ -299,3 +299,15 @@ else cpu. A component's `env.TRACE_DEVICE` overrides it (e.g. cuda:1 with gpus: 
 - name: TRACE_METRICS_FILE
   value: /data/metrics.jsonl
 {{- end -}}
+
+{{/*
+An HPA's replica bounds, checked when rendering (JSON schema cannot compare two fields):
+(list "values.path" $autoscaling).
+*/}}
+{{- define "trace.checkAutoscaling" -}}
+{{- $path := index . 0 }}
+{{- $a := index . 1 }}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
+{{- fail (printf "%s.minReplicas (%d) must be <= %s.maxReplicas (%d)" $path (int $a.minReplicas) $path (int $a.maxReplicas)) }}
+{{- end }}
+{{- end }}

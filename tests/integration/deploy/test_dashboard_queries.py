@@ -49,6 +49,8 @@ TOKEN = "deploy-integration-token"
 SCRAPE_INTERVAL_S = 1
 # What Grafana's $__rate_interval becomes here: >= 4 scrape intervals, as Grafana computes it.
 RATE_WINDOW = "15s"
+# The dashboard's template variables at "All" (Grafana substitutes the variable's allValue).
+ALL_VALUES = {"$namespace": ".*", "$job": ".*", "$trainer": ".*"}
 START_TIMEOUT_S = 60.0
 RL_TIMEOUT_S = 300.0  # the short RL run below takes well under a minute on 2 CPU cores
 RL_STEPS = 6
@@ -58,6 +60,13 @@ PROBE_RECORD_BYTES = 4 << 10
 KEY_PREFIX = "trace:qc"  # quant-cache's default TRACE_KEY_PREFIX
 REPLICAS = ("rollout-a", "rollout-b")
 METRIC_NAME = re.compile(r"\btrace_[a-z0-9_]+\b")
+
+
+def _grafana_substitute(expr: str) -> str:
+    """`expr` as Grafana sends it with every template variable at All."""
+    for var, value in {"$__rate_interval": RATE_WINDOW, **ALL_VALUES}.items():
+        expr = expr.replace(var, value)
+    return expr
 
 
 # -- the dashboard ------------------------------------------------------------------------
@@ -333,9 +342,7 @@ def run() -> Iterator[Run]:
                 assert probe.error is None, f"record probe failed: {probe.error!r}"
                 end = time.time()
                 results = {
-                    expr: prom.query_range(
-                        expr.replace("$__rate_interval", RATE_WINDOW), start, end
-                    )
+                    expr: prom.query_range(_grafana_substitute(expr), start, end)
                     for panel in PANELS
                     for expr in panel.exprs
                 }

@@ -57,6 +57,13 @@ def test_values_validate(values: dict, validator: jsonschema.Draft7Validator) ->
         (("redis", "external", "url"), "http://redis:6379"),
         (("config",), {"not a var": "x"}),
         (("rollout", "typo"), 1),
+        (("rollout", "resources", "requests", "memory"), "32GB"),
+        (("rollout", "resources", "requests", "cpu"), "four"),
+        (("trainer", "resources", "limits", "memory"), "-1Gi"),
+        (("redis", "resources", "requests", "memory"), "4.5 Gi"),
+        (("rollout", "autoscaling", "customMetric", "targetAverageValue"), "2 per pod"),
+        (("rollout", "podDisruptionBudget", "maxUnavailable"), 0),
+        (("rollout", "topologySpreadConstraints"), [{"maxSkew": 1}]),
     ],
 )
 def test_schema_rejects_bad_values(
@@ -159,3 +166,34 @@ def test_chart_metadata() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2" and chart["name"] == "trace"
     assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+
+
+def test_dashboard_queries_follow_the_namespace_job_and_run_variables() -> None:
+    """Every series a panel reads is scoped by $namespace and $job, the trainer's also by the
+    instances of the chosen $run (hidden $trainer, from trace_trainer_run_info)."""
+    dash = json.loads(_dashboard_module().render())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert set(variables) == {"datasource", "namespace", "job", "run", "trainer"}
+    for name in ("namespace", "job", "run", "trainer"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    assert "trace_trainer_run_info" in variables["run"]["definition"]
+    assert "$run" in variables["trainer"]["definition"]
+    selector = re.compile(r"\b(trace_[a-z0-9_]+|up)(\{[^}]*\})?")
+    n = 0
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            for name, labels in selector.findall(target["expr"]):
+                n += 1
+                assert 'namespace=~"$namespace"' in labels and 'job=~"$job"' in labels, target
+                if name.startswith("trace_trainer_"):
+                    assert 'instance=~"$trainer"' in labels, target
+    assert n > 40
+
+
+@pytest.mark.parametrize("quantity", ["500m", "4", 4, 0.5, "32Gi", "1e3", "1.5G", "128974848"])
+def test_schema_accepts_resource_quantities(
+    values: dict, validator: jsonschema.Draft7Validator, quantity: object
+) -> None:
+    good = copy.deepcopy(values)
+    good["rollout"]["resources"]["requests"]["memory"] = quantity
+    assert not list(validator.iter_errors(good)), quantity

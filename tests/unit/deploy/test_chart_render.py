@@ -236,9 +236,22 @@ def test_rollout_discovery_and_scaling(rendered: tuple[str, list[dict]]) -> None
     (rollout,) = [w for w in _workloads(docs) if _component(w) == "rollout"]
     env = {e["name"]: e.get("value") for e in _trace_container(rollout)["env"]}
     assert env["TRACE_ADVERTISE_HOST"] == "$(POD_IP)" and env["TRACE_REPLICA_ID"] == "$(POD_NAME)"
+    selector = rollout["spec"]["selector"]["matchLabels"]
+    (spread,) = rollout["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname", spread
+    assert spread["labelSelector"] == {"matchLabels": selector}  # only the rollout pods
+    (pdb,) = _by_kind(docs, "PodDisruptionBudget").values()
+    assert pdb["spec"]["selector"]["matchLabels"] == selector
+    assert pdb["spec"]["maxUnavailable"] == 1
     hpas = _by_kind(docs, "HorizontalPodAutoscaler")
     if name == "all-options":
         (hpa,) = hpas.values()
+        # GPU replicas scale on their queue depth (a Pods metric through a Prometheus
+        # adapter), not on CPU
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["type"] == "Pods", metric
+        assert metric["pods"]["metric"]["name"] == "trace_rollout_requests_in_flight"
+        assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "2"}
         assert hpa["spec"]["scaleTargetRef"]["name"] == rollout["metadata"]["name"]
         assert "replicas" not in rollout["spec"], "the HPA owns the replica count"
         assert env["TRACE_TORCH_THREADS"] == "4"
@@ -332,6 +345,16 @@ def test_operator_objects(rendered: tuple[str, list[dict]], tmp_path: pathlib.Pa
         (
             ["--set", f"auth.token={TOKEN}", "--set", f"redis.password={TOKEN}", "--set", "rollout.replicas=-1"],
             "replicas",
+        ),
+        (
+            ["--set", f"auth.token={TOKEN}", "--set", f"redis.password={TOKEN}",
+             "--set", "rollout.autoscaling.minReplicas=9", "--set", "rollout.autoscaling.maxReplicas=4"],
+            "rollout.autoscaling.minReplicas (9) must be <= rollout.autoscaling.maxReplicas (4)",
+        ),
+        (
+            ["--set", f"auth.token={TOKEN}", "--set", f"redis.password={TOKEN}",
+             "--set", "rollout.resources.requests.memory=32GB"],
+            "rollout.resources.requests.memory",
         ),
     ],
 )  # fmt: skip
