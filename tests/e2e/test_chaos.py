@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(400)
 
 RUN_TIMEOUT_S = 180.0
 GROUP_SIZE = 4
+LOSS_TRIES = 6  # Redis restarts tried at a unit gap (each can miss: too early or too late)
 SAMPLES_PER_STEP = 2 * GROUP_SIZE  # 2 prompts x 4 completions, one prompt per work unit
 TRAINER_ENV = {
     "TRACE_TASK": "reverse",
@@ -166,7 +167,9 @@ def _at_unit_gap(c: LocalCluster, run_id: str) -> int:
     assert c.redis is not None
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
-        step = c.trainer_status()["step"]
+        st = c.trainer_status()
+        assert st["state"] == "running", f"the run ended before a unit gap was seen: {st}"
+        step = st["step"]
         admin = redis.Redis.from_url(c.redis.url)
         try:
             # all of unit 0's records (a partly written batch would be written again in full)
@@ -194,13 +197,13 @@ def _restart_redis_between_units(c: LocalCluster, run_id: str, metrics: pathlib.
     good. A restart that came too early (the writer's retry stores the record again) or too
     late is tried again at a later step. Returns the index of the step that lost records."""
     lost = ("samples_regenerated", "samples_unguided", "samples_dropped_records")
-    for _ in range(5):
+    for _ in range(LOSS_TRIES):
         step = _at_unit_gap(c, run_id)
         time.sleep(0.02)  # the writer has its answer: no retry brings the record back
         c.restart_redis()
         if any(_row(metrics, c, step)[k] for k in lost):
             return step
-    raise AssertionError("five Redis restarts and no record lost")
+    raise AssertionError(f"{LOSS_TRIES} Redis restarts and no record lost")
 
 
 def test_redis_restart_mid_step_records_are_regenerated(
@@ -209,7 +212,7 @@ def test_redis_restart_mid_step_records_are_regenerated(
     """Redis restarts empty after a step's first unit wrote its records: the trainer finds
     that group's records missing for good and generates it again (TRACE_LOST_RECORDS
     default), so every sample of the step is still trained, and the regeneration counted."""
-    steps = 5
+    steps = 2 + LOSS_TRIES  # room for every try
     _start_run(cluster, tmp_path, "chaos-redis", steps)
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
     lost_at = _restart_redis_between_units(cluster, "chaos-redis", tmp_path / "metrics.jsonl")
@@ -229,7 +232,7 @@ def test_redis_restart_mid_step_records_trained_unguided(
 ) -> None:
     """The same fault with TRACE_LOST_RECORDS=unguided: the group is trained without records
     (round-to-nearest QAT) and counted as unguided."""
-    steps = 5
+    steps = 2 + LOSS_TRIES  # room for every try
     _start_run(cluster, tmp_path, "chaos-unguided", steps, TRACE_LOST_RECORDS="unguided")
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
     lost_at = _restart_redis_between_units(cluster, "chaos-unguided", tmp_path / "metrics.jsonl")
