@@ -384,7 +384,8 @@ class CudaEngine:
         if max_context > self.cfg.max_position_embeddings:
             max_context = self.cfg.max_position_embeddings
         self.meta = meta
-        torch.cuda.set_device(self.device)  # Triton kernels launch on the current device
+        if self.device.index is not None:  # Triton kernels launch on the current device
+            torch.cuda.set_device(self.device)
         self.backend = DecodeBackend(self.cfg, self.quant, meta.guidance, tensors,
                                      batch=max_batch, capacity=max_context, device=self.device,
                                      prefill_tokens=prefill_tokens, pad_id=meta.pad_id,

@@ -308,7 +308,7 @@ class SlotScheduler:
     # ------------------------------------------------------------------ loop
 
     def _run(self) -> None:
-        if self.device.type == "cuda":  # the current device is per thread: Triton launches on it
+        if self.device.index is not None:  # the current device is per thread; Triton uses it
             torch.cuda.set_device(self.device)
         try:
             while True:
