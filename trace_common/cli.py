@@ -45,7 +45,9 @@ def demo(
         None, help="stop the warm start at this greedy accuracy [CPU: 0.3]"
     ),
     rollout_engine: str | None = typer.Option(
-        None, help="replicas' engine: auto | native | cuda [auto]"
+        None,
+        help="replicas' engine: auto | native | cuda | vllm (needs vllm installed: "
+        "make test-vllm builds .venv-vllm) [auto]",
     ),
     rollout_dtype: str | None = typer.Option(
         None,

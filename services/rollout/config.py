@@ -41,7 +41,7 @@ class RolloutSettings(ServiceSettings):
         "auto",
         description="auto: the CUDA engine on a CUDA device when it serves the policy, else the "
         "PyTorch engine; native: the PyTorch engine; cuda: the CUDA engine or an error; vllm: "
-        "vLLM (high-precision policies only; needs vllm installed)",
+        "vLLM with TRACE's FP4 numerics and records (needs vllm installed; docs/export.md)",
     )
     device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
     rollout_max_batch: int = Field(

@@ -43,6 +43,7 @@ from trace_common.rl.cluster import ClusterConfig, LocalCluster
 EVAL_SEED_OFFSET = 7_777_777  # held-out evaluation prompts, disjoint from training streams
 POLL_S = 0.5
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
+ROLLOUT_ENGINES = ("auto", "native", "cuda", "vllm")  # vllm: run the demo where vllm is installed
 DEMO_CPU_RECIPE = RECIPES_DIR / "demo-cpu.toml"  # the default: a few minutes on 2 CPU cores
 DEMO_GPU_RECIPE = RECIPES_DIR / "demo-gpu.toml"  # `--device cuda`: mid-1b on one GPU
 
@@ -76,7 +77,7 @@ class DemoConfig:
     warmstart_max_steps: int = 300
     warmstart_lr: float = 3e-3
     eval_prompts: int = 256  # held-out prompts of the warm-start and final evaluations
-    rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas: auto | native | cuda
+    rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas: auto|native|cuda|vllm
     rollout_dtype: str = "auto"  # PyTorch engine's dtype (auto: bf16 on CUDA, else fp32)
 
     def __post_init__(self) -> None:
@@ -84,8 +85,8 @@ class DemoConfig:
 
         if not DEVICE_RE.match(self.device):
             raise ValueError(f"device {self.device!r}: expected {DEVICE_HELP}")
-        if self.rollout_engine not in ("auto", "native", "cuda"):
-            raise ValueError(f"rollout engine {self.rollout_engine!r}: auto | native | cuda")
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"rollout engine {self.rollout_engine!r}: one of {ROLLOUT_ENGINES}")
         if self.rollout_dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"rollout dtype {self.rollout_dtype!r}: one of {ROLLOUT_DTYPES}")
         if self.replicas < 1:
