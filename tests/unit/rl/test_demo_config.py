@@ -73,7 +73,7 @@ def test_explicit_options_win_over_the_recipe() -> None:
     [
         ({"device": "gpu"}, "device 'gpu'"),
         ({"shape": "huge"}, "unknown model shape 'huge'"),
-        ({"rollout_engine": "vllm"}, "rollout engine 'vllm'"),
+        ({"rollout_engine": "tensorrt"}, "rollout engine 'tensorrt'"),
         ({"rollout_dtype": "float16"}, "rollout dtype 'float16'"),
         ({"guidance_mode": "half"}, "guidance.mode = 'half'"),
         ({"replicas": "two"}, "demo.replicas = 'two': expected an integer"),
