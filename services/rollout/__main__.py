@@ -8,7 +8,7 @@ import time
 import torch
 
 from services.rollout.config import RolloutSettings
-from services.rollout.servicer import RolloutServicer
+from services.rollout.servicer import RolloutServicer, record_writer
 from services.rollout.weights import WeightFollower
 from trace_common.clients import QuantCacheClient, WeightSyncClient
 from trace_common.device import resolve_device
@@ -42,11 +42,7 @@ def main() -> None:
     holder = EngineHolder()
     audit = RecordAudit(settings.record_audit_file) if settings.record_audit_file else None
 
-    def put_record(run: str, version: int, sid: str, blob: bytes) -> None:
-        quant_cache.put_records(run, version, sid, blob)
-        if audit is not None:
-            audit.log(run, version, sid, blob)
-
+    put_record = record_writer(quant_cache.put_records, audit.log if audit else None)
     servicer = RolloutServicer(
         settings.replica_id,
         holder,

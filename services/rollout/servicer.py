@@ -2,8 +2,9 @@
 
 A request runs on one policy version from start to end (``trace_common.rollout.engine``), so
 a weight swap never splits a request. Records go to quant-cache before
-the completion that refers to them is streamed back: a completion the trainer receives always
-has its records stored.
+the completion that refers to them is streamed back: a completion the trainer receives has its
+records stored, unless quant-cache refused them for good (full at its memory bound): then it
+comes back with record_bytes 0, and the trainer's lost-records setting handles the group.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from trace_common.rollout.convert import completion_to_proto, sampling_from_prot
 from trace_common.rollout.engine import (
     EngineHolder,
     PutRecord,
+    RecordRefused,
     ReplicaBehind,
     RolloutRequest,
     run_request,
@@ -31,6 +33,28 @@ from trace_common.service.errors import LONG_ID_RE
 MAX_PROMPTS_PER_REQUEST = 4096
 MAX_GROUP_SIZE = 1024
 MAX_SEQUENCES_PER_REQUEST = 16384  # prompts x group_size
+
+
+def record_writer(
+    put: Callable[[str, int, str, bytes], Any],
+    audit: Callable[[str, int, str, bytes], Any] | None = None,
+) -> PutRecord:
+    """The replica's PutRecord over quant-cache's `put(run, version, sample_id, blob)`: a
+    RESOURCE_EXHAUSTED answer (the store full at its memory bound, or the record over its
+    size limit) becomes RecordRefused, so the completion goes back without its record;
+    every other error fails the request as before. `audit` logs each stored record."""
+
+    def put_record(run: str, version: int, sid: str, blob: bytes) -> None:
+        try:
+            put(run, version, sid, blob)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise RecordRefused(f"quant-cache: {exc.details()}") from exc
+            raise
+        if audit is not None:
+            audit(run, version, sid, blob)
+
+    return put_record
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -144,6 +168,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self._m.completions.inc()
             self._m.tokens.inc(n_tok)
             self._m.record_bytes.inc(c.record_bytes)
+            if request.write_records and c.record_bytes == 0:
+                self._m.records_refused.inc()
             yield completion_to_proto(c)
 
     def Status(
@@ -177,4 +203,7 @@ class _RolloutMetrics:
         self.completions = m.counter("completions", "completions generated")
         self.tokens = m.counter("generated_tokens", "completion tokens generated")
         self.record_bytes = m.counter("record_bytes", "record bytes written to quant-cache")
+        self.records_refused = m.counter(
+            "records_refused", "records quant-cache refused (full): completions sent without them"
+        )
         self.generate_seconds = m.histogram("generate_seconds", "time of one Generate call")

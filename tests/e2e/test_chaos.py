@@ -289,6 +289,35 @@ def test_redis_memory_pressure_finishes_or_fails_loudly(
         assert "trace_trainer_run_failed 1.0" in text
 
 
+def test_redis_too_full_for_one_record_fails_the_run_loudly_and_soon(
+    cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    """Redis's maxmemory cut below what it already holds: every record write is refused (OOM,
+    RESOURCE_EXHAUSTED). Replicas send their completions back without records, the trainer
+    regenerates the groups, those are refused too and dropped, and the run fails past
+    TRACE_MAX_DROPPED_FRACTION within a step or two instead of retrying units for minutes."""
+    metrics = tmp_path / "metrics.jsonl"
+    stub = _start_run(cluster, tmp_path, "chaos-full", 6)
+    _wait(cluster, lambda st: st["step"] >= 1, "step 1")
+    stub.Pause(trainer_pb2.PauseRequest(reason="chaos"), metadata=_auth(cluster), timeout=10)
+    _settled(cluster)
+    assert cluster.redis is not None
+    admin = redis.Redis.from_url(cluster.redis.url)
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) // 2)
+    admin.close()
+    t0 = time.monotonic()
+    stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(cluster), timeout=10)
+    st = _wait(cluster, lambda st: st["state"] in ("finished", "failed"), "the run's end")
+    took = time.monotonic() - t0
+    assert st["state"] == "failed" and "TRACE_MAX_DROPPED_FRACTION" in st["detail"], st
+    assert took < 60.0, f"the run took {took:.0f} s to fail"
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "one row per step"
+    assert rows[-1]["samples_dropped_records"] == rows[-1]["samples"], rows[-1]
+    assert cluster.trainer is not None
+    assert httpx.get(f"{cluster.trainer.http_url}/healthz", timeout=5).status_code == 503
+
+
 def test_replica_killed_mid_step_its_unit_is_generated_again(
     cluster: LocalCluster, tmp_path: pathlib.Path
 ) -> None:

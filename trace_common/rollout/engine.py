@@ -10,6 +10,7 @@ admission barrier (CUDA engine) guarantees it, and every completion reports its 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Protocol
 import torch
 
 from trace_common.rollout.types import GeneratedSample, SamplingConfig
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaBehind(Exception):
@@ -93,6 +96,14 @@ class Completion:
     record_bytes: int
 
 
+class RecordRefused(RuntimeError):
+    """The record store refused a record for good (full at its memory bound, or the record
+    over its size limit). `run_request` returns the completion without it (record_bytes 0):
+    the trainer finds the record missing and its lost-records setting takes over (regenerate,
+    train unguided, or drop and count), instead of the whole request failing and being
+    retried against a store that stays full."""
+
+
 def run_request(
     engine: RolloutEngine,
     version: int,
@@ -124,8 +135,11 @@ def run_request(
             if g.records is None:
                 raise RuntimeError(f"engine {engine.name} produced no records for {sid}")
             assert put_record is not None
-            put_record(request.run_id, got, sid, g.records)
-            nbytes = len(g.records)
+            try:
+                put_record(request.run_id, got, sid, g.records)
+                nbytes = len(g.records)
+            except RecordRefused as exc:
+                log.warning("record of %s not stored: %s", sid, exc)
         out.append(Completion(sample_id=sid, sample=g, policy_version=got, record_bytes=nbytes))
     return out
 
@@ -135,6 +149,7 @@ __all__ = [
     "EngineFactory",
     "EngineHolder",
     "PutRecord",
+    "RecordRefused",
     "ReplicaBehind",
     "RolloutEngine",
     "RolloutRequest",

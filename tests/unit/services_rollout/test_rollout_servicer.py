@@ -5,9 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.rollout.servicer import RolloutServicer
+from services.rollout.servicer import RolloutServicer, record_writer
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2
 from trace_common.rollout import EngineHolder, GeneratedSample
+from trace_common.rollout.engine import RecordRefused
 from trace_common.service import ServiceError
 
 
@@ -180,3 +181,49 @@ def test_a_gone_caller_cancels_the_engine_work() -> None:
     plain = FakeEngine(8)  # an engine without `cancellable` is called as before
     holder.swap(plain, 1)
     assert len(list(servicer.Generate(request(), Context(True)))) == 4
+
+
+class _Rpc(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return f"{self._code.name} from the store"
+
+
+def test_a_record_the_full_store_refuses_comes_back_without_its_record() -> None:
+    """quant-cache full (RESOURCE_EXHAUSTED): the other records are stored and every completion
+    is streamed, the refused one with record_bytes 0 (the trainer's lost-records path)."""
+    stored: dict = {}
+    audited: list = []
+
+    def put(run, version, sid, blob):
+        if sid.endswith("-1-0"):
+            raise _Rpc(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        stored[sid] = blob
+
+    writer = record_writer(put, lambda r, v, s, b: audited.append(s))
+    servicer = RolloutServicer("rep-a", EngineHolder(), writer, vocab_size=17)
+    servicer.holder.swap(FakeEngine(7), 3)
+    out = list(servicer.Generate(request(), None))
+    assert len(out) == 4
+    by_id = {c.sample_id: c.record_bytes for c in out}
+    assert by_id["s0-u0-a0-1-0"] == 0
+    assert all(n > 0 for sid, n in by_id.items() if sid != "s0-u0-a0-1-0")
+    assert sorted(stored) == sorted(audited) == sorted(s for s in by_id if by_id[s] > 0)
+
+
+def test_other_store_errors_still_fail_the_request() -> None:
+    def put(run, version, sid, blob):
+        raise _Rpc(grpc.StatusCode.UNAVAILABLE)
+
+    with pytest.raises(grpc.RpcError) as err:
+        record_writer(put)("run1", 3, "s", b"x")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(RecordRefused):
+        record_writer(lambda *a: (_ for _ in ()).throw(_Rpc(grpc.StatusCode.RESOURCE_EXHAUSTED)))(
+            "run1", 3, "s", b"x"
+        )
