@@ -160,6 +160,11 @@ def test_weight_sync_restart_mid_run_loses_nothing(
     assert listed["rollout-0"].alive
 
 
+# Longer completions (the random policy rarely stops early) keep a work unit generating long
+# enough for `_at_unit_gap` to see the gap between a step's two units on a fast machine.
+SLOW_UNITS = {"TRACE_MAX_NEW_TOKENS": "48"}
+
+
 def _at_unit_gap(c: LocalCluster, run_id: str) -> int:
     """Block until a step's first work unit has stored all its records and the second none
     (one replica runs the units one after the other, so it is generating the second, and the
@@ -213,7 +218,7 @@ def test_redis_restart_mid_step_records_are_regenerated(
     that group's records missing for good and generates it again (TRACE_LOST_RECORDS
     default), so every sample of the step is still trained, and the regeneration counted."""
     steps = 2 + LOSS_TRIES  # room for every try
-    _start_run(cluster, tmp_path, "chaos-redis", steps)
+    _start_run(cluster, tmp_path, "chaos-redis", steps, **SLOW_UNITS)
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
     lost_at = _restart_redis_between_units(cluster, "chaos-redis", tmp_path / "metrics.jsonl")
     final = _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
@@ -233,7 +238,9 @@ def test_redis_restart_mid_step_records_trained_unguided(
     """The same fault with TRACE_LOST_RECORDS=unguided: the group is trained without records
     (round-to-nearest QAT) and counted as unguided."""
     steps = 2 + LOSS_TRIES  # room for every try
-    _start_run(cluster, tmp_path, "chaos-unguided", steps, TRACE_LOST_RECORDS="unguided")
+    _start_run(
+        cluster, tmp_path, "chaos-unguided", steps, TRACE_LOST_RECORDS="unguided", **SLOW_UNITS
+    )
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
     lost_at = _restart_redis_between_units(cluster, "chaos-unguided", tmp_path / "metrics.jsonl")
     _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
