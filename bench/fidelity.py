@@ -22,7 +22,8 @@ final version pulled from weight-sync and evaluated on held-out prompts.
         --devices cuda:0,cuda:1
     python3 bench/fidelity.py plot runs/fidelity/fidelity.json --out docs/
 
-`run` writes fidelity.json (every arm's rows, evals and probe figures) and prints the table;
+`--set KEY=VALUE` overrides a field of the run's `Setup` (e.g. `--set task=reverse --set
+warmstart_max_steps=400`). `run` writes fidelity.json (every arm's rows, evals and probe figures) and prints the table;
 `plot` draws the reward and mismatch curves (mean and spread across seeds).
 """
 
@@ -96,8 +97,17 @@ SMOKE = dict(shape="debug", task="reverse", difficulty=2, prompts_per_step=4, gr
 
 
 def setup_of(args: argparse.Namespace) -> Setup:
-    """The run's setup; `--smoke`: the debug shape on a small task (a quick CPU check)."""
-    return Setup(seed=args.seed, device=args.device, **(SMOKE if args.smoke else {}))
+    """The run's setup; `--smoke`: the debug shape on a small task (a quick CPU check);
+    `--set KEY=VALUE` (repeatable) overrides one field of `Setup`, e.g. task=reverse."""
+    fields = dict(SMOKE if args.smoke else {})
+    base = Setup(seed=0, device="cpu")
+    types = {f: type(getattr(base, f)) for f in Setup.__slots__ if f not in ("seed", "device")}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        if key not in types:
+            raise SystemExit(f"--set {item!r}: settable fields are {sorted(types)}")
+        fields[key] = types[key](value)
+    return Setup(seed=args.seed, device=args.device, **fields)
 
 
 def evaluate(tensors: dict[str, Any], meta: dict[str, Any], setup: Setup) -> float:
@@ -286,9 +296,13 @@ def arm(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     deadline = time.monotonic() + args.budget_s
     with LocalCluster(cluster_cfg, out / "logs") as cluster:
+        shown = -1
         while (st := cluster.trainer_status())["state"] not in ("finished", "failed"):
             if time.monotonic() > deadline:
                 break
+            if st["step"] != shown:  # the arm's log shows where it is
+                shown = st["step"]
+                print(f"{time.perf_counter() - t0:.0f} s: {st['state']}, step {shown}", flush=True)
             time.sleep(1.0)
         assert cluster.weight_sync is not None
         client = WeightSyncClient(cluster.weight_sync.grpc_address, token=cluster.config.token)
@@ -318,7 +332,9 @@ def arm(args: argparse.Namespace) -> None:
 # -- the whole experiment ------------------------------------------------------------------
 
 
-def launch(sub: list[str], device: str, log: pathlib.Path, smoke: bool) -> subprocess.Popen:
+def launch(
+    sub: list[str], device: str, log: pathlib.Path, smoke: bool, sets: list[str]
+) -> subprocess.Popen:
     # One GPU per process tree: the arm's trainer and replica see only `device` (as cuda).
     env = dict(os.environ)
     if device.startswith("cuda:"):
@@ -327,6 +343,8 @@ def launch(sub: list[str], device: str, log: pathlib.Path, smoke: bool) -> subpr
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *sub, "--device", device]
     if smoke:
         cmd.append("--smoke")
+    for item in sets:
+        cmd += ["--set", item]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -341,7 +359,7 @@ def run_all(args: argparse.Namespace) -> None:
         w = bar.add_task("warm starts", total=len(args.seeds))
         procs = [
             launch(["warm", "--seed", str(s), "--dir", str(args.out)], gpus[i % len(gpus)],
-                   args.out / f"warm-{s}.log", args.smoke)
+                   args.out / f"warm-{s}.log", args.smoke, args.set or [])
             for i, s in enumerate(args.seeds)
         ]  # fmt: skip
         for p in procs:
@@ -359,7 +377,7 @@ def run_all(args: argparse.Namespace) -> None:
                 sub = ["arm", "--arm", arm_name, "--seed", str(seed), "--dir", str(args.out),
                        "--steps", str(args.steps), "--budget-s", str(args.arm_budget_s)]  # fmt: skip
                 log = args.out / f"arm-{arm_name}-{seed}.log"
-                running.append((launch(sub, gpus[i % len(gpus)], log, args.smoke),
+                running.append((launch(sub, gpus[i % len(gpus)], log, args.smoke, args.set or []),
                                 f"{arm_name}-{seed}"))  # fmt: skip
             time.sleep(1.0)
             for p, name in [r for r in running if r[0].poll() is not None]:
@@ -538,6 +556,12 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--out", type=pathlib.Path, required=True)
     for sp in (r, w, a):
         sp.add_argument("--smoke", action="store_true", help="debug shape, small task (CPU)")
+        sp.add_argument(
+            "--set",
+            action="append",
+            metavar="KEY=VALUE",
+            help="override a Setup field (task, difficulty, lr, warmstart_lr, ...)",
+        )
     args = p.parse_args(argv)
     if args.cmd == "run":
         run_all(args)
