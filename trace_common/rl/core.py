@@ -21,7 +21,7 @@ from trace_common.rl.objective import (
     filter_stale,
     grpo_advantages,
 )
-from trace_common.rl.types import TRAIN_MODES, RolloutSample, TrainSample
+from trace_common.rl.types import TRAIN_MODES, DispatchStats, RolloutSample, TrainSample
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks.prompts import Prompt, PromptStream
 from trace_common.tasks.tasks import Problem
@@ -156,6 +156,23 @@ class TrainerCore:
         self._on_event(f"republish version={self.version}")
         return time.perf_counter() - t0
 
+    def _dispatch(
+        self, prompts: Sequence[Prompt], *, write_records: bool, first_unit_id: int = 0
+    ) -> tuple[list[RolloutSample], DispatchStats]:
+        """Generate `prompts` for this step on the replicas (no sample older than
+        max_staleness versions, nor than the version floor)."""
+        cfg = self.config
+        return self.dispatcher.run(
+            prompts,
+            run_id=cfg.run_id,
+            step=self.step_index,
+            group_size=cfg.group_size,
+            sampling=cfg.sampling,
+            min_policy_version=max(self.version_floor or 0, self.version - cfg.max_staleness),
+            write_records=write_records,
+            first_unit_id=first_unit_id,
+        )
+
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics (also what metrics.jsonl gets)."""
         cfg = self.config
@@ -166,15 +183,7 @@ class TrainerCore:
         by_id = {p.prompt_id: p for p in batch}
         self._on_event(f"prompts step={self.step_index} n={len(batch)}")
 
-        samples, dstats = self.dispatcher.run(
-            batch,
-            run_id=cfg.run_id,
-            step=self.step_index,
-            group_size=cfg.group_size,
-            sampling=cfg.sampling,
-            min_policy_version=max(self.version_floor or 0, self.version - cfg.max_staleness),
-            write_records=cfg.writes_records,
-        )
+        samples, dstats = self._dispatch(batch, write_records=cfg.writes_records)
         self._on_event(f"rollout samples={len(samples)}")
         t_rollout = time.perf_counter()
 
@@ -327,15 +336,8 @@ class TrainerCore:
             prompts = [by_id[g[0].rollout.prompt_id] for g in groups]
             stats.regenerated += sum(len(g) for g in groups)
             self._on_event(f"regenerate groups={len(groups)}")
-            samples, dstats = self.dispatcher.run(
-                prompts,
-                run_id=cfg.run_id,
-                step=self.step_index,
-                group_size=cfg.group_size,
-                sampling=cfg.sampling,
-                min_policy_version=max(self.version_floor or 0, self.version - cfg.max_staleness),
-                write_records=True,
-                first_unit_id=first_unit_id,
+            samples, dstats = self._dispatch(
+                prompts, write_records=True, first_unit_id=first_unit_id
             )
             first_unit_id += len(prompts)  # >= the units this round used: fresh sample ids
             stats.redispatched_units += dstats.redispatched_units

@@ -210,29 +210,26 @@ def _take_rows(rec: GuidanceRecord, idx: torch.Tensor) -> GuidanceRecord:
     )  # fmt: skip
 
 
+class _KeptAsLoaded:
+    """A high-precision GEMM on the weight exactly as loaded: no CPU repacking, so an in-place
+    reload writes the layout the GEMM reads."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
 @register_weight_loader_v2_supported_method
-class TraceLinearMethod(UnquantizedLinearMethod):
-    """A high-precision GEMM with its weight kept as loaded (no CPU repacking)."""
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+class TraceLinearMethod(_KeptAsLoaded, UnquantizedLinearMethod):
+    """Linear layers outside TRACE's FP4 sites, weight kept as loaded."""
 
 
-class TraceEmbeddingMethod(UnquantizedEmbeddingMethod):
-    """Embedding and LM head with the weight kept as loaded (no CPU repacking)."""
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+class TraceEmbeddingMethod(_KeptAsLoaded, UnquantizedEmbeddingMethod):
+    """Embedding and LM head, weight kept as loaded."""
 
 
 class TraceKVMethod(BaseKVCacheMethod):
