@@ -269,15 +269,26 @@ def test_redis_memory_pressure_finishes_or_fails_loudly(
     assert cluster.redis is not None
     admin = redis.Redis.from_url(cluster.redis.url)
     records = sum(admin.memory_usage(k) or 0 for k in admin.keys("trace:qc:chaos-memory:*"))
-    # room for about 4 records (a step writes 8) on top of what is not a record; a bound
-    # below that refuses writes (OOM) instead of evicting: see the README's fault table
-    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - records + 6000)
-    admin.close()
+    # room for about 2 records (a step writes 8, a unit 4) on top of what is not a record, so
+    # a unit's records evict each other even when the rest of Redis's memory shrinks a little;
+    # a bound below one record refuses writes (OOM) instead, and the run fails loudly (the
+    # other branch below; see the README's fault table)
+    bound = int(admin.info("memory")["used_memory"]) - records + 3000
+    admin.config_set("maxmemory", bound)
     stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(cluster), timeout=10)
     deadline = time.monotonic() + RUN_TIMEOUT_S
+    seen_step, bitten = 1, False
     while (st := cluster.trainer_status())["state"] not in ("finished", "failed"):
         assert time.monotonic() < deadline, st
-        time.sleep(0.2)
+        m = st.get("last_metrics") or {}
+        bitten = bitten or bool(m.get("samples_regenerated") or m.get("samples_dropped_records"))
+        if st["step"] > seen_step and not bitten:
+            # a step went through whole (the least recently used records Redis evicted were
+            # older steps'): tighten the bound until a step's own records are evicted
+            seen_step, bound = st["step"], bound - 1000
+            admin.config_set("maxmemory", bound)
+        time.sleep(0.1)
+    admin.close()
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "one row per step"
     for r in rows:  # each sample trained or counted
