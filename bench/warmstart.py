@@ -87,13 +87,15 @@ def first_step_at(curve: list[list[float]], threshold: float) -> str:
 def run(args: argparse.Namespace) -> None:
     for c in args.configs:
         parse_config(c)
+    common = ["--device", args.device, "--shape", args.shape, "--steps", str(args.steps),
+              "--seed", str(args.seed), "--eval-every", str(args.eval_every),
+              "--eval-prompts", str(args.eval_prompts)]  # fmt: skip
     procs = {
         c: subprocess.Popen(
-            [sys.executable, __file__, "one", "--config", c, "--device", args.device,
-             "--shape", args.shape, "--steps", str(args.steps), "--seed", str(args.seed),
-             "--eval-every", str(args.eval_every), "--eval-prompts", str(args.eval_prompts)],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [sys.executable, __file__, "one", "--config", c, *common],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for c in args.configs
     }
     results: list[dict[str, Any]] = []
