@@ -25,8 +25,8 @@ def demo(
     device: str | None = typer.Option(
         None,
         help="auto | cpu | cuda | cuda:N: the warm start, trainer and replicas [CPU recipe: "
-        "cpu]; without --config a CUDA device selects the GPU recipe (mid-1b, addition of 4 "
-        "digits, 100 steps)",
+        "cpu]; without --config a CUDA device selects the GPU recipe (mid-1b, sorting 6 "
+        "digits, 60 steps)",
     ),
     shape: str | None = typer.Option(None, help="named model shape: debug (CPU), mid-1b (GPU)"),
     mode: str | None = typer.Option(None, help="bf16 | fp4 | rtn | trace [trace]"),

@@ -19,8 +19,8 @@ from trace_common.rl.demo import (
     trainer_env,
 )
 
-# The demo's settings before they were recipes (DemoConfig's defaults and GPU_RECIPE).
-OLD_CPU = {
+# The demo's settings on the CPU (the default) and on the GPU (`--device cuda`).
+CPU = {
     "mode": "trace", "steps": 40, "task": "reverse", "difficulty": 3, "replicas": 2,
     "prompts_per_step": 16, "group_size": 8, "lr": 1e-3, "temperature": 1.0,
     "warmstart_target": 0.3, "warmstart_max_steps": 300, "warmstart_lr": 3e-3,
@@ -28,10 +28,10 @@ OLD_CPU = {
     "rollout_dtype": "auto", "checkpoint_every": 10, "guidance_mode": "full", "seed": 0,
     "prompts_per_unit": 4,
 }  # fmt: skip
-OLD_GPU = {
-    **OLD_CPU, "shape": "mid-1b", "task": "addition", "difficulty": 4, "steps": 100,
-    "prompts_per_step": 32, "group_size": 8, "lr": 1e-4, "warmstart_lr": 5e-4,
-    "warmstart_target": 0.2, "warmstart_max_steps": 400, "checkpoint_every": 100,
+GPU = {
+    **CPU, "shape": "mid-1b", "task": "sort", "difficulty": 6, "steps": 60,
+    "prompts_per_step": 32, "group_size": 8, "lr": 1e-4, "warmstart_lr": 1e-3,
+    "warmstart_target": 0.2, "warmstart_max_steps": 300, "checkpoint_every": 100,
     "guidance_mode": "compact", "device": "cuda", "prompts_per_unit": 8,
 }  # fmt: skip
 
@@ -51,18 +51,18 @@ def flat(cfg: DemoConfig) -> dict[str, object]:
     }  # fmt: skip
 
 
-def test_the_recipes_are_the_previous_demo_settings() -> None:
-    assert flat(DemoConfig.load()) == OLD_CPU
-    assert flat(DemoConfig.load(DEMO_CPU_RECIPE)) == OLD_CPU
-    assert flat(DemoConfig.load(device="cuda")) == OLD_GPU
-    assert flat(DemoConfig.load(DEMO_GPU_RECIPE)) == OLD_GPU
+def test_the_recipes_hold_the_demo_settings() -> None:
+    assert flat(DemoConfig.load()) == CPU
+    assert flat(DemoConfig.load(DEMO_CPU_RECIPE)) == CPU
+    assert flat(DemoConfig.load(device="cuda")) == GPU
+    assert flat(DemoConfig.load(DEMO_GPU_RECIPE)) == GPU
     assert DemoConfig.load(device="cpu").run.run_id == "demo"
 
 
 def test_explicit_options_win_over_the_recipe() -> None:
     mine = DemoConfig.load(device="cuda:1", steps=7, shape="debug", lr=0.5, task=None)
     assert (mine.run.steps, mine.run.model.name, mine.run.objective.lr) == (7, "debug", 0.5)
-    assert (mine.run.task.name, mine.device) == ("addition", "cuda:1")
+    assert (mine.run.task.name, mine.device) == ("sort", "cuda:1")
     assert mine.run.checkpoint.every == 100  # the recipe's, not a quarter of the steps
     cpu = DemoConfig.load(steps=8, replicas=1, prompts_per_step=4)
     assert (cpu.run.checkpoint.every, cpu.run.dispatch.prompts_per_unit) == (2, 2)
@@ -93,7 +93,7 @@ def test_every_process_gets_the_run_device_and_engine(tmp_path: pathlib.Path) ->
     )
     run = load_run_config(t["TRACE_CONFIG"], env={})  # what the trainer reads
     assert run.model.init_weights == pathlib.Path("w.safetensors")
-    assert (run.model.name, run.task.name, run.checkpoint.every) == ("mid-1b", "addition", 100)
+    assert (run.model.name, run.task.name, run.checkpoint.every) == ("mid-1b", "sort", 100)
     assert run.guidance.mode == "compact"  # what the CUDA engine records
     assert run.sampling == cfg.run.sampling and run.objective == cfg.run.objective
     r = rollout_env(cfg)
