@@ -34,12 +34,15 @@ CFG = ModelConfig(vocab_size=512, hidden_size=512, num_layers=4, num_heads=16, n
 
 
 def export(seed: int, mode: str = "trace", scale: float = 4.0):
-    """A pushed version of a random policy (weights scaled up so logits have margins)."""
+    """A pushed version of a random policy (weights scaled up so logits have margins),
+    quantized by a learner on the GPU as the trainer's is (the CPU reference quantizer takes
+    minutes on a busy machine)."""
     model = MoECausalLM(CFG).init_weights(seed=seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
     learner = ModelLearner(model, LearnerConfig(mode=mode), quant=QuantConfig(),
-                           guidance=GuidanceConfig(), eos_id=EOS, pad_id=PAD)  # fmt: skip
+                           guidance=GuidanceConfig(), eos_id=EOS, pad_id=PAD,
+                           device=DEV)  # fmt: skip
     return learner.export_weights(), learner
 
 
