@@ -114,7 +114,7 @@ def quantize(
         raise ValueError(
             f"scale_granularity={scale_granularity!r}; expected one of {SCALE_GRANULARITIES}"
         )
-    k = check_last_dim(x, NVFP4_BLOCK_SIZE, "nvfp4")
+    check_last_dim(x, NVFP4_BLOCK_SIZE, "nvfp4")
     check_finite(x)
     with torch.no_grad():
         x_fp32 = x.float()  # exact for bf16/fp16; ModelOpt's divide promotes to fp32 the same way
@@ -126,20 +126,72 @@ def quantize(
             scale_2_fp32 = scale_2_from_amax(amax)
         else:
             scale_2_fp32 = _check_scale_2(per_tensor_scale, x, scale_granularity)
-        blocks_fp32 = x_fp32.reshape(*x.shape[:-1], k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
-        block_amax = blocks_fp32.abs().amax(dim=-1)  # [..., K/16]
-        scale_e4m3 = block_scales_e4m3(block_amax, scale_2_fp32)
-        divisor_fp32 = effective_block_scale(scale_e4m3, scale_2_fp32)  # [..., K/16]
-        scaled_fp32 = blocks_fp32 / divisor_fp32.unsqueeze(-1)  # [..., K/16, 16]
-        codes_u8 = f32_to_e2m1(scaled_fp32).reshape(x.shape)  # [..., K]
+        qdata, scale_e4m3 = _encode(x_fp32, scale_2_fp32)
         return NVFP4Tensor(
-            qdata=pack_uint4(codes_u8),  # [..., K/2]
+            qdata=qdata,
             scale=scale_e4m3,
             per_tensor_scale=scale_2_fp32,
             shape=x.shape,
             dtype=x.dtype,
             scale_granularity=scale_granularity,
         )
+
+
+def _encode(x_fp32: torch.Tensor, scale_2_fp32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes [..., K/2], e4m3 block scales [..., K/16]) of fp32 `x_fp32` [..., K] for
+    a second-level scale that broadcasts against its block scales [..., K/16]."""
+    k = x_fp32.shape[-1]
+    blocks_fp32 = x_fp32.reshape(*x_fp32.shape[:-1], k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
+    block_amax = blocks_fp32.abs().amax(dim=-1)  # [..., K/16]
+    scale_e4m3 = block_scales_e4m3(block_amax, scale_2_fp32)
+    divisor_fp32 = effective_block_scale(scale_e4m3, scale_2_fp32)  # [..., K/16]
+    scaled_fp32 = blocks_fp32 / divisor_fp32.unsqueeze(-1)  # [..., K/16, 16]
+    codes_u8 = f32_to_e2m1(scaled_fp32).reshape(x_fp32.shape)  # [..., K]
+    return pack_uint4(codes_u8), scale_e4m3
+
+
+def quantize_stack(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> list[NVFP4Tensor]:
+    """Quantize the N tensors of x [N, ..., K] at once, tensor i with its own fp32 scale_2
+    `per_tensor_scale[i]` ([N], positive): element for element what `quantize(x[i],
+    per_tensor_scale=per_tensor_scale[i])` gives for each i, in a few kernels and one
+    finiteness check instead of N. The results are views into shared stacked storage."""
+    check_tensor(x)
+    check_last_dim(x, NVFP4_BLOCK_SIZE, "nvfp4")
+    if x.dim() < 2:
+        raise ValueError(f"quantize_stack needs x of shape [N, ..., K], got {tuple(x.shape)}")
+    n = x.shape[0]
+    if tuple(per_tensor_scale.shape) != (n,):
+        raise ValueError(
+            f"per_tensor_scale has shape {tuple(per_tensor_scale.shape)}; x of shape "
+            f"{tuple(x.shape)} needs ({n},)"
+        )
+    check_finite(x)
+    with torch.no_grad():
+        scale_2 = _check_scale_2_values(per_tensor_scale.to(device=x.device, dtype=torch.float32))
+        bcast = scale_2.view(n, *([1] * (x.dim() - 1)))  # against the block scales [N, ..., K/16]
+        qdata, scale_e4m3 = _encode(x.float(), bcast)
+    shape = x.shape[1:]
+    return [
+        NVFP4Tensor(qdata[i], scale_e4m3[i], scale_2[i], shape=shape, dtype=x.dtype)
+        for i in range(n)
+    ]
+
+
+def stack(qs: list[NVFP4Tensor]) -> NVFP4Tensor:
+    """One NVFP4Tensor [N, ...] of N "tensor"-granularity tensors of one shape: codes and block
+    scales stacked, each one's scale_2 broadcast over its tensor (for one batched dequantize,
+    equal element for element to dequantizing each)."""
+    if not qs or any(q.scale_granularity != "tensor" or q.shape != qs[0].shape for q in qs):
+        raise ValueError("stack needs one or more 'tensor'-granularity NVFP4Tensors of one shape")
+    first = qs[0]
+    scale_2 = torch.stack([q.per_tensor_scale for q in qs])
+    return NVFP4Tensor(
+        qdata=torch.stack([q.qdata for q in qs]),
+        scale=torch.stack([q.scale for q in qs]),
+        per_tensor_scale=scale_2.view(len(qs), *([1] * first.scale.dim())),
+        shape=torch.Size((len(qs), *first.shape)),
+        dtype=first.dtype,
+    )
 
 
 def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -165,7 +217,13 @@ def _check_scale_2(
             f"per_tensor_scale has shape {tuple(scale_2_fp32.shape)}; {scale_granularity!r} "
             f"granularity for x of shape {tuple(x.shape)} needs {expected}"
         )
-    if not bool(torch.isfinite(scale_2_fp32).all()) or not bool((scale_2_fp32 > 0).all()):
-        bad = scale_2_fp32[~(torch.isfinite(scale_2_fp32) & (scale_2_fp32 > 0))].flatten()[0]
+    return _check_scale_2_values(scale_2_fp32)
+
+
+def _check_scale_2_values(scale_2_fp32: torch.Tensor) -> torch.Tensor:
+    """ValueError naming the first second-level scale that is not finite and > 0."""
+    ok = torch.isfinite(scale_2_fp32) & (scale_2_fp32 > 0)
+    if not bool(ok.all()):
+        bad = scale_2_fp32[~ok].flatten()[0]
         raise ValueError(f"per_tensor_scale must be finite and > 0, got {bad.item()}")
     return scale_2_fp32

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trace_common.fp4 import nvfp4
 from trace_common.fp4.fake import straight_through
+from trace_common.fp4.nvfp4 import NVFP4Tensor
 from trace_common.model.config import (
     ASITE_DOWN_IN,
     ASITE_LM_HEAD_IN,
@@ -124,7 +126,9 @@ class FP4Weights:
         """Recompute `<name>_dequant` from `quantized[name]` (in the master weight's dtype)."""
         for name, qs in self.quantized.items():
             master = getattr(self, name)
-            if isinstance(qs, list):
+            if isinstance(qs, list) and all(isinstance(q, NVFP4Tensor) for q in qs):
+                deq = nvfp4.stack(qs).dequantize(torch.float32)  # one batched dequantize
+            elif isinstance(qs, list):
                 deq = torch.stack([q.dequantize(torch.float32) for q in qs])
             else:
                 deq = qs.dequantize(torch.float32)

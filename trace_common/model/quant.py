@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from trace_common.fp4 import FP4Format, QTensor, get_format
+from trace_common.fp4 import FP4Format, QTensor, get_format, nvfp4
 from trace_common.fp4.mxfp4 import MXFP4Tensor
 from trace_common.fp4.nvfp4 import NVFP4Tensor, scale_2_from_amax
 from trace_common.model.config import ModelConfig, QuantConfig
@@ -76,6 +76,20 @@ def _quantize_group(fmt: FP4Format, weights: list[torch.Tensor]) -> list[QTensor
     return [fmt.quantize(w, scale_granularity="tensor", per_tensor_scale=scale_2) for w in weights]
 
 
+def _quantize_experts(fmt: FP4Format, stacked: list[torch.Tensor]) -> list[list[QTensor]]:
+    """Per weight name, the per-expert QTensors of one expert group's stacked weights
+    [E, out, in]: each expert's group quantized as `_quantize_group` does. NVFP4 takes every
+    expert at once (one scale_2 per expert, from the amax over the group's weights of that
+    expert); other formats go expert by expert."""
+    if fmt.name != "nvfp4":
+        num_experts = stacked[0].shape[0]
+        per_expert = [_quantize_group(fmt, [w[e] for w in stacked]) for e in range(num_experts)]
+        return [list(qs) for qs in zip(*per_expert, strict=True)]
+    amax = torch.stack([w.abs().amax(dim=tuple(range(1, w.dim()))) for w in stacked]).amax(0)
+    scale_2 = scale_2_from_amax(amax.float())  # [E]
+    return [nvfp4.quantize_stack(w, scale_2) for w in stacked]
+
+
 @torch.no_grad()
 def quantize_policy(
     model: MoECausalLM, quant: QuantConfig, *, only: Callable[[str], bool] | None = None
@@ -98,13 +112,10 @@ def quantize_policy(
         ex.clear_quantized()
         if not quant.has(ex.weight_site):
             continue
-        for name in EXPERT_PROJS:
-            ex.quantized[name] = []
-        for e in range(ex.num_experts):
-            for names in _EXPERT_GROUPS:
-                qs = _quantize_group(fmt, [getattr(ex, n)[e].detach() for n in names])
-                for n, q in zip(names, qs, strict=True):
-                    ex.quantized[n].append(q)
+        for names in _EXPERT_GROUPS:
+            per_name = _quantize_experts(fmt, [getattr(ex, n).detach() for n in names])
+            for n, qs in zip(names, per_name, strict=True):
+                ex.quantized[n] = qs
         ex.refresh_dequant()
     if only is None or only("lm_head"):
         model.lm_head.clear_quantized()

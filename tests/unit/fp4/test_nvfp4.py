@@ -91,3 +91,35 @@ def test_bad_granularity_and_scale() -> None:
 def test_zero_d_input() -> None:
     with pytest.raises(ValueError, match="0-d"):
         nvfp4.quantize(torch.tensor(1.0))
+
+
+def test_quantize_stack_equals_quantizing_each_tensor() -> None:
+    """The batched quantizer gives, for each tensor, the codes, block scales and scale_2 that
+    quantizing it alone with the same scale_2 gives, bit for bit (an all-zero tensor, tiny and
+    huge magnitudes included), and one batched dequantize equals dequantizing each."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 8, 64, generator=g)
+    x[1] = 0.0
+    x[2] *= 1e-30
+    x[3] *= 1e4
+    scale_2 = nvfp4.scale_2_from_amax(x.abs().amax(dim=(1, 2)))
+    got = nvfp4.quantize_stack(x, scale_2)
+    for i, q in enumerate(got):
+        ref = nvfp4.quantize(x[i], per_tensor_scale=scale_2[i])
+        assert torch.equal(q.qdata, ref.qdata) and q.shape == ref.shape
+        assert torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+        assert torch.equal(q.per_tensor_scale, ref.per_tensor_scale)
+        assert q.per_tensor_scale.dim() == 0
+    deq = nvfp4.stack(got).dequantize(torch.float32)
+    assert torch.equal(deq, torch.stack([nvfp4.dequantize(q) for q in got]))
+
+
+def test_quantize_stack_refuses_bad_input_naming_it() -> None:
+    x = torch.randn(3, 4, 32)
+    with pytest.raises(ValueError, match=r"needs \(3,\)"):
+        nvfp4.quantize_stack(x, torch.ones(2))
+    with pytest.raises(ValueError, match=r"finite and > 0, got 0\.0"):
+        nvfp4.quantize_stack(x, torch.tensor([1.0, 0.0, 1.0]))
+    x[2, 1, 5] = float("nan")
+    with pytest.raises(ValueError, match="nan"):
+        nvfp4.quantize_stack(x, torch.ones(3))

@@ -125,3 +125,38 @@ def test_unquantized_forward_needs_no_codes() -> None:
     assert model.moe_blocks()[0][1].experts.dequant == {}
     out = generate(model, PROMPTS, SamplingConfig(max_new_tokens=3))
     assert all(len(t) == 3 for t in out.tokens)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_experts_quantized_at_once_equal_expert_by_expert(fmt, hp_model) -> None:
+    """quantize_policy quantizes a layer's experts in one batch; every expert's codes, block
+    scales and scale_2 (shared by its gate and up) equal quantizing that expert alone, and the
+    dequantized weights the forward uses are those codes' values."""
+    policy = MoECausalLM(hp_model.cfg)
+    policy.load_state_dict(hp_model.state_dict())
+    with torch.no_grad():  # one all-zero expert (scale_2 1.0) and one of large magnitude
+        ex = next(iter(policy.moe_blocks()))[1].experts
+        ex.gate_proj[1].zero_()
+        ex.up_proj[1].zero_()
+        ex.down_proj[2].mul_(1e3)
+    quantize_policy(policy, QuantConfig(format=fmt))
+    f = trace_common.fp4.get_format(fmt)
+    for _, block in policy.moe_blocks():
+        ex = block.experts
+        for e in range(ex.num_experts):
+            for names in (("gate_proj", "up_proj"), ("down_proj",)):
+                ws = [getattr(ex, n)[e].detach() for n in names]
+                if fmt == "nvfp4":
+                    s2 = trace_common.fp4.nvfp4.scale_2_from_amax(
+                        torch.stack([w.abs().amax() for w in ws]).amax()
+                    )
+                    refs = [f.quantize(w, per_tensor_scale=s2) for w in ws]
+                else:
+                    refs = [f.quantize(w) for w in ws]
+                for n, ref in zip(names, refs, strict=True):
+                    q = ex.quantized[n][e]
+                    assert torch.equal(q.qdata, ref.qdata), (n, e)
+                    assert torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+                    if fmt == "nvfp4":
+                        assert torch.equal(q.per_tensor_scale, ref.per_tensor_scale), (n, e)
+                    assert torch.equal(ex.dequant[n][e], ref.dequantize(torch.float32)), (n, e)
