@@ -71,25 +71,26 @@ class Setup:
     warmstart_max_steps: int = 300
     eval_prompts: int = 256
 
-    def trainer_env(self, mode: str, steps: int, init: str, out: pathlib.Path) -> dict[str, str]:
+    def trainer_run(self, mode: str, steps: int, init: str) -> dict[str, Any]:
+        """The trainer's recipe keys for one arm (`ClusterConfig.run`)."""
         return {
-            "TRACE_RUN_ID": "fidelity",
-            "TRACE_DEVICE": self.device,
-            "TRACE_MODEL": self.shape,
-            "TRACE_MODE": mode,
-            "TRACE_STEPS": str(steps),
-            "TRACE_TASK": self.task,
-            "TRACE_TASK_DIFFICULTY": str(self.difficulty),
-            "TRACE_PROMPTS_PER_STEP": str(self.prompts_per_step),
-            "TRACE_GROUP_SIZE": str(self.group_size),
-            "TRACE_PROMPTS_PER_UNIT": str(self.prompts_per_step // 2),
-            "TRACE_LR": str(self.lr),
-            "TRACE_TEMPERATURE": str(self.temperature),
-            "TRACE_SEED": str(self.seed),
-            "TRACE_INIT_WEIGHTS": init,
-            "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
-            "TRACE_GUIDANCE_MODE": "compact",  # what the CUDA engine records
+            "run_id": "fidelity",
+            "model": {"name": self.shape, "init_weights": init},
+            "mode": mode,
+            "steps": steps,
+            "task": {"name": self.task, "difficulty": self.difficulty},
+            "prompts_per_step": self.prompts_per_step,
+            "group_size": self.group_size,
+            "dispatch.prompts_per_unit": self.prompts_per_step // 2,
+            "objective.lr": self.lr,
+            "sampling.temperature": self.temperature,
+            "seed": self.seed,
+            "guidance.mode": "compact",  # what the CUDA engine records
         }
+
+    def trainer_env(self, out: pathlib.Path) -> dict[str, str]:
+        """The trainer's wiring: its device and where metrics go."""
+        return {"TRACE_DEVICE": self.device, "TRACE_METRICS_FILE": str(out / "metrics.jsonl")}
 
 
 SMOKE = dict(shape="debug", task="reverse", difficulty=2, prompts_per_step=4, group_size=4,
@@ -286,10 +287,10 @@ def arm(args: argparse.Namespace) -> None:
     out = args.dir / f"{args.arm}-{args.seed}"
     out.mkdir(parents=True, exist_ok=True)
     warm_res = json.loads((args.dir / f"warm-{args.seed}.json").read_text())
-    env = setup.trainer_env(mode, args.steps, warm_res["weights"], out)
-    env["TRACE_GUIDANCE_LAYERS"] = guided_layers(args.arm, get_config(setup.shape).num_layers)
+    run = setup.trainer_run(mode, args.steps, warm_res["weights"])
+    run["guidance.layers"] = guided_layers(args.arm, get_config(setup.shape).num_layers)
     cluster_cfg = ClusterConfig(
-        replicas=1, trainer_env=env,
+        replicas=1, run=run, trainer_env=setup.trainer_env(out),
         rollout_env={"TRACE_DEVICE": setup.device, "TRACE_ROLLOUT_MAX_CONTEXT": "256"},
         redis_maxmemory_bytes=1 << 30,
     )  # fmt: skip
@@ -312,7 +313,7 @@ def arm(args: argparse.Namespace) -> None:
         "arm": args.arm,
         "seed": args.seed,
         "mode": mode,
-        "guided_layers": env["TRACE_GUIDANCE_LAYERS"],
+        "guided_layers": run["guidance.layers"],
         "state": st["state"],
         "detail": st.get("detail"),
         "seconds": time.perf_counter() - t0,

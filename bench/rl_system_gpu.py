@@ -103,21 +103,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     replica_devices = [d.strip() for d in args.replica_devices.split(",") if d.strip()]
     work = pathlib.Path(tempfile.mkdtemp(prefix="rl_system_gpu_"))
     metrics_file = work / "metrics.jsonl"
-    trainer_env = {
-        "TRACE_RUN_ID": "bench",
-        "TRACE_DEVICE": args.trainer_device,
-        "TRACE_MODEL": args.shape,
-        "TRACE_MODE": args.mode,
-        "TRACE_STEPS": str(args.steps),
-        "TRACE_TASK": args.task,
-        "TRACE_TASK_DIFFICULTY": str(args.difficulty),
-        "TRACE_PROMPTS_PER_STEP": str(args.prompts_per_step),
-        "TRACE_GROUP_SIZE": str(args.group_size),
-        "TRACE_PROMPTS_PER_UNIT": str(max(1, args.prompts_per_step // (2 * len(replica_devices)))),
-        "TRACE_MAX_NEW_TOKENS": str(args.max_new_tokens),
-        "TRACE_GUIDANCE_MODE": "compact",  # what the CUDA engine records
-        "TRACE_METRICS_FILE": str(metrics_file),
+    run = {  # the trainer's recipe
+        "run_id": "bench",
+        "model.name": args.shape,
+        "mode": args.mode,
+        "steps": args.steps,
+        "task": {"name": args.task, "difficulty": args.difficulty},
+        "prompts_per_step": args.prompts_per_step,
+        "group_size": args.group_size,
+        "dispatch.prompts_per_unit": max(1, args.prompts_per_step // (2 * len(replica_devices))),
+        "sampling.max_new_tokens": args.max_new_tokens,
+        "guidance.mode": "compact",  # what the CUDA engine records
     }
+    trainer_env = {"TRACE_DEVICE": args.trainer_device, "TRACE_METRICS_FILE": str(metrics_file)}
     argv_trainer = None
     if args.trainer_ranks > 0:
         argv_trainer = [
@@ -127,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = ClusterConfig(
         replicas=len(replica_devices),
         redis_maxmemory_bytes=4 << 30,
+        run=run,
         trainer_env=trainer_env,
         rollout_env={"TRACE_ROLLOUT_ENGINE": args.rollout_engine},
         rollout_devices=replica_devices,

@@ -83,11 +83,11 @@ def export(
         typer.Option(help="trainer checkpoint: its directory (uses `latest`) or a step-N dir"),
     ] = None,
     model: str = typer.Option(
-        "debug", help="the run's TRACE_MODEL: a named shape or an HF checkpoint directory"
+        "debug", help="the run's model.name: a named shape or an HF checkpoint directory"
     ),
-    tokenizer: str = typer.Option("char", help="the run's TRACE_TOKENIZER"),
+    tokenizer: str = typer.Option("char", help="the run's task.tokenizer"),
     quant_sites: str = typer.Option(
-        "default", help="the run's TRACE_QUANT_SITES: default or comma-separated sites"
+        "default", help="the run's quant.sites: default or comma-separated sites"
     ),
     task: str = typer.Option("reverse", help="calibration prompts: the run's task"),
     difficulty: int = typer.Option(3, min=1, help="the run's task difficulty"),
@@ -143,7 +143,7 @@ def serve(
     name: str = typer.Argument(..., help="service to run: " + ", ".join(SERVICES)),
     config: Annotated[
         Path | None,
-        typer.Option(help="trainer: the run's recipe file (TOML; sets TRACE_CONFIG)"),
+        typer.Option(help="trainer: the run's recipe file (TOML; sets TRACE_RECIPE)"),
     ] = None,
 ) -> None:
     """Run one TRACE service in the foreground (wiring from TRACE_* environment variables;
@@ -151,7 +151,7 @@ def serve(
     import importlib
     import os
 
-    from trace_common.config import CONFIG_ENV
+    from trace_common.config import RECIPE_ENV
 
     if name not in SERVICES:
         raise typer.BadParameter(f"unknown service {name!r}; choose from {sorted(SERVICES)}")
@@ -162,7 +162,7 @@ def serve(
             )
         if not config.is_file():
             raise typer.BadParameter(f"--config {config}: not a file")
-        os.environ[CONFIG_ENV] = str(config)
+        os.environ[RECIPE_ENV] = str(config)
     importlib.import_module(SERVICES[name]).main()
 
 

@@ -11,11 +11,13 @@ defaults declared here (it reads as a diff, like nanoGPT's configs):
     mode = "full"
 
 `load_run_config` builds the tree, in this order (later wins): the defaults below, the recipe
-file, the run keys still accepted from the environment (`RUN_ENV`: `TRACE_STEPS`, `TRACE_LR`,
-... kept so that existing deployments keep working), then explicit overrides (the command
-line). An unknown key or a value of the wrong type is a `ConfigError` naming the key and the
-value. Deployment wiring (addresses, ports, secrets, the device, file paths of the host) is
-not part of the tree: it stays in each service's `TRACE_*` settings.
+file, then explicit overrides (the command line, a test's or a bench's dotted keys). An
+unknown key or a value of the wrong type is a `ConfigError` naming the key and the value.
+Deployment wiring (addresses, ports, secrets, the device, file paths of the host) is not part
+of the tree: it stays in each service's `TRACE_*` settings. A run key is never read from the
+environment: `check_no_run_env` refuses one (the variables that used to carry run keys,
+`RETIRED_RUN_ENV`, and `TRACE_<SECTION>_<KEY>` of every key), so a stale compose file or
+script stops at start-up instead of running the defaults.
 
 The sections reuse the components' own configs where one exists (`SamplingConfig`,
 `LearnerConfig` as the objective, `DispatchConfig`), so each field is declared and documented
@@ -26,7 +28,6 @@ sets them is refused (`DERIVED`).
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import re
 import tomllib
@@ -49,11 +50,17 @@ from trace_common.rl.policy import LearnerConfig
 from trace_common.rl.types import TRAIN_MODES, TrainMode
 
 RECIPES_DIR = pathlib.Path(__file__).resolve().parents[1] / "recipes"
-CONFIG_ENV = "TRACE_CONFIG"  # the recipe file of a service (`trace-rl serve trainer --config`)
+# The trainer's run recipe (TOML; `trace-rl serve trainer --config FILE` sets it). Not to be
+# confused with TRACE_CONFIG_FILE, a YAML file of service settings (trace_common.service).
+RECIPE_ENV = "TRACE_RECIPE"
+# Tables of a recipe that configure the program playing it, not the run: `trace-rl demo` reads
+# `[demo]` (DemoConfig), the trainer skips it, so one recipe serves both.
+DRIVER_TABLES = ("demo",)
 
 
 class ConfigError(ValueError):
-    """A recipe, environment value or override that does not fit the tree (names the key)."""
+    """A recipe or override that does not fit the tree, or a run key in the environment (names
+    the key)."""
 
 
 def site_names(csv: str) -> list[str]:
@@ -178,10 +185,10 @@ class GuidanceSection:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointSection:
-    """When checkpoints are written (where: the service's TRACE_CHECKPOINT_DIR)."""
+    """When checkpoints are written (where, and whether a start resumes from the latest one:
+    the trainer's wiring, TRACE_CHECKPOINT_DIR and TRACE_RESUME)."""
 
     every: int = 10  # steps between checkpoints (the last step always gets one)
-    resume: bool = True  # continue from <checkpoint dir>/latest if present
     # Also write <checkpoint>/export/{nvfp4,master}: the policy as a ModelOpt NVFP4 and a plain
     # HF checkpoint, calibrated on the task (docs/export.md).
     export: bool = False
@@ -199,8 +206,20 @@ class StoresSection:
     # The run fails (state failed, /healthz 503) once more than this fraction of the samples
     # received so far were dropped untrained (records lost, too stale).
     max_dropped_fraction: float = 0.5
+    # A group whose records are lost for good (a Redis restart, eviction, a refused write):
+    # regenerate = generate its prompt again in the same step and train it guided (up to
+    # regenerate_attempts rounds, then dropped); unguided = train it without records
+    # (round-to-nearest QAT, its own routing); drop = do not train it. Counted in
+    # samples_regenerated / samples_unguided / samples_dropped_records. A sharded (torchrun)
+    # trainer drops.
+    lost_records: Literal["regenerate", "unguided", "drop"] = "regenerate"
+    regenerate_attempts: int = 2  # lost_records=regenerate: rounds per step, then dropped
 
     def __post_init__(self) -> None:
+        if self.regenerate_attempts < 1:
+            raise ValueError(
+                f"stores.regenerate_attempts must be >= 1, got {self.regenerate_attempts}"
+            )
         if self.retry_seconds < 0:
             raise ValueError(f"stores.retry_seconds must be >= 0, got {self.retry_seconds}")
         if not 0 <= self.max_dropped_fraction <= 1:
@@ -280,10 +299,9 @@ DERIVED: dict[str, str] = {
     "objective.measure_records": "guidance.measure_records",
 }
 
-# Run keys still read from the environment, by their flat names (TrainerSettings before the
-# tree), so that the compose file, the Helm chart and scripts keep working. New run keys go
-# in recipes only.
-RUN_ENV: dict[str, str] = {
+# The environment variables that carried run keys before the recipe did, and the recipe key
+# each became. Only read to refuse them with that key (`check_no_run_env`).
+RETIRED_RUN_ENV: dict[str, str] = {
     "TRACE_RUN_ID": "run_id",
     "TRACE_MODE": "mode",
     "TRACE_STEPS": "steps",
@@ -304,7 +322,7 @@ RUN_ENV: dict[str, str] = {
     "TRACE_ROUTING_REPLAY": "guidance.routing_replay",
     "TRACE_MEASURE_RECORDS": "guidance.measure_records",
     "TRACE_TEMPERATURE": "sampling.temperature",
-    "TRACE_MAX_NEW_TOKENS": "sampling.max_new_tokens",  # 0: the task's answer length + 1
+    "TRACE_MAX_NEW_TOKENS": "sampling.max_new_tokens",
     "TRACE_LR": "objective.lr",
     "TRACE_MINIBATCHES": "objective.minibatches",
     "TRACE_CLIP_EPS": "objective.clip_eps",
@@ -314,12 +332,55 @@ RUN_ENV: dict[str, str] = {
     "TRACE_PROMPTS_PER_UNIT": "dispatch.prompts_per_unit",
     "TRACE_REPLICA_WAIT_SECONDS": "dispatch.wait_for_replicas_s",
     "TRACE_CHECKPOINT_EVERY": "checkpoint.every",
-    "TRACE_RESUME": "checkpoint.resume",
     "TRACE_CHECKPOINT_EXPORT": "checkpoint.export",
     "TRACE_STORE_RETRY_SECONDS": "stores.retry_seconds",
     "TRACE_MAX_DROPPED_FRACTION": "stores.max_dropped_fraction",
+    "TRACE_LOST_RECORDS": "stores.lost_records",
+    "TRACE_REGENERATE_ATTEMPTS": "stores.regenerate_attempts",
 }
-RUN_KEYS_FLAT = {env.removeprefix("TRACE_").lower(): path for env, path in RUN_ENV.items()}
+RETIRED_RECIPE_ENV = "TRACE_CONFIG"  # the recipe variable's old name (now RECIPE_ENV)
+
+
+def run_keys(cls: type | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key a recipe may set (derived keys left out), e.g. "objective.lr"."""
+    cls = RunConfig if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    keys: list[str] = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        if not f.init or path in DERIVED:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += run_keys(hints[f.name], f"{path}.")
+        else:
+            keys.append(path)
+    return keys
+
+
+def run_env_names() -> dict[str, str]:
+    """Environment variable -> the recipe key it would name: the retired variables, and
+    `TRACE_<KEY>` of every dotted key ("objective.lr" -> TRACE_OBJECTIVE_LR)."""
+    names = {"TRACE_" + key.replace(".", "_").upper(): key for key in run_keys()}
+    return {**names, **RETIRED_RUN_ENV}
+
+
+def check_no_run_env(env: Mapping[str, str], *, settings: frozenset[str] = frozenset()) -> None:
+    """Refuse run keys in the environment (`env`; `settings`: variables that are real settings
+    of the service, never refused): a ConfigError naming each variable and the recipe key to
+    set instead. A run is configured by its recipe only."""
+    problems = [
+        f"{name} (put `{key} = ...` in the recipe)"
+        for name, key in sorted(run_env_names().items())
+        if name in env and name not in settings
+    ]
+    if RETIRED_RECIPE_ENV in env and RETIRED_RECIPE_ENV not in settings:
+        problems.append(f"{RETIRED_RECIPE_ENV} (renamed {RECIPE_ENV}: the run recipe file)")
+    if problems:
+        raise ConfigError(
+            "run keys are not read from the environment; the run comes from its recipe "
+            f"({RECIPE_ENV}=FILE or `trace-rl serve trainer --config FILE`). Set: "
+            + "; ".join(problems)
+        )
 
 
 # ----------------------------------------------------------------------------- building
@@ -350,35 +411,46 @@ def merge(base: dict[str, Any], path: str, value: Any) -> None:
 def load_run_config(
     recipe: pathlib.Path | str | None = None,
     *,
-    env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """THE place a run's configuration is built: defaults, then the recipe file, then the
-    run keys of `env` (`RUN_ENV`; default: os.environ), then `overrides` (dotted keys, e.g.
-    {"steps": 3, "objective.lr": 1e-4}; values may be strings, as from the environment).
-    Raises ConfigError naming the offending key and value."""
+    """THE place a run's configuration is built: defaults, then the recipe file (its driver
+    tables, `DRIVER_TABLES`, skipped), then `overrides` (dotted or nested keys, e.g.
+    {"steps": 3, "objective.lr": 1e-4} or {"task": {"name": "sort"}}; values may be strings,
+    as from a command line). Raises ConfigError naming the offending key and value."""
     raw: dict[str, Any] = read_recipe(recipe) if recipe is not None else {}
-    env = os.environ if env is None else env
-    for name, path in RUN_ENV.items():
-        if name in env:
-            merge(raw, path, env[name])
-    for path, value in (overrides or {}).items():
+    for table in DRIVER_TABLES:
+        raw.pop(table, None)
+    for path, value in flatten(overrides or {}).items():
         merge(raw, path, value)
     source = f"recipe {recipe}" if recipe is not None else "run configuration"
-    try:
-        return build_run_config(raw, source=source)
-    except ConfigError as e:
-        # Name the variable when the bad value came from the environment.
-        names = [
-            name
-            for name, path in RUN_ENV.items()
-            if name in env
-            and path not in (overrides or {})
-            and re.search(rf"(?<![\w.]){re.escape(path)} =", str(e))
-        ]
-        if names:
-            raise ConfigError(f"{e} (from {', '.join(names)})") from None
-        raise
+    return build_run_config(raw, source=source)
+
+
+def flatten(run: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested and dotted keys as dotted keys: {"task": {"name": "sort"}, "objective.lr": 1e-4}
+    -> {"task.name": "sort", "objective.lr": 1e-4}. `model.overrides` is a table-valued key
+    and stays a table."""
+    out: dict[str, Any] = {}
+    for key, value in run.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and path != "model.overrides":
+            out.update(flatten(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
+
+
+def recipe_of(run: Mapping[str, Any] | RunConfig) -> dict[str, Any]:
+    """A run as a nested dict a recipe holds: a RunConfig (`run_config_dict`) or dotted/nested
+    keys (checked by building the tree: a ConfigError names a bad key or value)."""
+    if isinstance(run, RunConfig):
+        return run_config_dict(run)
+    raw: dict[str, Any] = {}
+    for path, value in flatten(run).items():
+        if value is not None:  # None: unset (the default)
+            merge(raw, path, str(value) if isinstance(value, pathlib.Path) else value)
+    build_run_config(raw)
+    return raw
 
 
 def build_run_config(raw: Mapping[str, Any], *, source: str = "run configuration") -> RunConfig:
@@ -431,7 +503,7 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def _coerce(value: Any, tp: Any, path: str, source: str) -> Any:
-    """`value` as type `tp` (strings from the environment are parsed); else ConfigError."""
+    """`value` as type `tp` (strings, as from a command line, are parsed); else ConfigError."""
 
     def bad(expected: str) -> ConfigError:
         where = f"{source}: " if source else ""

@@ -42,8 +42,8 @@ class ExportConfig:
     out: Path  # must be empty or absent
     model: str = "debug"  # named shape (vocab sized to the tokenizer) or an HF checkpoint dir
     checkpoint: Path | None = None  # trainer checkpoint: its root (uses `latest`) or a step dir
-    tokenizer: str = "char"  # "char" or an HF tokenizer directory (as TRACE_TOKENIZER)
-    quant: QuantConfig = field(default_factory=QuantConfig)  # the run's TRACE_QUANT_SITES
+    tokenizer: str = "char"  # "char" or an HF tokenizer directory (the run's task.tokenizer)
+    quant: QuantConfig = field(default_factory=QuantConfig)  # the run's quant.sites
     task: str = "reverse"  # calibration prompts (the run's task)
     difficulty: int = 3
     calib_samples: int = 64  # prompt + answer sequences run through the FP4 policy

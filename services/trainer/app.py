@@ -119,7 +119,7 @@ class TrainerApp:
         )  # fmt: skip
         if run.checkpoint.export and isinstance(self.learner, LeaderLearner):
             raise ValueError(
-                "TRACE_CHECKPOINT_EXPORT needs an unsharded trainer: sharded (torchrun) "
+                "checkpoint.export needs an unsharded trainer: sharded (torchrun) "
                 "checkpoints are DCP shards, which the export does not read yet"
             )
         self.core = TrainerCore(
@@ -127,7 +127,8 @@ class TrainerApp:
                 run_id=run.run_id, steps=run.steps, prompts_per_step=run.prompts_per_step,
                 group_size=run.group_size, mode=run.mode, max_staleness=run.max_staleness,
                 sampling=run.sampling, measure_records=run.guidance.measure_records,
-                lost_records=s.lost_records, regenerate_attempts=s.regenerate_attempts,
+                lost_records=run.stores.lost_records,
+                regenerate_attempts=run.stores.regenerate_attempts,
             ),
             prompts=PromptStream(self.task, tok, seed=run.seed),
             dispatcher=Dispatcher(self.directory, run.dispatch),
@@ -253,7 +254,7 @@ class TrainerApp:
             raise RuntimeError(
                 f"{self.samples_dropped} of {self.samples_seen} samples dropped untrained "
                 f"({self.samples_dropped / self.samples_seen:.0%}) after step {m['step']}, over "
-                f"TRACE_MAX_DROPPED_FRACTION={limit:g}: records lost (quant-cache too small or "
+                f"stores.max_dropped_fraction={limit:g}: records lost (quant-cache too small or "
                 "failing?) or replicas too stale"
             )
 
@@ -302,7 +303,7 @@ class TrainerApp:
     def _restore_or_publish(self) -> None:
         """Resume from the latest checkpoint (same step, same weights) or publish version 0."""
         s = self.settings
-        resume = s.checkpoint_dir and self.run_config.checkpoint.resume
+        resume = s.checkpoint_dir and s.resume
         path = latest_checkpoint(s.checkpoint_dir) if resume else None
         latest = self.publisher.latest_version()
         if path is None:

@@ -3,19 +3,28 @@
 The settings here are the trainer's deployment wiring: the services it talks to, its device,
 where checkpoints and metrics go. The run itself (model, quant, guidance, sampling,
 objective, dispatch, checkpointing, stores) is `settings.run`, a `trace_common.config.RunConfig`
-built from the recipe named by `TRACE_CONFIG` (`trace-rl serve trainer --config FILE`).
-`python -m services.trainer` with `TRACE_WEIGHT_SYNC_ADDRESS`, `TRACE_QUANT_CACHE_ADDRESS` and
-`TRACE_AUTH_TOKEN` set runs the defaults.
+built from the recipe named by `TRACE_RECIPE` (`trace-rl serve trainer --config FILE`) and,
+in code, the overrides passed as `run=`. A run key in the environment (`TRACE_STEPS`, ...) stops
+start-up naming it (`check_no_run_env`). `python -m services.trainer` with
+`TRACE_WEIGHT_SYNC_ADDRESS`, `TRACE_QUANT_CACHE_ADDRESS` and `TRACE_AUTH_TOKEN` set runs the
+defaults.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, InstanceOf, model_validator
 
-from trace_common.config import RUN_ENV, RUN_KEYS_FLAT, RunConfig, load_run_config
+from trace_common.config import (
+    RunConfig,
+    check_no_run_env,
+    load_run_config,
+    run_env_names,
+)
 from trace_common.device import DEVICE_HELP, DEVICE_RE
 from trace_common.service import ServiceSettings
 
@@ -31,31 +40,22 @@ class TrainerSettings(ServiceSettings):
         "or through quant-cache (grpc); auto = direct when Redis is reachable",
     )
 
-    config: pathlib.Path | None = Field(
+    recipe: pathlib.Path | None = Field(
         None,
-        description="the run's recipe (TOML, e.g. recipes/demo-cpu.toml): model, quant, "
+        description="the run's recipe (TOML, e.g. recipes/deploy.toml): model, quant, "
         "guidance, sampling, objective, dispatch, checkpoint, stores (trace_common.config)",
     )
     run: InstanceOf[RunConfig] = Field(
-        default_factory=lambda: load_run_config(env={}),
-        description="the run (built by trace_common.config.load_run_config from the recipe, "
-        "the run keys of the environment and the flat run keys given here)",
+        default_factory=load_run_config,
+        description="the run, built by trace_common.config.load_run_config from the recipe; "
+        "in code, `run=` takes a RunConfig or dotted/nested keys overriding the recipe's",
     )
     checkpoint_dir: pathlib.Path | None = Field(None, description="where checkpoints go")
+    # Wiring, not the run: what this start does with what it finds in checkpoint_dir (the same
+    # recipe resumed or not is the same run; a restarted pod or container resumes).
+    resume: bool = Field(True, description="continue from <checkpoint_dir>/latest if present")
     metrics_file: pathlib.Path | None = Field(None, description="metrics.jsonl path")
     generate_timeout_seconds: float = Field(300.0, gt=0)
-    lost_records: Literal["regenerate", "unguided", "drop"] = Field(
-        "regenerate",
-        description="a group whose records are lost for good (a Redis restart, eviction): "
-        "regenerate = generate its prompt again in the same step and train it guided (up to "
-        "regenerate_attempts rounds, then dropped); unguided = train it without records "
-        "(round-to-nearest QAT, own routing); drop = do not train it. Counted in "
-        "samples_regenerated / samples_unguided / samples_dropped_records. A sharded "
-        "(torchrun) trainer drops",
-    )
-    regenerate_attempts: int = Field(
-        2, ge=1, description="lost_records=regenerate: rounds per step before a group is dropped"
-    )
     torch_threads: int = Field(1, ge=1)
     device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
     start_paused: bool = Field(False, description="restore/publish, then wait for Resume")
@@ -65,17 +65,29 @@ class TrainerSettings(ServiceSettings):
 
     @classmethod
     def env_names(cls) -> frozenset[str]:
-        """The settings' variables and the run keys still read from the environment."""
-        return super().env_names() | frozenset(RUN_ENV)
+        """The settings' variables; `run` is built from the recipe, never read as TRACE_RUN."""
+        return super().env_names() - {"TRACE_RUN"}
 
     @model_validator(mode="before")
     @classmethod
     def _build_run(cls, data: Any) -> Any:
-        """The run tree from the recipe (`config`, TRACE_CONFIG), the environment's run keys
-        and the flat run keys passed here (`steps=3`, as `TRACE_STEPS` names it)."""
-        if not isinstance(data, dict) or data.get("run") is not None:
+        """The run tree from the recipe (`recipe`, TRACE_RECIPE) and the overrides given as
+        `run=` (a RunConfig as it is); run keys in the environment or among the settings (a
+        YAML file of TRACE_CONFIG_FILE) are refused, naming them."""
+        if not isinstance(data, dict):
             return data
-        data = dict(data)
-        flat = {RUN_KEYS_FLAT[k]: data.pop(k) for k in list(data) if k in RUN_KEYS_FLAT}
-        data["run"] = load_run_config(data.get("config") or None, overrides=flat)
-        return data
+        check_no_run_env(os.environ, settings=cls.env_names())
+        stray = sorted(
+            f"{k} (put `{run_env_names()[name]} = ...` in the recipe)"
+            for k in data
+            if (name := f"TRACE_{str(k).upper()}") in run_env_names()
+            and name not in cls.env_names()
+        )
+        if stray:
+            raise ValueError(f"run keys are set in the recipe, not as settings: {'; '.join(stray)}")
+        run = data.get("run")
+        if isinstance(run, RunConfig):
+            return data
+        if run is not None and not isinstance(run, Mapping):
+            raise ValueError(f"run={run!r}: the run comes from the recipe (TRACE_RECIPE)")
+        return {**data, "run": load_run_config(data.get("recipe") or None, overrides=run)}

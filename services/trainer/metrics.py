@@ -12,7 +12,7 @@ Documented series (all gauges unless noted; every one is set on every step where
 - ``trace_trainer_samples_total``, ``trace_trainer_samples_dropped_stale_total``,
   ``trace_trainer_samples_dropped_records_total`` (records missing/corrupt in quant-cache),
   ``trace_trainer_samples_regenerated_total``, ``trace_trainer_samples_unguided_total``
-  (records lost: generated again / trained without records, TRACE_LOST_RECORDS),
+  (records lost: generated again / trained without records, the recipe's stores.lost_records),
   ``trace_trainer_redispatched_units_total`` (counters)
 - ``trace_trainer_rollout_tokens_per_second{replica_id}``
 - ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica_id}``

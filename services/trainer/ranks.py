@@ -53,7 +53,7 @@ def build_learner(
         return ModelLearner(model, s.run.objective, device=device, **kw)
     if s.run.checkpoint.export:
         raise ValueError(
-            "TRACE_CHECKPOINT_EXPORT is not supported under torchrun (the export reads a "
+            "checkpoint.export is not supported under torchrun (the export reads a "
             "single-file checkpoint; a sharded trainer writes torch.distributed.checkpoint)"
         )
     env, device = init_distributed(torch.device(device).type)

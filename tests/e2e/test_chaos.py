@@ -8,6 +8,7 @@ import collections
 import pathlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import httpx
@@ -27,13 +28,11 @@ RUN_TIMEOUT_S = 180.0
 GROUP_SIZE = 4
 LOSS_TRIES = 6  # Redis restarts tried at a unit gap (each can miss: too early or too late)
 SAMPLES_PER_STEP = 2 * GROUP_SIZE  # 2 prompts x 4 completions, one prompt per work unit
-TRAINER_ENV = {
-    "TRACE_TASK": "reverse",
-    "TRACE_TASK_DIFFICULTY": "2",
-    "TRACE_PROMPTS_PER_STEP": "2",
-    "TRACE_GROUP_SIZE": str(GROUP_SIZE),
-    "TRACE_PROMPTS_PER_UNIT": "1",
-    "TRACE_START_PAUSED": "true",
+BASE_RUN = {  # the recipe keys of every run here; each run adds its own
+    "task": {"name": "reverse", "difficulty": 2},
+    "prompts_per_step": 2,
+    "group_size": GROUP_SIZE,
+    "dispatch.prompts_per_unit": 1,
 }
 
 
@@ -42,7 +41,8 @@ def cluster(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
     cfg = ClusterConfig(
         replicas=1,
         heartbeat_timeout_s=2.0,
-        trainer_env={**TRAINER_ENV, "TRACE_RUN_ID": "boot", "TRACE_STEPS": "1"},
+        run={**BASE_RUN, "run_id": "boot", "steps": 1},
+        trainer_env={"TRACE_START_PAUSED": "true"},
         rollout_env={"TRACE_HEARTBEAT_INTERVAL_SECONDS": "0.5"},
     )
     with LocalCluster(cfg, tmp_path / "logs") as c:
@@ -88,17 +88,18 @@ def _start_run(
     steps: int,
     *,
     stop: bool = True,
-    **env: str,
+    run: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> trainer_pb2_grpc.TrainerStub:
     """Replace the fixture's trainer (stopped first unless `stop` is false: it was killed) by
-    one for run `run_id` (metrics.jsonl and the record audit under `tmp_path`); let it run."""
+    one for run `run_id` with the recipe keys `run` and the settings `env` (metrics.jsonl and
+    the record audit under `tmp_path`); let it run."""
     assert c.trainer is not None
     if stop:
         c.trainer.stop()
-    env = {"TRACE_RUN_ID": run_id, "TRACE_STEPS": str(steps),
-           "TRACE_METRICS_FILE": str(tmp_path / "metrics.jsonl"),
-           "TRACE_RECORD_AUDIT_FILE": str(tmp_path / "trainer-audit.jsonl"), **env}  # fmt: skip
-    c.start_trainer(wait=True, env=env)
+    env = {"TRACE_METRICS_FILE": str(tmp_path / "metrics.jsonl"),
+           "TRACE_RECORD_AUDIT_FILE": str(tmp_path / "trainer-audit.jsonl"), **(env or {})}  # fmt: skip
+    c.start_trainer(wait=True, run={"run_id": run_id, "steps": steps, **(run or {})}, env=env)
     stub = _trainer(c)
     stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(c), timeout=10)
     return stub
@@ -162,7 +163,7 @@ def test_weight_sync_restart_mid_run_loses_nothing(
 
 # Longer completions (the random policy rarely stops early) keep a work unit generating long
 # enough for `_at_unit_gap` to see the gap between a step's two units on a fast machine.
-SLOW_UNITS = {"TRACE_MAX_NEW_TOKENS": "48"}
+SLOW_UNITS = {"sampling.max_new_tokens": 48}
 
 
 def _at_unit_gap(c: LocalCluster, run_id: str) -> int:
@@ -215,10 +216,10 @@ def test_redis_restart_mid_step_records_are_regenerated(
     cluster: LocalCluster, tmp_path: pathlib.Path
 ) -> None:
     """Redis restarts empty after a step's first unit wrote its records: the trainer finds
-    that group's records missing for good and generates it again (TRACE_LOST_RECORDS
+    that group's records missing for good and generates it again (stores.lost_records
     default), so every sample of the step is still trained, and the regeneration counted."""
     steps = 2 + LOSS_TRIES  # room for every try
-    _start_run(cluster, tmp_path, "chaos-redis", steps, **SLOW_UNITS)
+    _start_run(cluster, tmp_path, "chaos-redis", steps, run=SLOW_UNITS)
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
     lost_at = _restart_redis_between_units(cluster, "chaos-redis", tmp_path / "metrics.jsonl")
     final = _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
@@ -235,11 +236,15 @@ def test_redis_restart_mid_step_records_are_regenerated(
 def test_redis_restart_mid_step_records_trained_unguided(
     cluster: LocalCluster, tmp_path: pathlib.Path
 ) -> None:
-    """The same fault with TRACE_LOST_RECORDS=unguided: the group is trained without records
+    """The same fault with stores.lost_records = "unguided": the group is trained without records
     (round-to-nearest QAT) and counted as unguided."""
     steps = 2 + LOSS_TRIES  # room for every try
     _start_run(
-        cluster, tmp_path, "chaos-unguided", steps, TRACE_LOST_RECORDS="unguided", **SLOW_UNITS
+        cluster,
+        tmp_path,
+        "chaos-unguided",
+        steps,
+        run={"stores.lost_records": "unguided", **SLOW_UNITS},
     )
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
     lost_at = _restart_redis_between_units(cluster, "chaos-unguided", tmp_path / "metrics.jsonl")
@@ -256,13 +261,15 @@ def test_redis_memory_pressure_finishes_or_fails_loudly(
     """Redis's maxmemory cut to about 4 records: a step's first records are evicted by
     its last ones before the trainer reads them. The lost groups are generated again; the run
     either finishes with every sample trained (the regenerations counted) or, where even
-    they are evicted, fails loudly past TRACE_MAX_DROPPED_FRACTION (state failed, /healthz
+    they are evicted, fails loudly past stores.max_dropped_fraction (state failed, /healthz
     503, run_failed 1). It never reports finished with samples dropped."""
     steps = 6
     metrics = tmp_path / "metrics.jsonl"
     # any sample left untrained fails the run (the default tolerates half of them, and a step
     # whose regenerated records are evicted too stays under that on a loaded machine)
-    stub = _start_run(cluster, tmp_path, "chaos-memory", steps, TRACE_MAX_DROPPED_FRACTION="0")
+    stub = _start_run(
+        cluster, tmp_path, "chaos-memory", steps, run={"stores.max_dropped_fraction": 0}
+    )
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")  # every client has connected
     stub.Pause(trainer_pb2.PauseRequest(reason="chaos"), metadata=_auth(cluster), timeout=10)
     _settled(cluster)
@@ -301,7 +308,7 @@ def test_redis_memory_pressure_finishes_or_fails_loudly(
         assert totals["samples_regenerated"] > 0, "the memory bound never evicted a record"
         assert healthz == 200
     else:
-        assert dropped > 0 and "TRACE_MAX_DROPPED_FRACTION" in st["detail"], (st, rows)
+        assert dropped > 0 and "stores.max_dropped_fraction" in st["detail"], (st, rows)
         assert healthz == 503
         text = httpx.get(f"{cluster.trainer.http_url}/metrics", timeout=5).text
         assert "trace_trainer_run_failed 1.0" in text
@@ -313,7 +320,7 @@ def test_redis_too_full_for_one_record_fails_the_run_loudly_and_soon(
     """Redis's maxmemory cut below what it already holds: every record write is refused (OOM,
     RESOURCE_EXHAUSTED). Replicas send their completions back without records, the trainer
     regenerates the groups, those are refused too and dropped, and the run fails past
-    TRACE_MAX_DROPPED_FRACTION within a step or two instead of retrying units for minutes."""
+    stores.max_dropped_fraction within a step or two instead of retrying units for minutes."""
     metrics = tmp_path / "metrics.jsonl"
     stub = _start_run(cluster, tmp_path, "chaos-full", 6)
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
@@ -327,7 +334,7 @@ def test_redis_too_full_for_one_record_fails_the_run_loudly_and_soon(
     stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(cluster), timeout=10)
     st = _wait(cluster, lambda st: st["state"] in ("finished", "failed"), "the run's end")
     took = time.monotonic() - t0
-    assert st["state"] == "failed" and "TRACE_MAX_DROPPED_FRACTION" in st["detail"], st
+    assert st["state"] == "failed" and "stores.max_dropped_fraction" in st["detail"], st
     assert took < 60.0, f"the run took {took:.0f} s to fail"
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "one row per step"
@@ -364,13 +371,14 @@ def test_trainer_killed_mid_run_resumes_with_one_row_per_step(
     sample of every step trained."""
     steps = 7
     metrics = tmp_path / "metrics.jsonl"
-    env = {"TRACE_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "TRACE_CHECKPOINT_EVERY": "3"}
-    _start_run(cluster, tmp_path, "chaos-trainer", steps, **env)
+    env = {"TRACE_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    run = {"checkpoint.every": 3}
+    _start_run(cluster, tmp_path, "chaos-trainer", steps, run=run, env=env)
     _wait(cluster, lambda _st: len(_rows(metrics)) >= 4, "step 4's row")
     assert cluster.trainer is not None
     cluster.trainer.kill()
     rows_at_kill = len(read_metrics(metrics))
-    _start_run(cluster, tmp_path, "chaos-trainer", steps, stop=False, **env)
+    _start_run(cluster, tmp_path, "chaos-trainer", steps, stop=False, run=run, env=env)
     final = _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
     assert final["resumed_from"] and final["resumed_from"].endswith("step-000003"), final
     assert rows_at_kill > 3, rows_at_kill  # rows past the checkpoint existed: they were removed

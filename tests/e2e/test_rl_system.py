@@ -31,14 +31,13 @@ from trace_common.service.grpc_server import AUTH_HEADER
 pytestmark = pytest.mark.timeout(240)
 
 RUN_TIMEOUT_S = 120.0
-# Small and fast: 4 prompts x 4 completions per step, 1 prompt per work unit.
-BASE_TRAINER_ENV = {
-    "TRACE_TASK": "reverse",
-    "TRACE_TASK_DIFFICULTY": "2",
-    "TRACE_PROMPTS_PER_STEP": "4",
-    "TRACE_GROUP_SIZE": "4",
-    "TRACE_PROMPTS_PER_UNIT": "1",
-    "TRACE_START_PAUSED": "true",  # each test resumes it once it is watching
+# Small and fast: 4 prompts x 4 completions per step, 1 prompt per work unit. Each test's
+# trainer run adds its own keys to this recipe.
+BASE_RUN = {
+    "task": {"name": "reverse", "difficulty": 2},
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "dispatch.prompts_per_unit": 1,
 }
 
 
@@ -48,7 +47,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     cfg = ClusterConfig(
         replicas=2,
         heartbeat_timeout_s=2.0,
-        trainer_env={**BASE_TRAINER_ENV, "TRACE_RUN_ID": "boot", "TRACE_STEPS": "1"},
+        run={**BASE_RUN, "run_id": "boot", "steps": 1},
+        trainer_env={"TRACE_START_PAUSED": "true"},  # each test resumes it once it is watching
         rollout_env={"TRACE_RECORD_AUDIT_FILE": str(root / "rollout-audit.jsonl")},
     )
     with LocalCluster(cfg, root / "logs") as c:
@@ -65,11 +65,12 @@ def auth(c: LocalCluster) -> tuple[tuple[str, str]]:
     return ((AUTH_HEADER, f"Bearer {c.config.token}"),)
 
 
-def run_trainer(c: LocalCluster, env: dict[str, str]) -> dict:
-    """Restart the trainer with ``env``, resume it, wait until it finishes; its last status."""
+def run_trainer(c: LocalCluster, run: dict, env: dict[str, str]) -> dict:
+    """Restart the trainer with the recipe keys ``run`` and the settings ``env``, resume it,
+    wait until it finishes; its last status."""
     if c.trainer is not None:
         c.trainer.stop()
-    c.start_trainer(wait=True, env=env)
+    c.start_trainer(wait=True, run=run, env=env)
     return resume_until_finished(c)
 
 
@@ -110,17 +111,20 @@ def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
     st = run_trainer(
         cluster,
         {
-            "TRACE_RUN_ID": "e2e",
-            "TRACE_STEPS": "3",
-            "TRACE_GUIDANCE_LAYERS": "all",
-            "TRACE_GUIDANCE_MODE": "full",
-            "TRACE_MAX_STALENESS": "0",  # every sample from the version it trains: D_act is exact
+            "run_id": "e2e",
+            "steps": 3,
+            "guidance": {"layers": "all", "mode": "full"},
+            "max_staleness": 0,  # every sample from the version it trains: D_act is exact
+            "checkpoint.every": 1,
+        },
+        {
             "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
             "TRACE_CHECKPOINT_DIR": str(out / "ckpt"),
-            "TRACE_CHECKPOINT_EVERY": "1",
             "TRACE_RECORD_AUDIT_FILE": str(out / "trainer-audit.jsonl"),
         },
     )
+    # the recipe LocalCluster wrote reached the trainer: its run id and length are the run's
+    assert (st["run_id"], st["total_steps"], st["mode"]) == ("e2e", 3, "trace")
     # every replica ends on the final version
     assert wait_versions(cluster, st["policy_version"]) == {
         "rollout-0": st["policy_version"],
@@ -178,7 +182,7 @@ def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
 
 
 def test_every_site_fp4_and_guided_through_the_services(cluster: LocalCluster) -> None:
-    """TRACE_QUANT_SITES=all: every projection, embedding and LM head goes through the export,
+    """quant.sites = "all": every projection, embedding and LM head goes through the export,
     weight-sync and the replicas' load in FP4; every guidable site's records go through
     quant-cache; the trainer still reproduces the rollout exactly."""
     cfg = get_config("debug")
@@ -189,15 +193,17 @@ def test_every_site_fp4_and_guided_through_the_services(cluster: LocalCluster) -
     run_trainer(
         cluster,
         {
-            "TRACE_RUN_ID": "e2e-all-sites",
-            "TRACE_STEPS": "1",
-            "TRACE_QUANT_SITES": "all",
-            "TRACE_GUIDANCE_SITES": ",".join(guided),
-            "TRACE_GUIDANCE_LAYERS": "all",
-            "TRACE_GUIDANCE_MODE": "full",  # compact records hold 1 bit: D_act needs full ones
-            "TRACE_MAX_STALENESS": "0",
-            "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
+            "run_id": "e2e-all-sites",
+            "steps": 1,
+            "quant.sites": "all",
+            "guidance": {
+                "sites": ",".join(guided),
+                "layers": "all",
+                "mode": "full",  # compact records hold 1 bit: D_act needs full ones
+            },
+            "max_staleness": 0,
         },
+        {"TRACE_METRICS_FILE": str(out / "metrics.jsonl")},
     )
     (row,) = read_metrics(out / "metrics.jsonl")
     assert row["samples_trained"] == 16 and row["samples_dropped_records"] == 0, row
@@ -210,19 +216,17 @@ def test_every_site_fp4_and_guided_through_the_services(cluster: LocalCluster) -
 def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -> None:
     root: pathlib.Path = cluster.root  # type: ignore[attr-defined]
     out = root / "resume"
+    run = {"run_id": "resume", "steps": 2, "checkpoint.every": 1}
     env = {
-        "TRACE_RUN_ID": "resume",
-        "TRACE_STEPS": "2",
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
         "TRACE_CHECKPOINT_DIR": str(out / "ckpt"),
-        "TRACE_CHECKPOINT_EVERY": "1",
     }
-    first = run_trainer(cluster, env)
+    first = run_trainer(cluster, run, env)
     ckpt = load_checkpoint(latest_checkpoint(out / "ckpt"))
     assert (ckpt.step, first["step"]) == (2, 2)
     # restart from the checkpoint, paused: it must stand at the same step with the same weights
     cluster.trainer.stop()  # type: ignore[union-attr]
-    cluster.start_trainer(wait=True, env={**env, "TRACE_STEPS": "3"})
+    cluster.start_trainer(wait=True, run={**run, "steps": 3}, env=env)
     st = cluster.trainer_status()
     assert st["state"] == "paused" and st["step"] == 2
     assert st["resumed_from"] and st["weights_digest"] == ckpt.extra["weights_digest"]
@@ -259,13 +263,13 @@ def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def start_trainer_ranks(c: LocalCluster, ranks: int, env: dict[str, str]) -> None:
+def start_trainer_ranks(c: LocalCluster, ranks: int, run: dict, env: dict[str, str]) -> None:
     """The trainer as `ranks` learner ranks under torchrun (gloo on the CPU): rank 0 serves."""
     if c.trainer is not None:
         c.trainer.stop()
     torchrun = str(pathlib.Path(sys.executable).parent / "torchrun")
     argv = [torchrun, "--standalone", f"--nproc-per-node={ranks}", "-m", "services.trainer"]
-    c.start_trainer(wait=True, env=env, argv=argv)
+    c.start_trainer(wait=True, run=run, env=env, argv=argv)
 
 
 def wait_past_starting(c: LocalCluster) -> dict:
@@ -282,14 +286,12 @@ def test_trainer_as_two_ranks_resumes_at_one(cluster: LocalCluster) -> None:
     records), sharded checkpoints; then 1 rank resumes the 2-rank checkpoint and finishes."""
     root: pathlib.Path = cluster.root  # type: ignore[attr-defined]
     out = root / "ranks"
+    run = {"run_id": "ranks", "steps": 2, "checkpoint.every": 1}
     env = {
-        "TRACE_RUN_ID": "ranks",
-        "TRACE_STEPS": "2",
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
         "TRACE_CHECKPOINT_DIR": str(out / "ckpt"),
-        "TRACE_CHECKPOINT_EVERY": "1",
     }
-    start_trainer_ranks(cluster, 2, env)
+    start_trainer_ranks(cluster, 2, run, env)
     st = wait_past_starting(cluster)
     assert st["world_size"] == 2 and st["state"] == "paused"
     first = resume_until_finished(cluster)
@@ -303,7 +305,7 @@ def test_trainer_as_two_ranks_resumes_at_one(cluster: LocalCluster) -> None:
     }
     state = json.loads((latest_checkpoint(out / "ckpt") / "trainer_state.json").read_text())  # type: ignore[operator]
     assert (state["step"], state["world_size"]) == (2, 2)
-    start_trainer_ranks(cluster, 1, {**env, "TRACE_STEPS": "3"})
+    start_trainer_ranks(cluster, 1, {**run, "steps": 3}, env)
     st = wait_past_starting(cluster)
     assert (st["world_size"], st["step"], st["state"]) == (1, 2, "paused")
     assert st["resumed_from"] and st["policy_version"] == first["policy_version"]
@@ -314,18 +316,19 @@ def test_trainer_as_two_ranks_resumes_at_one(cluster: LocalCluster) -> None:
 def test_killing_a_replica_mid_step_loses_no_sample(cluster: LocalCluster) -> None:
     root: pathlib.Path = cluster.root  # type: ignore[attr-defined]
     out = root / "kill"
-    env = {
-        "TRACE_RUN_ID": "kill",
-        "TRACE_STEPS": "3",
-        "TRACE_PROMPTS_PER_STEP": "8",
-        "TRACE_GROUP_SIZE": "8",
-        "TRACE_PROMPTS_PER_UNIT": "2",
-        "TRACE_MAX_NEW_TOKENS": "24",  # random init never says EOS: long generate calls
-        "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
+    run = {
+        "run_id": "kill",
+        "steps": 3,
+        "prompts_per_step": 8,
+        "group_size": 8,
+        "dispatch.prompts_per_unit": 2,
+        "sampling.max_new_tokens": 24,  # random init never says EOS: long generate calls
     }
     if cluster.trainer is not None:
         cluster.trainer.stop()
-    cluster.start_trainer(wait=True, env=env)
+    cluster.start_trainer(
+        wait=True, run=run, env={"TRACE_METRICS_FILE": str(out / "metrics.jsonl")}
+    )
     victim = cluster.rollouts[1]
     stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(victim.grpc_address))
     trainer_stub(cluster).Resume(trainer_pb2.ResumeRequest(), metadata=auth(cluster), timeout=10)

@@ -16,6 +16,7 @@ import math
 import pathlib
 import time
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import grpc
 import pytest
@@ -31,14 +32,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 RUN_TIMEOUT_S = 300.0
 GPU_ENV = {"TRACE_DEVICE": "cuda"}
 ROLLOUT_ENV = {**GPU_ENV, "TRACE_ROLLOUT_ENGINE": "auto"}
-TRAINER_ENV = {
-    **GPU_ENV,
-    "TRACE_TASK": "reverse",
-    "TRACE_TASK_DIFFICULTY": "2",
-    "TRACE_PROMPTS_PER_STEP": "4",
-    "TRACE_GROUP_SIZE": "4",
-    "TRACE_PROMPTS_PER_UNIT": "1",
-    "TRACE_START_PAUSED": "true",  # each test resumes it once it is watching
+TRAINER_ENV = {**GPU_ENV, "TRACE_START_PAUSED": "true"}  # each test resumes it once watching
+BASE_RUN = {  # the recipe keys of every run here; each test adds its own
+    "task": {"name": "reverse", "difficulty": 2},
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "dispatch.prompts_per_unit": 1,
 }
 
 
@@ -75,10 +74,14 @@ def wait_versions(c: LocalCluster, idx: list[int], version: int, timeout: float 
         time.sleep(0.2)
 
 
-def cluster_with(root: pathlib.Path, trainer_env: Mapping[str, str]) -> LocalCluster:
+def cluster_with(
+    root: pathlib.Path, run: Mapping[str, Any], trainer_env: Mapping[str, str]
+) -> LocalCluster:
+    """Two replicas and a trainer for the recipe keys `run` (on top of BASE_RUN)."""
     cfg = ClusterConfig(
         replicas=2,
         heartbeat_timeout_s=2.0,
+        run={**BASE_RUN, **run},
         trainer_env={**TRAINER_ENV, **trainer_env},
         rollout_env=ROLLOUT_ENV,
     )
@@ -92,17 +95,19 @@ def root(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
 
 def test_gpu_steps_reward_records_push_and_pull(root: pathlib.Path) -> None:
     out = root / "run"
+    run = {
+        "run_id": "gpu-e2e",
+        "steps": 3,
+        "guidance.layers": "all",
+        "guidance.mode": "full",  # D_act needs full records
+        "max_staleness": 0,  # every sample from the version it trains
+        "checkpoint.every": 3,
+    }
     env = {
-        "TRACE_RUN_ID": "gpu-e2e",
-        "TRACE_STEPS": "3",
-        "TRACE_GUIDANCE_LAYERS": "all",
-        "TRACE_GUIDANCE_MODE": "full",  # D_act needs full records
-        "TRACE_MAX_STALENESS": "0",  # every sample from the version it trains
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
         "TRACE_CHECKPOINT_DIR": str(out / "ckpt"),
-        "TRACE_CHECKPOINT_EVERY": "3",
     }
-    with cluster_with(root, env) as c:
+    with cluster_with(root, run, env) as c:
         st0 = c.trainer_status()
         assert st0["device"].startswith("cuda"), st0
         resume(c)
@@ -132,17 +137,16 @@ def test_gpu_steps_reward_records_push_and_pull(root: pathlib.Path) -> None:
 
 def test_gpu_cuda_engine_survives_a_replica_kill(root: pathlib.Path) -> None:
     out = root / "kill"
-    env = {
-        "TRACE_RUN_ID": "gpu-kill",
-        "TRACE_MODEL": "gpu-small",  # the debug shape's 32-wide experts run on the PyTorch engine
-        "TRACE_STEPS": "3",
-        "TRACE_PROMPTS_PER_STEP": "8",
-        "TRACE_GROUP_SIZE": "8",
-        "TRACE_PROMPTS_PER_UNIT": "2",
-        "TRACE_MAX_NEW_TOKENS": "48",  # random init never says EOS: long generate calls
-        "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
+    run = {
+        "run_id": "gpu-kill",
+        "model.name": "gpu-small",  # the debug shape's 32-wide experts run on the PyTorch engine
+        "steps": 3,
+        "prompts_per_step": 8,
+        "group_size": 8,
+        "dispatch.prompts_per_unit": 2,
+        "sampling.max_new_tokens": 48,  # random init never says EOS: long generate calls
     }
-    with cluster_with(root, env) as c:
+    with cluster_with(root, run, {"TRACE_METRICS_FILE": str(out / "metrics.jsonl")}) as c:
         resume(c)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while True:  # kill replica 1 while it generates a work unit of step 2 or later
@@ -168,18 +172,20 @@ def test_gpu_cuda_engine_survives_a_replica_kill(root: pathlib.Path) -> None:
 @pytest.mark.slow
 def test_gpu_mid1b_trainer_and_two_replicas_on_one_gpu(root: pathlib.Path) -> None:
     out = root / "mid"
+    run = {
+        "run_id": "gpu-mid",
+        "model.name": "mid-1b",
+        "steps": 2,
+        "prompts_per_step": 8,
+        "group_size": 8,
+        "dispatch.prompts_per_unit": 4,
+        "objective.lr": 1e-5,
+    }
     env = {
-        "TRACE_RUN_ID": "gpu-mid",
-        "TRACE_MODEL": "mid-1b",
         "TRACE_TORCH_THREADS": "8",  # the CPU-side init of 1B parameters
-        "TRACE_STEPS": "2",
-        "TRACE_PROMPTS_PER_STEP": "8",
-        "TRACE_GROUP_SIZE": "8",
-        "TRACE_PROMPTS_PER_UNIT": "4",
-        "TRACE_LR": "1e-5",
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
     }
-    with cluster_with(root, env) as c:
+    with cluster_with(root, run, env) as c:
         resume(c)
         st = wait_finished(c)
         got = wait_versions(c, [0, 1], st["policy_version"], timeout=120)

@@ -1,5 +1,6 @@
 """The run's configuration tree (`trace_common.config`): built in one place from defaults, a
-recipe file, the environment's run keys and overrides; errors name the key and the value."""
+recipe file and overrides; errors name the key and the value; a run key in the environment is
+refused, naming the variable and the recipe key."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from typer.testing import CliRunner
 
 from trace_common.cli import app
 from trace_common.config import (
-    RUN_ENV,
+    RECIPES_DIR,
+    RETIRED_RUN_ENV,
     ConfigError,
-    RunConfig,
     build_run_config,
+    check_no_run_env,
     dump_toml,
     load_run_config,
     run_config_dict,
+    run_keys,
 )
 from trace_common.model.generate import SamplingConfig
 from trace_common.rl.dispatch import DispatchConfig
@@ -33,7 +36,7 @@ def recipe(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
 
 
 def test_defaults_are_the_trainer_services_defaults() -> None:
-    run = load_run_config(env={})
+    run = load_run_config()
     assert (run.mode, run.steps, run.prompts_per_step, run.group_size) == ("trace", 50, 16, 8)
     assert (run.task.name, run.task.difficulty, run.model.name) == ("addition", 1, "debug")
     o = run.objective
@@ -46,20 +49,27 @@ def test_defaults_are_the_trainer_services_defaults() -> None:
     assert isinstance(run.dispatch, DispatchConfig)
 
 
-def test_recipe_then_environment_then_overrides(tmp_path: pathlib.Path) -> None:
+def test_recipe_then_overrides(tmp_path: pathlib.Path) -> None:
     path = recipe(
         tmp_path,
         'steps = 7\nmode = "rtn"\n[objective]\nlr = 1e-4\ntis_cap = 2\n'
         '[task]\nname = "reverse"\ndifficulty = 4\n[guidance]\nmode = "full"\n',
     )
-    run = load_run_config(path, env={})
+    run = load_run_config(path)
     assert (run.steps, run.mode, run.objective.lr, run.objective.tis_cap) == (7, "rtn", 1e-4, 2.0)
     assert run.sampling.max_new_tokens == 5 and run.guidance.mode == "full"
-    env = {"TRACE_STEPS": "9", "TRACE_ROUTING_REPLAY": "false", "TRACE_CLIP_EPS": "0.1"}
-    run = load_run_config(path, env=env)
-    assert (run.steps, run.guidance.routing_replay, run.objective.clip_eps) == (9, False, 0.1)
-    run = load_run_config(path, env=env, overrides={"steps": 11, "objective.lr": "3e-4"})
+    run = load_run_config(path, overrides={"steps": 11, "objective.lr": "3e-4"})
     assert (run.steps, run.objective.lr, run.task.name) == (11, 3e-4, "reverse")
+    # nested and dotted keys mix; strings are parsed as from a command line
+    run = load_run_config(path, overrides={"guidance": {"routing_replay": "false"}, "seed": "2"})
+    assert (run.guidance.routing_replay, run.seed, run.steps) == (False, 2, 7)
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_is_a_run_the_trainer_accepts(path: pathlib.Path) -> None:
+    """One recipe serves `trace-rl demo --config` and the trainer: the trainer skips the
+    driver's `[demo]` table and checks everything else."""
+    load_run_config(path)
 
 
 def test_derived_keys_follow_their_source(tmp_path: pathlib.Path) -> None:
@@ -67,7 +77,7 @@ def test_derived_keys_follow_their_source(tmp_path: pathlib.Path) -> None:
         'mode = "fp4"\nseed = 5\n[sampling]\ntemperature = 0.7\n'
         "[guidance]\nrouting_replay = false\nmeasure_records = true\n"
     )
-    run = load_run_config(recipe(tmp_path, text), env={})
+    run = load_run_config(recipe(tmp_path, text))
     o = run.objective
     assert (o.mode, o.temperature, o.routing_replay, o.measure_records) == (
         "fp4", 0.7, False, True,
@@ -100,24 +110,43 @@ def test_derived_keys_follow_their_source(tmp_path: pathlib.Path) -> None:
 def test_bad_keys_and_values_are_named(tmp_path: pathlib.Path, text: str, named: str) -> None:
     path = recipe(tmp_path, text)
     with pytest.raises(ConfigError) as err:
-        load_run_config(path, env={})
+        load_run_config(path)
     assert named in str(err.value)
     assert str(path) in str(err.value)  # which file
 
 
-def test_a_bad_environment_value_is_named() -> None:
-    with pytest.raises(
-        ConfigError,
-        match=r"task.difficulty = 'x': expected an integer \(from TRACE_TASK_DIFFICULTY\)",
-    ):
-        load_run_config(env={"TRACE_TASK_DIFFICULTY": "x"})
-    with pytest.raises(ConfigError, match="not a file"):
-        load_run_config("/nonexistent/run.toml", env={})
+def test_a_missing_recipe_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"recipe /nonexistent/run\.toml: not a file"):
+        load_run_config("/nonexistent/run.toml")
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"TRACE_STEPS": "3"}, "TRACE_STEPS (put `steps = ...` in the recipe)"),
+        ({"TRACE_LR": "1e-4"}, "TRACE_LR (put `objective.lr = ...` in the recipe)"),
+        ({"TRACE_TASK": "sort"}, "TRACE_TASK (put `task.name = ...` in the recipe)"),
+        ({"TRACE_OBJECTIVE_LR": "1"}, "TRACE_OBJECTIVE_LR (put `objective.lr = ...`"),
+        ({"TRACE_LOST_RECORDS": "drop"}, "TRACE_LOST_RECORDS (put `stores.lost_records = ...`"),
+        ({"TRACE_CONFIG": "run.toml"}, "TRACE_CONFIG (renamed TRACE_RECIPE"),
+    ],
+)
+def test_a_run_key_in_the_environment_is_refused_naming_it(env: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match="not read from the environment") as err:
+        check_no_run_env({"TRACE_DEVICE": "cpu", "TRACE_RECIPE": "r.toml", **env})
+    assert named in str(err.value) and "TRACE_DEVICE" not in str(err.value)
+
+
+def test_every_retired_variable_names_a_key_of_the_tree() -> None:
+    keys = set(run_keys())
+    assert {"steps", "objective.lr", "stores.lost_records", "model.overrides"} <= keys
+    assert "objective.mode" not in keys  # derived
+    assert not {k for k in RETIRED_RUN_ENV.values() if k not in keys}
 
 
 def test_model_overrides_replace_fields_of_the_named_shape(tmp_path: pathlib.Path) -> None:
     run = load_run_config(
-        recipe(tmp_path, '[model]\nname = "debug"\n[model.overrides]\nnum_layers = 2\n'), env={}
+        recipe(tmp_path, '[model]\nname = "debug"\n[model.overrides]\nnum_layers = 2\n')
     )
     cfg = run.model.config(vocab_size=40)
     assert (cfg.num_layers, cfg.vocab_size, cfg.hidden_size) == (2, 40, 64)
@@ -125,36 +154,79 @@ def test_model_overrides_replace_fields_of_the_named_shape(tmp_path: pathlib.Pat
 
 def test_a_written_run_reads_back_equal() -> None:
     run = load_run_config(
-        env={}, overrides={"steps": 3, "model.init_weights": "/w.safetensors", "quant.sites": "all"}
+        overrides={"steps": 3, "model.init_weights": "/w.safetensors", "quant.sites": "all"}
     )
     text = dump_toml(run_config_dict(run))
     assert "seed" not in tomllib.loads(text)["sampling"]  # derived keys are not written
     assert build_run_config(tomllib.loads(text)) == run
 
 
-def test_every_environment_key_is_a_key_of_the_tree() -> None:
-    for name, path in RUN_ENV.items():
-        node: object = RunConfig()
-        for part in path.split("."):
-            assert hasattr(node, part), f"{name} -> {path}"
-            node = getattr(node, part)
-
-
-def test_the_trainer_reads_its_recipe_and_the_environment(
+def test_the_trainer_reads_its_recipe_and_overrides(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from services.trainer.config import TrainerSettings
 
     path = recipe(tmp_path, 'steps = 7\n[task]\nname = "sort"\n[checkpoint]\nexport = true\n')
-    monkeypatch.setenv("TRACE_CONFIG", str(path))
-    monkeypatch.setenv("TRACE_LR", "0.01")
-    s = TrainerSettings(**REQUIRED, auth_token="t", group_size=4)
+    monkeypatch.setenv("TRACE_RECIPE", str(path))
+    monkeypatch.setenv("TRACE_RESUME", "false")  # wiring: what this start does with the dir
+    s = TrainerSettings(**REQUIRED, auth_token="t", run={"group_size": 4, "objective.lr": 0.01})
     assert (s.run.steps, s.run.task.name, s.run.checkpoint.export) == (7, "sort", True)
-    assert (s.run.objective.lr, s.run.group_size) == (0.01, 4)  # environment, then arguments
-    assert {"TRACE_CONFIG", "TRACE_STEPS", "TRACE_AUTH_TOKEN"} <= s.env_names()
-    monkeypatch.setenv("TRACE_CONFIG", str(recipe(tmp_path, "stepz = 1\n")))
+    assert (s.run.objective.lr, s.run.group_size, s.resume) == (0.01, 4, False)
+    assert {"TRACE_RECIPE", "TRACE_RESUME", "TRACE_AUTH_TOKEN"} <= s.env_names()
+    assert not {"TRACE_STEPS", "TRACE_CONFIG", "TRACE_RUN"} & s.env_names()
+    monkeypatch.setenv("TRACE_RECIPE", str(recipe(tmp_path, "stepz = 1\n")))
     with pytest.raises(ValueError, match="unknown key stepz"):
         TrainerSettings(**REQUIRED, auth_token="t")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "key"),
+    [("TRACE_STEPS", "3", "steps"), ("TRACE_GUIDANCE_LAYERS", "all", "guidance.layers")],
+)
+def test_the_trainer_stops_at_start_up_on_a_run_key_in_its_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str, value: str,
+    key: str,
+) -> None:  # fmt: skip
+    """A stale compose file or script must not run the defaults silently."""
+    from services.trainer.config import TrainerSettings
+    from trace_common.service import load_settings
+
+    for k, v in {**REQUIRED, "auth_token": "t"}.items():
+        monkeypatch.setenv(f"TRACE_{k.upper()}", v)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        load_settings(TrainerSettings)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{name} (put `{key} = ...` in the recipe)" in err and "TRACE_RECIPE" in err
+
+
+def test_the_trainer_refuses_run_keys_as_settings() -> None:
+    """Flat run keys (as a TRACE_CONFIG_FILE YAML or old code passed them) are refused too."""
+    from services.trainer.config import TrainerSettings
+
+    with pytest.raises(ValueError, match=r"steps \(put `steps = ...` in the recipe\)"):
+        TrainerSettings(**REQUIRED, auth_token="t", steps=3)
+    with pytest.raises(ValueError, match="the run comes from the recipe"):
+        TrainerSettings(**REQUIRED, auth_token="t", run="steps=3")
+
+
+def test_serve_trainer_config_sets_the_recipe_variable(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+    import os
+    import types
+
+    seen: list[str | None] = []
+    fake = types.SimpleNamespace(main=lambda: seen.append(os.environ.get("TRACE_RECIPE")))
+    monkeypatch.setattr(importlib, "import_module", lambda name: fake)
+    monkeypatch.delenv("TRACE_RECIPE", raising=False)
+    path = recipe(tmp_path, "steps = 2\n")
+    result = CliRunner().invoke(app, ["serve", "trainer", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert seen == [str(path)]
+    monkeypatch.delenv("TRACE_RECIPE", raising=False)  # serve set it in this process
 
 
 def test_serve_takes_a_recipe_for_the_trainer_only(tmp_path: pathlib.Path) -> None:

@@ -1,5 +1,9 @@
 """The whole system on one machine: a local Redis, quant-cache, weight-sync, the trainer and
-N rollout replicas, each a child process (what `trace-rl demo` and the e2e tests run)."""
+N rollout replicas, each a child process (what `trace-rl demo` and the e2e tests run).
+
+The trainer's run is a recipe, as in a deployment: `ClusterConfig.run` (dotted or nested keys,
+or a RunConfig) is written as a TOML file in the cluster's directory and named by
+TRACE_RECIPE; the `*_env` maps are wiring only (a run key there is refused)."""
 
 from __future__ import annotations
 
@@ -8,9 +12,18 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
+from trace_common.config import (
+    RECIPE_ENV,
+    RunConfig,
+    check_no_run_env,
+    dump_toml,
+    flatten,
+    recipe_of,
+)
 from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.service.process import LocalService
 
@@ -19,11 +32,14 @@ STATUS_TIMEOUT_S = 5.0
 
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
-    """What to start; env maps are extra `TRACE_*` settings per service."""
+    """What to start: the trainer's run, and extra `TRACE_*` settings (wiring) per service."""
 
     replicas: int = 2
     heartbeat_timeout_s: float = 3.0  # weight-sync reports a silent replica dead after this
     redis_maxmemory_bytes: int = 256 << 20
+    # The trainer's run: recipe keys, dotted or nested ({"steps": 3, "task.name": "reverse"}),
+    # or a RunConfig; written as the trainer's recipe (TRACE_RECIPE). Empty: the defaults.
+    run: Mapping[str, Any] | RunConfig = field(default_factory=dict)
     trainer_env: Mapping[str, str] = field(default_factory=dict)
     rollout_env: Mapping[str, str] = field(default_factory=dict)
     # TRACE_DEVICE of replica i (e.g. ["cuda:1", "cuda:1"]); empty: rollout_env's for all
@@ -35,6 +51,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        check_no_run_env(self.trainer_env)
+        self.run = recipe_of(self.run)  # a bad key or value: ConfigError here, not in a child
         if self.rollout_devices and len(self.rollout_devices) != self.replicas:
             raise ValueError(
                 f"rollout_devices {list(self.rollout_devices)} must name one device per "
@@ -53,6 +71,7 @@ class LocalCluster:
         self.weight_sync: LocalService | None = None
         self.trainer: LocalService | None = None
         self.rollouts: list[LocalService] = []
+        self.trainer_starts = 0
 
     def _common(self) -> dict[str, str]:
         assert self.quant_cache is not None and self.weight_sync is not None
@@ -137,13 +156,27 @@ class LocalCluster:
         self,
         *,
         wait: bool = False,
+        run: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         argv: Sequence[str] | None = None,
     ) -> LocalService:
-        """(Re)start the trainer process: the configured settings, then ``env`` overrides;
-        ``argv`` (default: the config's ``trainer_argv``) replaces ``python -m
-        services.trainer`` (e.g. torchrun for N ranks)."""
-        env = {**self._common(), **self.config.trainer_env, **(env or {})}
+        """(Re)start the trainer process: the configured run with the recipe keys of ``run``
+        on top (dotted or nested), written as ``trainer-N.toml`` in the cluster's directory;
+        the configured settings, then ``env`` overrides; ``argv`` (default: the config's
+        ``trainer_argv``) replaces ``python -m services.trainer`` (e.g. torchrun for N
+        ranks)."""
+        check_no_run_env(env or {})
+        recipe = recipe_of({**flatten(self.config.run), **flatten(run or {})})
+        self.trainer_starts += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / f"trainer-{self.trainer_starts}.toml"
+        path.write_text(dump_toml(recipe))
+        env = {
+            **self._common(),
+            **self.config.trainer_env,
+            **(env or {}),
+            RECIPE_ENV: str(path),
+        }
         argv = argv if argv is not None else self.config.trainer_argv
         self.trainer = LocalService(
             "trainer", "services.trainer", env, self.log_dir, argv=argv

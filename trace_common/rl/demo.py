@@ -258,16 +258,16 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
     }
 
 
-def trainer_env(cfg: DemoConfig, out: pathlib.Path, init: str) -> dict[str, str]:
-    """The trainer's settings: the run, starting from the warm start `init`, written as the
-    recipe `out/run.toml`, and the wiring (device, where metrics and checkpoints go)."""
-    run = dataclasses.replace(
+def trainer_run(cfg: DemoConfig, init: str) -> RunConfig:
+    """The run the trainer plays: the recipe's, starting from the warm start `init`."""
+    return dataclasses.replace(
         cfg.run, model=dataclasses.replace(cfg.run.model, init_weights=pathlib.Path(init))
     )
-    recipe = out / "run.toml"
-    recipe.write_text(dump_toml(run_config_dict(run)))
+
+
+def trainer_env(cfg: DemoConfig, out: pathlib.Path) -> dict[str, str]:
+    """The trainer's wiring: its device, where metrics and checkpoints go."""
     return {
-        "TRACE_CONFIG": str(recipe),
         "TRACE_DEVICE": cfg.device,
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
         "TRACE_CHECKPOINT_DIR": str(out / "checkpoints"),
@@ -332,10 +332,13 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
     console.print(
         f"starting Redis, quant-cache, weight-sync, trainer, {cfg.replicas} rollout replicas"
     )
+    run = trainer_run(cfg, warm["weights"])
+    (out / "run.toml").write_text(dump_toml(run_config_dict(run)))  # a recipe that replays it
     cluster = LocalCluster(
         ClusterConfig(
             replicas=cfg.replicas,
-            trainer_env=trainer_env(cfg, out, warm["weights"]),
+            run=run,
+            trainer_env=trainer_env(cfg, out),
             rollout_env=rollout_env(cfg),
         ),
         out / "logs",

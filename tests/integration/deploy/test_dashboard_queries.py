@@ -360,15 +360,17 @@ def run() -> Iterator[Run]:
 
 
 def trainer_env(stores: dict[str, str], workdir: pathlib.Path) -> dict[str, str]:
-    """A short run of the tiny model: a few steps of 4 prompts x 4 completions."""
+    """A short run of the tiny model, a few steps of 4 prompts x 4 completions, as the recipe
+    `workdir/run.toml` (TRACE_RECIPE, as a deployment mounts one), and the trainer's wiring."""
+    recipe = workdir / "run.toml"
+    recipe.write_text(
+        f'run_id = "deploy"\nsteps = {RL_STEPS}\nprompts_per_step = 4\ngroup_size = 4\n'
+        "[dispatch]\nprompts_per_unit = 1\n"
+        '[guidance]\nmode = "full"\n'  # D_act and code flips need full records
+    )
     return {
         **stores,
-        "TRACE_RUN_ID": "deploy",
-        "TRACE_STEPS": str(RL_STEPS),
-        "TRACE_PROMPTS_PER_STEP": "4",
-        "TRACE_GROUP_SIZE": "4",
-        "TRACE_PROMPTS_PER_UNIT": "1",
-        "TRACE_GUIDANCE_MODE": "full",  # D_act and code flips need full records
+        "TRACE_RECIPE": str(recipe),
         "TRACE_CHECKPOINT_DIR": str(workdir / "checkpoints"),
         "TRACE_METRICS_FILE": str(workdir / "metrics.jsonl"),
     }

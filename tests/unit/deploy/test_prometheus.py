@@ -146,7 +146,7 @@ def test_alert_rules_fire(tmp_path: pathlib.Path) -> None:
                                 },
                                 "exp_annotations": {
                                     "summary": "the trainer's run failed (trainer:8054)",
-                                    "description": "The trainer stopped stepping (state failed; /healthz answers 503): see detail on its /status, e.g. too many samples dropped untrained (TRACE_MAX_DROPPED_FRACTION).",
+                                    "description": "The trainer stopped stepping (state failed; /healthz answers 503): see detail on its /status, e.g. too many samples dropped untrained (the recipe's stores.max_dropped_fraction).",
                                 },
                             }
                         ],

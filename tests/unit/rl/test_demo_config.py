@@ -10,13 +10,15 @@ import pytest
 from typer.testing import CliRunner
 
 from trace_common.cli import app
-from trace_common.config import load_run_config
+from trace_common.config import dump_toml, load_run_config
+from trace_common.rl.cluster import ClusterConfig
 from trace_common.rl.demo import (
     DEMO_CPU_RECIPE,
     DEMO_GPU_RECIPE,
     DemoConfig,
     rollout_env,
     trainer_env,
+    trainer_run,
 )
 
 # The demo's settings on the CPU (the default) and on the GPU (`--device cuda`).
@@ -87,11 +89,17 @@ def test_bad_values_are_named(kw: dict, match: str) -> None:
 
 def test_every_process_gets_the_run_device_and_engine(tmp_path: pathlib.Path) -> None:
     cfg = DemoConfig.load(device="cuda", rollout_engine="native")
-    t = trainer_env(cfg, tmp_path, "w.safetensors")
+    t = trainer_env(cfg, tmp_path)
     assert t["TRACE_DEVICE"] == "cuda" and t["TRACE_CHECKPOINT_DIR"] == str(
         tmp_path / "checkpoints"
     )
-    run = load_run_config(t["TRACE_CONFIG"], env={})  # what the trainer reads
+
+    def played(cfg: DemoConfig, init: str):  # the recipe the cluster hands the trainer
+        recipe = tmp_path / "run.toml"
+        recipe.write_text(dump_toml(ClusterConfig(run=trainer_run(cfg, init)).run))
+        return load_run_config(recipe)
+
+    run = played(cfg, "w.safetensors")
     assert run.model.init_weights == pathlib.Path("w.safetensors")
     assert (run.model.name, run.task.name, run.checkpoint.every) == ("mid-1b", "sort", 100)
     assert run.guidance.mode == "compact"  # what the CUDA engine records
@@ -99,7 +107,7 @@ def test_every_process_gets_the_run_device_and_engine(tmp_path: pathlib.Path) ->
     r = rollout_env(cfg)
     assert r == {"TRACE_DEVICE": "cuda", "TRACE_ROLLOUT_ENGINE": "native",
                  "TRACE_ENGINE_DTYPE": "auto"}  # fmt: skip
-    cpu = load_run_config(trainer_env(DemoConfig.load(), tmp_path, "w")["TRACE_CONFIG"], env={})
+    cpu = played(DemoConfig.load(), "w")
     assert (cpu.model.name, cpu.checkpoint.every, cpu.guidance.mode) == ("debug", 10, "full")
     assert (cpu.run_id, cpu.dispatch.prompts_per_unit) == ("demo", 4)
 

@@ -50,7 +50,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_hf_checkpoint_and_tokenizer_run_an_rl_step(hf_dir: Path) -> None:
     settings = TrainerSettings(
         weight_sync_address="127.0.0.1:1", quant_cache_address="127.0.0.1:2", auth_token="t",
-        model=str(hf_dir), tokenizer=str(hf_dir),
+        run={"model.name": str(hf_dir), "task.tokenizer": str(hf_dir)},
     )  # fmt: skip
     tok = load_tokenizer(settings.run.task.tokenizer)
     model = build_model(settings.run, tok.vocab_size)
@@ -80,7 +80,7 @@ def test_hf_checkpoint_and_tokenizer_run_an_rl_step(hf_dir: Path) -> None:
 def test_tokenizer_larger_than_the_checkpoint_vocab_is_a_clear_error(hf_dir: Path) -> None:
     settings = TrainerSettings(
         weight_sync_address="127.0.0.1:1", quant_cache_address="127.0.0.1:2", auth_token="t",
-        model=str(hf_dir),
+        run={"model.name": str(hf_dir)},
     )  # fmt: skip
     with pytest.raises(ValueError, match="has 99 tokens but the checkpoint"):
         build_model(settings.run, 99)

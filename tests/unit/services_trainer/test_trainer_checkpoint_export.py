@@ -15,7 +15,8 @@ from trace_common.tasks import CharTokenizer
 def test_checkpoint_export_writes_both_directories(tmp_path: Path) -> None:
     settings = TrainerSettings(
         weight_sync_address="127.0.0.1:1", quant_cache_address="127.0.0.1:2", auth_token="t",
-        model="debug", task="reverse", task_difficulty=2, checkpoint_export=True,
+        run={"model.name": "debug", "task.name": "reverse", "task.difficulty": 2,
+             "checkpoint.export": True},
     )  # fmt: skip
     model = MoECausalLM(get_config("debug").replace(vocab_size=CharTokenizer().vocab_size))
     model.init_weights(2)

@@ -1,5 +1,6 @@
-"""The trainer's device settings: TRACE_DEVICE, TRACE_COMPUTE_DTYPE and
-TRACE_ACTIVATION_CHECKPOINTING reach the learner; a device the machine lacks stops start-up."""
+"""The trainer's device (TRACE_DEVICE) and the run's objective.compute_dtype and
+objective.activation_checkpointing reach the learner; a device the machine lacks stops
+start-up."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def test_defaults_are_auto() -> None:
 
 def test_settings_reach_the_learner() -> None:
     app = TrainerApp(
-        _settings(device="cpu", compute_dtype="bfloat16", activation_checkpointing=True),
+        _settings(
+            device="cpu",
+            run={"objective.compute_dtype": "bfloat16", "objective.activation_checkpointing": True},
+        ),
         Metrics("trainer"),
     )
     lrn = app.learner

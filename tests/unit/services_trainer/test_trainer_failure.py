@@ -24,8 +24,10 @@ class _Publisher:
         return self.latest
 
 
-def _app(dropped_per_step: list[int], samples: int = 8, **kw: Any) -> TrainerApp:
-    settings = TrainerSettings(**REQUIRED, auth_token="t", steps=len(dropped_per_step), **kw)
+def _app(dropped_per_step: list[int], samples: int = 8, **run: Any) -> TrainerApp:
+    settings = TrainerSettings(
+        **REQUIRED, auth_token="t", run={"steps": len(dropped_per_step), **run}
+    )
     app = TrainerApp(settings, Metrics("trainer"))
     publisher = _Publisher()
     app.publisher = publisher  # type: ignore[assignment]
@@ -62,7 +64,7 @@ def test_a_run_that_drops_every_sample_fails_and_liveness_says_so() -> None:
     app._run_safely()
     assert app.state == "failed" and app.core.step_index == 1  # stops at the first bad step
     assert "8 of 8 samples dropped" in app.detail
-    assert "TRACE_MAX_DROPPED_FRACTION=0.5" in app.detail
+    assert "stores.max_dropped_fraction=0.5" in app.detail
     assert _gauge(app) == 1
     http = build_app("trainer", Metrics("t2"), lambda: True, app.status,
                      live=lambda: app.state != "failed")  # fmt: skip
@@ -72,13 +74,13 @@ def test_a_run_that_drops_every_sample_fails_and_liveness_says_so() -> None:
 
 
 def test_a_few_drops_under_the_limit_finish() -> None:
-    app = _app([2, 0, 4], max_dropped_fraction=0.5)  # 6 of 24 samples
+    app = _app([2, 0, 4], **{"stores.max_dropped_fraction": 0.5})  # 6 of 24 samples
     app._run_safely()
     assert (app.state, app.core.step_index, _gauge(app)) == ("finished", 3, 0)
 
 
 def test_the_limit_is_over_the_whole_run_so_far() -> None:
-    app = _app([0, 0, 8, 8], max_dropped_fraction=0.4)  # 16/32 = 0.5 after step 4
+    app = _app([0, 0, 8, 8], **{"stores.max_dropped_fraction": 0.4})  # 16/32 = 0.5 after step 4
     app._run_safely()
     assert app.state == "failed" and app.core.step_index == 4, app.detail
 

@@ -1,5 +1,5 @@
-"""The trainer's FP4 sites and guided sites come from its run (quant.sites, guidance.sites;
-TRACE_QUANT_SITES, ... in the environment)."""
+"""The trainer's FP4 sites and guided sites come from its run (the recipe's quant.sites,
+guidance.sites)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from trace_common.model import QuantConfig, get_config
 REQUIRED = {"weight_sync_address": "127.0.0.1:1", "quant_cache_address": "127.0.0.1:2"}
 
 
-def _settings(**kw: object) -> TrainerSettings:
-    return TrainerSettings(**REQUIRED, auth_token="t", **kw)
+def _settings(**run: object) -> TrainerSettings:
+    """The trainer with run keys given by their section: quant_sites -> quant.sites."""
+    keys = {k.replace("_", ".", 1): v for k, v in run.items()}
+    return TrainerSettings(**REQUIRED, auth_token="t", run=keys)
 
 
 def test_default_is_the_papers_setting() -> None:
