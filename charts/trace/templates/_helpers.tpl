@@ -192,6 +192,9 @@ hardened security context, the token Secret, writable /tmp and /data.
     {{- if gt (int (default 1 $c.ranks)) 1 }}
     - {name: dshm, mountPath: /dev/shm}
     {{- end }}
+    {{- if eq $name "trainer" }}
+    - {name: recipe, mountPath: {{ include "trace.recipeDir" $root }}, readOnly: true}
+    {{- end }}
 {{- end -}}
 
 {{/* Volumes of the TRACE container; the trainer replaces `data` by its PVC. */}}
@@ -290,10 +293,13 @@ else cpu. A component's `env.TRACE_DEVICE` overrides it (e.g. cuda:1 with gpus: 
   value: "$(POD_IP)"
 {{- end -}}
 
-{{/* Trainer: checkpoints and metrics.jsonl on its PersistentVolumeClaim (/data). */}}
+{{/* Trainer: its run from the recipe ConfigMap; checkpoints and metrics.jsonl on its
+PersistentVolumeClaim (/data). */}}
 {{- define "trace.trainerEnv" -}}
 {{ include "trace.storeEnv" . }}
 {{ include "trace.deviceEnv" .Values.trainer }}
+- name: TRACE_RECIPE
+  value: {{ printf "%s/recipe.toml" (include "trace.recipeDir" .) | quote }}
 - name: TRACE_CHECKPOINT_DIR
   value: /data/checkpoints
 - name: TRACE_METRICS_FILE
@@ -311,3 +317,31 @@ An HPA's replica bounds, checked when rendering (JSON schema cannot compare two 
 {{- fail (printf "%s.minReplicas (%d) must be <= %s.maxReplicas (%d)" $path (int $a.minReplicas) $path (int $a.maxReplicas)) }}
 {{- end }}
 {{- end }}
+
+{{/* Where the trainer's recipe ConfigMap (templates/recipe.yaml) is mounted. */}}
+{{- define "trace.recipeDir" -}}
+/etc/trace
+{{- end -}}
+
+{{/*
+A map as TOML (the trainer's recipe): its scalar and list keys, then each map as a [table],
+recursively. Call with (list "" $map); values are written as JSON, which is valid TOML for
+strings, numbers, booleans and lists of them; null keys are left out (their default).
+*/}}
+{{- define "trace.toml" -}}
+{{- $prefix := index . 0 -}}
+{{- $table := index . 1 -}}
+{{- range $k, $v := $table }}
+{{- if and (not (kindIs "map" $v)) (not (kindIs "invalid" $v)) }}
+{{ $k }} = {{ $v | toJson }}
+{{- end }}
+{{- end }}
+{{- range $k, $v := $table }}
+{{- if kindIs "map" $v }}
+{{- $name := ternary $k (printf "%s.%s" $prefix $k) (eq $prefix "") }}
+
+[{{ $name }}]
+{{- include "trace.toml" (list $name $v) }}
+{{- end }}
+{{- end }}
+{{- end -}}

@@ -64,6 +64,11 @@ def test_values_validate(values: dict, validator: jsonschema.Draft7Validator) ->
         (("rollout", "autoscaling", "customMetric", "targetAverageValue"), "2 per pod"),
         (("rollout", "podDisruptionBudget", "maxUnavailable"), 0),
         (("rollout", "topologySpreadConstraints"), [{"maxSkew": 1}]),
+        (("trainer", "run", "stepz"), 3),
+        (("trainer", "run", "steps"), "many"),
+        (("trainer", "run", "task"), {"name": "chess"}),
+        (("trainer", "run", "objective"), {"mode": "bf16"}),  # derived from run.mode
+        (("trainer", "run", "objective"), {"lr": "fast"}),
     ],
 )
 def test_schema_rejects_bad_values(
@@ -197,3 +202,19 @@ def test_schema_accepts_resource_quantities(
     good = copy.deepcopy(values)
     good["rollout"]["resources"]["requests"]["memory"] = quantity
     assert not list(validator.iter_errors(good)), quantity
+
+
+def test_schema_of_the_run_is_the_run_config_tree() -> None:
+    """trainer.run's schema is generated from RunConfig: a key added to the tree must reach
+    the chart (`.venv/bin/python deploy/tools/chart_run_schema.py` rewrites it)."""
+    spec = importlib.util.spec_from_file_location(
+        "chart_run_schema", ROOT / "deploy/tools/chart_run_schema.py"
+    )
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    got = schema["properties"]["trainer"]["properties"]["run"]
+    assert got == tool.run_schema(), "run deploy/tools/chart_run_schema.py"
+    assert {"steps", "task", "objective", "stores"} <= set(got["properties"])
+    assert "mode" not in got["properties"]["objective"]["properties"]  # derived

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from trace_common import cli
+from trace_common.config import load_run_config
 from trace_common.service.config import ServiceSettings
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -356,12 +357,72 @@ def test_operator_objects(rendered: tuple[str, list[dict]], tmp_path: pathlib.Pa
              "--set", "rollout.resources.requests.memory=32GB"],
             "rollout.resources.requests.memory",
         ),
+        (
+            ["--set", f"auth.token={TOKEN}", "--set", f"redis.password={TOKEN}",
+             "--set", "trainer.run.stepz=3"],
+            "stepz",
+        ),
+        (
+            ["--set", f"auth.token={TOKEN}", "--set", f"redis.password={TOKEN}",
+             "--set", "trainer.run.task.name=chess"],
+            "trainer.run.task.name",
+        ),
     ],
 )  # fmt: skip
 def test_bad_values_fail_with_a_clear_message(args: list[str], message: str) -> None:
     res = helm_template(*args)
     assert res.returncode != 0, "helm accepted bad values"
     assert message in res.stderr, res.stderr
+
+
+def test_the_trainer_gets_its_run_from_the_values_as_a_recipe(tmp_path: pathlib.Path) -> None:
+    """trainer.run becomes recipe.toml in a ConfigMap mounted into the trainer pod, TRACE_RECIPE
+    names it, and the trainer reads exactly the values' run from it (`--set` floats arrive as
+    strings and are parsed); a changed run changes the pod's checksum (the trainer restarts)."""
+    res = helm_template(
+        *VALUE_SETS["defaults"],
+        "--set", "trainer.run.steps=7",
+        "--set", "trainer.run.task.name=sort",
+        "--set", "trainer.run.objective.lr=1e-4",
+        "--set", "trainer.run.stores.max_dropped_fraction=0.25",
+        "--set", "trainer.run.guidance.layers=2\\,3",
+        "--set-json", 'trainer.run.model.overrides={"num_layers": 4}',
+        "--set-string", 'trainer.run.task.tokenizer=/models/a "b"',
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    docs = [d for d in yaml.load_all(res.stdout, Loader=_StrictLoader) if d]
+    configmap = _by_kind(docs, "ConfigMap")["trace-trainer-recipe"]
+    path = tmp_path / "recipe.toml"
+    path.write_text(configmap["data"]["recipe.toml"])
+    run = load_run_config(path)
+    assert (run.run_id, run.steps, run.task.name, run.task.tokenizer) == (
+        "trace-run", 7, "sort", '/models/a "b"',
+    )  # fmt: skip
+    assert (run.objective.lr, run.stores.max_dropped_fraction) == (1e-4, 0.25)
+    assert (run.guidance.layers, run.model.overrides) == ("2,3", {"num_layers": 4})
+    (trainer,) = [w for w in _workloads(docs) if _component(w) == "trainer"]
+    container = _trace_container(trainer)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "recipe"]
+    assert env["TRACE_RECIPE"] == f"{mount['mountPath']}/recipe.toml" and mount["readOnly"]
+    volumes = {v["name"]: v for v in trainer["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["recipe"]["configMap"]["name"] == configmap["metadata"]["name"]
+    defaults = [d for d in yaml.safe_load_all(helm_template(*VALUE_SETS["defaults"]).stdout) if d]
+    (default_trainer,) = [w for w in _workloads(defaults) if _component(w) == "trainer"]
+    annotations = "spec", "template", "metadata", "annotations"
+
+    def checksum(w: dict) -> str:
+        for key in annotations:
+            w = w[key]
+        return w["checksum/recipe"]
+
+    assert checksum(trainer) != checksum(default_trainer)
+    default_run = _by_kind(defaults, "ConfigMap")["trace-trainer-recipe"]["data"]["recipe.toml"]
+    path.write_text(default_run)
+    assert (load_run_config(path).steps, load_run_config(path).model.name) == (50, "debug")
+    for w in _workloads(defaults):  # only the trainer has a run
+        if _component(w) != "trainer" and _component(w) in TRACE:
+            assert "TRACE_RECIPE" not in {e["name"] for e in _trace_container(w)["env"]}
 
 
 def test_trainer_ranks_run_under_torchrun_one_gpu_each() -> None:

@@ -256,6 +256,27 @@ def test_bind_mounts_exist(compose: dict) -> None:
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
 
 
+def test_the_trainer_runs_a_mounted_recipe(compose: dict, env: dict[str, str]) -> None:
+    """The run is a recipe file of the host (TRACE_TRAINER_RECIPE, default recipes/deploy.toml)
+    mounted read-only into the trainer and named by TRACE_RECIPE; the trainer accepts it. No
+    run key is a variable of any service or of .env.example (the trainer would refuse it)."""
+    from trace_common.config import check_no_run_env, load_run_config
+
+    svc = compose["services"]["trainer"]
+    target = svc["environment"]["TRACE_RECIPE"]
+    mounts = [
+        v.split(":") if isinstance(v, str) else [v["source"], v["target"], "ro" * v["read_only"]]
+        for v in svc["volumes"]
+    ]
+    (source,) = [m[0] for m in mounts if m[1] == target and m[2:] == ["ro"]]
+    assert source == env["TRACE_TRAINER_RECIPE"] == "./recipes/deploy.toml"
+    run = load_run_config(ROOT / source)
+    assert (run.model.name, run.task.name, run.steps) == ("debug", "addition", 50)
+    for s in compose["services"].values():
+        check_no_run_env(s.get("environment") or {})
+    check_no_run_env(env)
+
+
 def test_gpu_override(compose: dict, env: dict[str, str]) -> None:
     override = load(COMPOSE_GPU, env)
     assert set(override["services"]) == set(GPU_SERVICES)

@@ -90,6 +90,14 @@ def test_build_context_has_what_the_images_copy(name: str) -> None:
             assert included(src), f"{name}: COPY {src} is excluded by .dockerignore"
 
 
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_images_carry_the_run_recipes(name: str) -> None:
+    """`trace-rl serve trainer --config /opt/trace/recipes/<name>.toml` works in the image."""
+    ins = instructions(name)
+    final_stage = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM") :]
+    assert ("COPY", "recipes/ /opt/trace/recipes/") in final_stage
+
+
 def test_cpu_image_pins_the_cpu_torch() -> None:
     text = (DOCKER / "Dockerfile").read_text()
     assert "https://download.pytorch.org/whl/cpu" in text
