@@ -4,8 +4,8 @@ The settings here are the trainer's deployment wiring: the services it talks to,
 where checkpoints and metrics go. The run itself (model, quant, guidance, sampling,
 objective, dispatch, checkpointing, stores) is `settings.run`, a `trace_common.config.RunConfig`
 built from the recipe named by `TRACE_RECIPE` (`trace-rl serve trainer --config FILE`) and,
-in code, the overrides passed as `run=`. A run key in the environment (`TRACE_STEPS`, ...) stops
-start-up naming it (`check_no_run_env`). `python -m services.trainer` with
+in code, the overrides passed as `run=`. An environment variable that names a run key stops
+start-up, naming it and the recipe key (`check_no_run_env`). `python -m services.trainer` with
 `TRACE_WEIGHT_SYNC_ADDRESS`, `TRACE_QUANT_CACHE_ADDRESS` and `TRACE_AUTH_TOKEN` set runs the
 defaults.
 """

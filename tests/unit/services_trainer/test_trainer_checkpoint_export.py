@@ -1,4 +1,4 @@
-"""TRACE_CHECKPOINT_EXPORT: a trainer checkpoint also gets its HF exports (docs/export.md)."""
+"""checkpoint.export: a trainer checkpoint also gets its HF exports (docs/export.md)."""
 
 from __future__ import annotations
 
