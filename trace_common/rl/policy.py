@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from trace_common.device import to_cpu
 from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,
@@ -153,7 +152,8 @@ class ModelLearner:
         """Quantize the master weights once and export them (ModelOpt layout + HP tensors)."""
         quantize_policy(self.model, self.quant)
         tensors, meta = export_quantized_state_dict(self.model)
-        tensors = to_cpu(tensors)  # what goes on the wire (and into the engines) is CPU
+        if self.device.type != "cpu":  # what goes on the wire (and into the engines) is CPU
+            tensors = {k: v.cpu() for k, v in tensors.items()}
         meta = dict(meta)
         meta.update(
             PolicyMeta(guidance=self.guidance, eos_id=self.eos_id, pad_id=self.pad_id).to_metadata()
