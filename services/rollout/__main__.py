@@ -26,7 +26,7 @@ def main() -> None:
         engine_settings = EngineSettings(
             engine=settings.rollout_engine, device=resolve_device(settings.device),
             max_batch=settings.rollout_max_batch, max_context=settings.rollout_max_context,
-            native_dtype=settings.engine_dtype,
+            native_dtype=settings.engine_dtype, kernels=settings.kernels(),
         )  # fmt: skip
     except ValueError as exc:
         raise SystemExit(f"rollout settings: {exc}") from None

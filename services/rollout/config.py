@@ -7,9 +7,10 @@ import pathlib
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trace_common.device import DEVICE_HELP, DEVICE_RE
+from trace_common.kernels.settings import KernelSettings
 from trace_common.service import ServiceSettings
 
 
@@ -50,6 +51,21 @@ class RolloutSettings(ServiceSettings):
     rollout_max_context: int = Field(
         4096, ge=2, description="CUDA engine: prompt + completion tokens per sequence"
     )
+    kernel_small_launch: dict[str, int] = Field(
+        default_factory=dict,
+        description="CUDA engine: small-batch kernel launch shapes, JSON such as "
+        '{"qkv": 8, "RING_STAGES": 3} (keys: trace_common/kernels/settings.py); empty: built-in',
+    )
+    kernel_expert_gemm_configs: pathlib.Path | None = Field(
+        None,
+        description="CUDA engine: JSON file of FP4 expert GEMM launch configurations "
+        "(bench/rollout_gpu_kernels.py --cuda-sweep writes them); unset: built-in",
+    )
+    kernel_attn_config: tuple[str, int, int, int] | None = Field(
+        None,
+        description='CUDA engine: FP4 attention launch configuration, JSON such as ["ring", 4, '
+        "4, 4] (warps per CTA, CTAs per SM, ring stages); unset: built-in",
+    )
     torch_threads: int = Field(1, ge=1, description="intra-op CPU threads of the PyTorch engine")
     engine_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
@@ -58,3 +74,28 @@ class RolloutSettings(ServiceSettings):
     record_audit_file: pathlib.Path | None = Field(
         None, description="append a sha256 line per record blob written (tests, debugging)"
     )
+
+    @model_validator(mode="after")
+    def _check_kernels(self) -> RolloutSettings:
+        """A bad launch shape or a missing file stops start-up, naming its variable."""
+        for env, kw in (
+            ("TRACE_KERNEL_SMALL_LAUNCH", {"small_launch": dict(self.kernel_small_launch)}),
+            (
+                "TRACE_KERNEL_EXPERT_GEMM_CONFIGS",
+                {"expert_gemm_configs": self.kernel_expert_gemm_configs},
+            ),
+            ("TRACE_KERNEL_ATTN_CONFIG", {"attn_config": self.kernel_attn_config}),
+        ):
+            try:
+                KernelSettings(**kw)
+            except ValueError as exc:
+                raise ValueError(f"{env}: {exc}") from None
+        return self
+
+    def kernels(self) -> KernelSettings:
+        """The CUDA engine's launch settings (ValueError naming a bad key or value)."""
+        return KernelSettings(
+            small_launch=dict(self.kernel_small_launch),
+            expert_gemm_configs=self.kernel_expert_gemm_configs,
+            attn_config=self.kernel_attn_config,
+        )

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from trace_common.kernels.settings import KernelSettings
 from trace_common.rollout.engine import EngineFactory, RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class EngineSettings:
     max_batch: int = 64  # CUDA engine: sequences decoded together (one graph of this batch)
     max_context: int = 4096  # CUDA engine: prompt + completion tokens one sequence may hold
     native_dtype: str = "auto"  # PyTorch engine: non-FP4 compute dtype (auto: bf16 on CUDA)
+    kernels: KernelSettings | None = None  # CUDA engine: kernel launch shapes (None: built-in)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_CHOICES:
@@ -95,7 +97,8 @@ class EngineSelector:
 
                 try:
                     return CudaEngine(tensors, metadata, version, device=s.device,
-                                      max_batch=s.max_batch, max_context=s.max_context)  # fmt: skip
+                                      max_batch=s.max_batch, max_context=s.max_context,
+                                      kernels=s.kernels)  # fmt: skip
                 except (ValueError, ImportError, RuntimeError) as exc:
                     if s.engine == "cuda":
                         raise

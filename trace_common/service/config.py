@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 from typing import Any, TypeVar
 
@@ -125,6 +126,7 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
         problems = "; ".join(describe_errors(exc))
         print(f"{cls.__name__}: invalid configuration: {problems}", file=sys.stderr)
         raise SystemExit(2) from exc
-    except ValueError as exc:
-        print(f"{cls.__name__}: invalid configuration: {exc}", file=sys.stderr)
+    except ValueError as exc:  # e.g. a JSON-valued setting that does not parse: name its variable
+        text = re.sub(r'field "(\w+)"', lambda m: f"{ENV_PREFIX}{m.group(1).upper()}", str(exc))
+        print(f"{cls.__name__}: invalid configuration: {text}", file=sys.stderr)
         raise SystemExit(2) from exc
