@@ -165,7 +165,7 @@ def export(state: dict[str, Any], setup: Setup, mode: str, guidance: Any = None)
 
 
 def guided_layers(arm: str, num_layers: int) -> str:
-    """TRACE_GUIDANCE_LAYERS of an arm: the deepest ceil(fraction * layers) layers."""
+    """`guidance.layers` of an arm: the deepest ceil(fraction * layers) layers."""
     frac = ARM_FRACTION.get(arm, 0.5)
     n = max(1, math.ceil(round(frac * num_layers, 6)))
     return ",".join(str(i) for i in range(num_layers - n, num_layers))
