@@ -367,6 +367,7 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
         "reward_first_5_steps": _mean([r["reward_mean"] for r in rows[:5]]),
         "reward_last_5_steps": _mean([r["reward_mean"] for r in rows[-5:]]),
         "logp_abs_diff_mean": _mean([r.get("logp_abs_diff_mean", float("nan")) for r in rows]),
+        "steps_with_fresh_samples": sum("logp_abs_diff_mean" in r for r in rows),
         "d_act_mean": _mean([r["d_act_mean"] for r in rows if "d_act_mean" in r]),
         "samples_dropped_stale": sum(r["samples_dropped_stale"] for r in rows),
         "step_time_split_s": {
@@ -410,7 +411,8 @@ def summary_markdown(s: dict[str, Any], cfg: DemoConfig) -> str:
             f"{s['eval_reward_final']:.3f} after RL",
             f"- per-step sampled reward: {s['reward_first_5_steps']:.3f} (steps 1-5) -> "
             f"{s['reward_last_5_steps']:.3f} (last 5)",
-            f"- train-rollout |dlogp| on fresh samples: {s['logp_abs_diff_mean']:.2e} (mean); "
+            f"- train-rollout |dlogp| on fresh samples: {s['logp_abs_diff_mean']:.2e} (mean over "
+            f"the {s['steps_with_fresh_samples']} of {s['steps']} steps that had some); "
             f"D_act at guided sites: {s['d_act_mean']:.2e}"
             + (" (compact records: not measured)" if run.guidance.mode == "compact" else ""),
             "- step time split (mean s): "

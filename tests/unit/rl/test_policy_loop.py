@@ -58,6 +58,22 @@ def build_loop(mode: str, guidance: GuidanceConfig, *, replicas: int = 2):
     return core, holders, store, fetched
 
 
+def test_a_step_without_fresh_samples_reports_no_rollout_mismatch() -> None:
+    """Samples one version old differ from the trainer by the policy's drift as well: the
+    step reports their gap apart (`*_stale`) and no mismatch, instead of passing the drift
+    off as a rollout/trainer mismatch."""
+    core, _, _, _ = build_loop("trace", ALL_LAYERS_FULL)
+    core.publish()
+    core.publisher.holders = []  # the replicas stay on version 0 from here
+    m1 = core.step()  # fresh: version 0 samples train version 0
+    assert m1["fresh_fraction"] == 1.0 and m1["d_act_max"] == 0.0
+    m2 = core.step()  # version 0 samples, trainer at version 1
+    assert m2["fresh_fraction"] == 0.0 and m2["staleness_max"] == 1
+    for key in ("logp_abs_diff_mean", "k3_kl", "d_act_mean", "code_flip_rate", "routing_mismatch"):
+        assert key not in m2, key
+    assert m2["logp_abs_diff_mean_stale"] > 0.0  # the drift, reported as such
+
+
 def test_trace_loop_all_layers_guided_reproduces_rollout_exactly() -> None:
     core, holders, store, fetched = build_loop("trace", ALL_LAYERS_FULL)
     core.publish()
