@@ -167,12 +167,14 @@ def quantize_stack(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> list[NVFP
         )
     check_finite(x)
     with torch.no_grad():
-        scale_2 = _check_scale_2_values(per_tensor_scale.to(device=x.device, dtype=torch.float32))
-        bcast = scale_2.view(n, *([1] * (x.dim() - 1)))  # against the block scales [N, ..., K/16]
-        qdata, scale_e4m3 = _encode(x.float(), bcast)
+        scale_2_fp32 = _check_scale_2_values(
+            per_tensor_scale.to(device=x.device, dtype=torch.float32)
+        )  # [N]
+        per_block = scale_2_fp32.view(n, *([1] * (x.dim() - 1)))  # vs block scales [N, ..., K/16]
+        qdata, scale_e4m3 = _encode(x.float(), per_block)
     shape = x.shape[1:]
     return [
-        NVFP4Tensor(qdata[i], scale_e4m3[i], scale_2[i], shape=shape, dtype=x.dtype)
+        NVFP4Tensor(qdata[i], scale_e4m3[i], scale_2_fp32[i], shape=shape, dtype=x.dtype)
         for i in range(n)
     ]
 
@@ -184,11 +186,11 @@ def stack(qs: list[NVFP4Tensor]) -> NVFP4Tensor:
     if not qs or any(q.scale_granularity != "tensor" or q.shape != qs[0].shape for q in qs):
         raise ValueError("stack needs one or more 'tensor'-granularity NVFP4Tensors of one shape")
     first = qs[0]
-    scale_2 = torch.stack([q.per_tensor_scale for q in qs])
+    scale_2_fp32 = torch.stack([q.per_tensor_scale for q in qs])  # [N]
     return NVFP4Tensor(
-        qdata=torch.stack([q.qdata for q in qs]),
-        scale=torch.stack([q.scale for q in qs]),
-        per_tensor_scale=scale_2.view(len(qs), *([1] * first.scale.dim())),
+        qdata=torch.stack([q.qdata for q in qs]),  # [N, ..., K/2]
+        scale=torch.stack([q.scale for q in qs]),  # [N, ..., K/16]
+        per_tensor_scale=scale_2_fp32.view(len(qs), *([1] * first.scale.dim())),
         shape=torch.Size((len(qs), *first.shape)),
         dtype=first.dtype,
     )
