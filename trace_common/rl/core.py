@@ -192,9 +192,7 @@ class TrainerCore:
         self._on_event(f"score groups={len(kept_groups)}")
 
         lost = LostRecords()
-        # A sharded learner's ranks pull the records of the samples each trains themselves.
-        pulled_by_learner = getattr(self.learner, "pulls_records", False)
-        if cfg.writes_records and train_samples and not pulled_by_learner:
+        if cfg.writes_records and train_samples:
             train_samples, lost_groups = self._attach_records(train_samples)
             self._on_event("records")
             if lost_groups:
@@ -285,7 +283,14 @@ class TrainerCore:
     ) -> tuple[list[TrainSample], list[list[TrainSample]]]:
         """Attach each sample's record blob. A group with any record missing or corrupt (TTL,
         eviction at the memory bound, a Redis restart, a bad tag) is set apart whole, since its
-        advantages were normalized together. Returns (kept samples, the groups set apart)."""
+        advantages were normalized together. Returns (kept samples, the groups set apart).
+
+        A sharded learner's ranks pull the records of the samples each trains themselves
+        (`pulls_records`): they pull them now (`check_records`) and keep them for the train
+        step, and the samples here stay without blobs."""
+        if getattr(self.learner, "pulls_records", False):
+            lacking = self.learner.check_records(samples)  # type: ignore[attr-defined]
+            return self._split_lost(samples, lacking)
         by_version: dict[int, list[TrainSample]] = {}
         for ts in samples:
             by_version.setdefault(ts.rollout.policy_version, []).append(ts)
@@ -301,6 +306,13 @@ class TrainerCore:
                                 ts.rollout.sample_id, version)  # fmt: skip
                     lacking.add(ts.rollout.prompt_id)
                 ts.records = blob
+        return self._split_lost(samples, lacking)
+
+    @staticmethod
+    def _split_lost(
+        samples: Sequence[TrainSample], lacking: set[int]
+    ) -> tuple[list[TrainSample], list[list[TrainSample]]]:
+        """(the samples of groups not in `lacking`, the groups in it by prompt id)."""
         kept = [ts for ts in samples if ts.rollout.prompt_id not in lacking]
         lost: dict[int, list[TrainSample]] = {}
         for ts in samples:

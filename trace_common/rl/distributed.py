@@ -5,7 +5,9 @@ Launch: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT
 `init_distributed` reads them (NCCL on CUDA, gloo on the CPU). Every rank builds the same
 model, `ShardedLearner` shards it, and all ranks call `train_step` with the same sample list
 (rank 0 broadcasts it, see `broadcast_samples`): rank r trains `rank_chunks(...)[r]`, a
-contiguous slice of each minibatch, and pulls the records of those samples itself.
+contiguous slice of each minibatch, and pulls the records of those samples itself. Before
+the step rank 0 asks (`check_records`): the ranks pull their slices then, keep them for the
+step, and report the groups some rank lacks, which rank 0 regenerates as one process does.
 
 Numerics: the minibatch loss is a token mean over the whole minibatch, so each rank weights
 its loss by its share of the minibatch's tokens (times the world size, since FSDP2 averages
@@ -164,6 +166,7 @@ def _without_records(ts: TrainSample) -> TrainSample:
         advantage=ts.advantage,
         staleness=ts.staleness,
         records=None,
+        unguided=ts.unguided,
     )
 
 
@@ -197,6 +200,7 @@ class ShardedLearner(ModelLearner):
         self.guidance = guidance if wants else None
         self.eos_id, self.pad_id = eos_id, pad_id
         self.records = records  # where this rank pulls its samples' records (quant-cache)
+        self._pulled: dict[str, bytes] = {}  # records check_records pulled for the next step
         self.run_id = run_id
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -241,19 +245,19 @@ class ShardedLearner(ModelLearner):
         missing on any rank is dropped whole on every rank (its advantages were normalized
         together) and the batch is split again: `samples_dropped_records` counts them."""
         samples, dropped = list(samples), 0
-        while True:
-            if not samples:
-                return {"samples_dropped_records": dropped}
-            per_rank = rank_chunks(len(samples), self.config.minibatches, self.world_size)
-            local = [samples[i] for chunk in per_rank[self.rank] for i in chunk]
-            lacking: list[Any] = [None] * self.world_size
-            dist.all_gather_object(lacking, self._pull_records(local))
-            drop = set().union(*lacking)
-            if not drop:
-                break
-            kept = [ts for ts in samples if ts.rollout.prompt_id not in drop]
-            dropped += len(samples) - len(kept)
-            samples = kept
+        try:
+            while True:
+                if not samples:
+                    return {"samples_dropped_records": dropped}
+                local, per_rank = self._local(samples)
+                drop = self._lacking_anywhere(local)
+                if not drop:
+                    break
+                kept = [ts for ts in samples if ts.rollout.prompt_id not in drop]
+                dropped += len(samples) - len(kept)
+                samples = kept
+        finally:
+            self._pulled.clear()
         chunks, start = [], 0
         for chunk in per_rank[self.rank]:
             chunks.append(list(range(start, start + len(chunk))))
@@ -262,15 +266,37 @@ class ShardedLearner(ModelLearner):
         metrics["samples_dropped_records"] = dropped
         return metrics
 
+    def check_records(self, samples: Sequence[TrainSample]) -> set[int]:
+        """Before a train step: pull the records of this rank's slice of `samples` (kept for
+        the step, so it fetches them once) and return the prompt ids of the groups whose
+        record is missing on any rank, for rank 0 to regenerate or drop. Every rank calls it
+        with the same list."""
+        local, _ = self._local(list(samples))
+        return self._lacking_anywhere(local)
+
+    def _local(self, samples: list[TrainSample]) -> tuple[list[TrainSample], list[list[list[int]]]]:
+        """This rank's samples of `samples` (its slice of each minibatch), and every rank's."""
+        per_rank = rank_chunks(len(samples), self.config.minibatches, self.world_size)
+        return [samples[i] for chunk in per_rank[self.rank] for i in chunk], per_rank
+
+    def _lacking_anywhere(self, local: list[TrainSample]) -> set[int]:
+        lacking: list[Any] = [None] * self.world_size
+        dist.all_gather_object(lacking, self._pull_records(local))
+        return set().union(*lacking)
+
     def _pull_records(self, local: list[TrainSample]) -> set[int]:
-        """Attach the records of this rank's samples that lack them (one fetch per policy
-        version); returns the prompt ids of groups whose record the store does not have."""
-        todo = [ts for ts in local if ts.records is None]
+        """Attach the records of this rank's samples that lack them (pulled by
+        `check_records` already, or one fetch per policy version); returns the prompt ids of
+        groups whose record the store does not have. Unguided samples need none."""
+        todo = [ts for ts in local if ts.records is None and not ts.unguided]
         if self.records is None or not todo:
             return set()
+        for ts in todo:
+            ts.records = self._pulled.get(ts.rollout.sample_id)
         by_version: dict[int, list[TrainSample]] = {}
         for ts in todo:
-            by_version.setdefault(ts.rollout.policy_version, []).append(ts)
+            if ts.records is None:
+                by_version.setdefault(ts.rollout.policy_version, []).append(ts)
         lacking = set()
         for version, group in sorted(by_version.items()):
             blobs = self.records.fetch(self.run_id, version, [ts.rollout.sample_id for ts in group])
@@ -278,6 +304,8 @@ class ShardedLearner(ModelLearner):
                 ts.records = blobs.get(ts.rollout.sample_id)
                 if ts.records is None:
                     lacking.add(ts.rollout.prompt_id)
+                else:
+                    self._pulled[ts.rollout.sample_id] = ts.records
         return lacking
 
     # ------------------------------------------------------------------ weights
@@ -373,6 +401,13 @@ class LeaderLearner:
         self._order("train", samples)
         return self.learner.train_step(samples)
 
+    def check_records(self, samples: Sequence[TrainSample]) -> set[int]:
+        """The prompt ids of the groups whose record some rank lacks (`pulls_records`: the
+        ranks pull their slices now and keep them for the train step)."""
+        samples = [_without_records(ts) for ts in samples]
+        self._order("check", samples)
+        return self.learner.check_records(samples)
+
     def export_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         self._order("export")
         return self.learner.export_weights()
@@ -401,6 +436,8 @@ def follow(learner: ShardedLearner) -> int:
         if command == "train":
             learner.train_step(args[0])
             steps += 1
+        elif command == "check":
+            learner.check_records(args[0])
         elif command == "export":
             learner.export_weights()
         elif command == "save":

@@ -341,3 +341,46 @@ def test_config_rejects_unknown_lost_records() -> None:
         TrainerConfig(lost_records="retry")
     with pytest.raises(ValueError, match="regenerate_attempts"):
         TrainerConfig(regenerate_attempts=0)
+
+
+class PullingLearner(FakeLearner):
+    """A sharded learner as TrainerCore sees it: its ranks pull the records themselves
+    (`pulls_records`), so rank 0 asks it which groups lack one (`check_records`)."""
+
+    pulls_records = True
+
+    def __init__(self, log, records) -> None:
+        super().__init__(log)
+        self.records = records
+
+    def check_records(self, samples):
+        self.log(f"learner.check n={len(samples)}")
+        lacking = set()
+        for ts in samples:
+            got = self.records.fetch("r1", ts.rollout.policy_version, [ts.rollout.sample_id])
+            if ts.rollout.sample_id not in got:
+                lacking.add(ts.rollout.prompt_id)
+        return lacking
+
+
+class NoFetch:
+    def fetch(self, *args):
+        raise AssertionError("rank 0 fetched records its learner's ranks pull")
+
+
+def test_lost_records_are_regenerated_when_the_learner_ranks_pull_them() -> None:
+    log, store = EventLog(), {}
+    core, _, _ = make_core([FakeReplica("a", store=store)], log, store, units=1)
+    learner = PullingLearner(log, Losing(store, log, lambda sid: sid == "s0-u1-a0-0-1"))
+    core.learner, core.records = learner, NoFetch()
+    core.publish()
+    m = core.step()
+    assert m["samples_regenerated"] == 2 and m["samples_dropped_records"] == 0, m
+    assert m["samples_trained"] == 8
+    kinds = log.kinds()
+    assert kinds.index("learner.check") < kinds.index("regenerate") < kinds.index("learner.train")
+    assert kinds.count("learner.check") == 2  # the step's samples, then the regenerated group
+    seen = learner.seen[0]
+    assert all(ts.records is None for ts in seen)  # the ranks attach them
+    again = [ts.rollout.sample_id for ts in seen if ts.rollout.prompt_id == 1]
+    assert again == ["s0-u4-a0-0-0", "s0-u4-a0-0-1"]

@@ -147,6 +147,14 @@ def _job_a(rank: int, root: pathlib.Path, samples: list[TrainSample]) -> None:
     store.missing = {"s5"}
     if rank == 0:
         out["dropped_step"] = leader.train_step(bare)
+        # Asked before a step (TrainerCore, to regenerate lost groups), the ranks pull their
+        # slices and rank 0 learns which groups some rank lacks; the step reuses what they
+        # pulled.
+        store.fetched.clear()
+        out["checked"] = leader.check_records(bare)
+        out["fetched_by_check"] = list(store.fetched)
+        out["after_check"] = leader.train_step(bare)
+        out["fetched_by_step"] = list(store.fetched[len(out["fetched_by_check"]) :])
         leader.stop()
     else:
         follow(lrn)
@@ -266,3 +274,10 @@ def test_each_rank_pulls_the_records_of_the_samples_it_trains(runs: dict[str, An
     assert len(rank0["fetched"]) == 2 * 4 and len(rank1["fetched"]) == 2 * 2  # no refetch
     assert rank0["dropped_step"]["samples_dropped_records"] == 2  # prompt 2's group
     assert rank0["dropped_step"]["train_tokens"] > 0  # the other groups still trained
+    # check_records: rank 1 lacks s5 (prompt 2). Rank 0 pulled its slice at the check; the
+    # step drops prompt 2's group (s4 s5) and splits s0-s3 again, rank 0 training s0 | s2:
+    # it fetches only s2, which it had not pulled
+    assert rank0["checked"] == {2}
+    assert sorted(rank0["fetched_by_check"]) == ["s0", "s1", "s3", "s4"]
+    assert rank0["fetched_by_step"] == ["s2"]
+    assert rank0["after_check"]["samples_dropped_records"] == 2
