@@ -51,6 +51,13 @@ def build_learner(
     kw: dict[str, Any] = dict(quant=quant, guidance=guidance, eos_id=eos_id, pad_id=pad_id)
     if not under_torchrun():
         return ModelLearner(model, s.run.objective, device=device, **kw)
+    if s.run.stores.lost_records == "unguided":
+        # an unguided group runs its own forward pass, on the ranks that train it only: the
+        # ranks' FSDP collectives would no longer pair up
+        raise ValueError(
+            "stores.lost_records = 'unguided' is not supported under torchrun (a sharded "
+            "learner); use 'regenerate' or 'drop'"
+        )
     if s.run.checkpoint.export:
         raise ValueError(
             "checkpoint.export is not supported under torchrun (the export reads a "

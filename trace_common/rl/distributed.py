@@ -166,7 +166,6 @@ def _without_records(ts: TrainSample) -> TrainSample:
         advantage=ts.advantage,
         staleness=ts.staleness,
         records=None,
-        unguided=ts.unguided,
     )
 
 
@@ -287,8 +286,8 @@ class ShardedLearner(ModelLearner):
     def _pull_records(self, local: list[TrainSample]) -> set[int]:
         """Attach the records of this rank's samples that lack them (pulled by
         `check_records` already, or one fetch per policy version); returns the prompt ids of
-        groups whose record the store does not have. Unguided samples need none."""
-        todo = [ts for ts in local if ts.records is None and not ts.unguided]
+        groups whose record the store does not have."""
+        todo = [ts for ts in local if ts.records is None]
         if self.records is None or not todo:
             return set()
         for ts in todo:
