@@ -14,7 +14,8 @@ Arms (name: trainer mode, guided layers):
 Per seed, a warm start (supervised, in its own process) that every arm starts from, and a
 probe of the guided K/V sites on it: the CUDA engine generates with records, the trainer's
 forward (trace and rtn) replays them, and its K/V are compared with the FP4 codes in the
-engine's cache (D_act, code flip rate). Per arm: a LocalCluster (Redis, quant-cache,
+engine's cache (D_act, code flip rate). The arms start as soon as the warm-start weights are
+saved; that process evaluates and probes them beside the arms. Per arm: a LocalCluster (Redis, quant-cache,
 weight-sync, the trainer, one CUDA-engine replica), `--steps` RL steps, then the served
 final version pulled from weight-sync and evaluated on held-out prompts.
 
@@ -202,18 +203,25 @@ def warm(args: argparse.Namespace) -> None:
     del model
     path = args.dir / f"warm-{args.seed}.safetensors"
     save_file(state, path)
-    tensors, meta, learner = export(state, setup, "trace")
-    del learner
     out = {
         "steps": res.steps,
         "greedy_accuracy": res.accuracy,
         "loss": res.loss,
         "seconds": time.perf_counter() - t0,
         "weights": str(path),
-        "eval_reward": evaluate(tensors, meta, setup),
-        "probe": site_probe(state, setup) if setup.device.startswith("cuda") else None,
     }
+    # the arms may start now; the evaluation and the probe below run beside them
+    ready_path(args.dir, args.seed).write_text(json.dumps(out, indent=2))
+    tensors, meta, learner = export(state, setup, "trace")
+    del learner
+    out["eval_reward"] = evaluate(tensors, meta, setup)
+    out["probe"] = site_probe(state, setup) if setup.device.startswith("cuda") else None
     (args.dir / f"warm-{args.seed}.json").write_text(json.dumps(out, indent=2))
+
+
+def ready_path(d: pathlib.Path, seed: int) -> pathlib.Path:
+    """Written once a seed's warm-start weights are saved (the arms' start signal)."""
+    return d / f"ready-{seed}.json"
 
 
 def site_probe(state: dict[str, Any], setup: Setup, prompts: int = 16) -> dict[str, Any]:
@@ -290,7 +298,7 @@ def arm(args: argparse.Namespace) -> None:
     setup = setup_of(args)
     out = args.dir / f"{args.arm}-{args.seed}"
     out.mkdir(parents=True, exist_ok=True)
-    warm_res = json.loads((args.dir / f"warm-{args.seed}.json").read_text())
+    warm_res = json.loads(ready_path(args.dir, args.seed).read_text())
     run = setup.trainer_run(mode, args.steps, warm_res["weights"])
     run["guidance.layers"] = guided_layers(args.arm, get_config(setup.shape).num_layers)
     cluster_cfg = ClusterConfig(
@@ -322,7 +330,6 @@ def arm(args: argparse.Namespace) -> None:
         "detail": st.get("detail"),
         "seconds": time.perf_counter() - t0,
         "final_version": version,
-        "warm_eval": warm_res["eval_reward"],
         "rows": read_metrics(out / "metrics.jsonl"),
     }
     result["final_eval"] = evaluate(tensors, meta, setup)  # on the path it served
@@ -367,12 +374,13 @@ def run_all(args: argparse.Namespace) -> None:
                    args.out / f"warm-{s}.log", args.smoke, args.set or [])
             for i, s in enumerate(args.seeds)
         ]  # fmt: skip
-        for p in procs:
-            p.wait()
-            bar.advance(w)
-        for s in args.seeds:
-            if not (args.out / f"warm-{s}.json").exists():
-                raise SystemExit(f"warm start {s} failed:\n{tail(args.out / f'warm-{s}.log')}")
+        # the arms start once every seed's weights are saved; the warm-start processes go on
+        # evaluating and probing them beside the arms
+        while not all(ready_path(args.out, s).exists() for s in args.seeds):
+            for s, p in zip(args.seeds, procs, strict=True):
+                if p.poll() is not None and not ready_path(args.out, s).exists():
+                    raise SystemExit(f"warm start {s} failed:\n{tail(args.out / f'warm-{s}.log')}")
+            time.sleep(1.0)
         a = bar.add_task("arms", total=len(jobs))
         queue = list(enumerate(jobs))
         running: list[tuple[subprocess.Popen, str]] = []
@@ -388,6 +396,11 @@ def run_all(args: argparse.Namespace) -> None:
             for p, name in [r for r in running if r[0].poll() is not None]:
                 running.remove((p, name))
                 bar.update(a, advance=1, description=f"arms ({name} done)")
+        for s, p in zip(args.seeds, procs, strict=True):
+            if p.wait() != 0:
+                print(f"warm start {s}: its evaluation or probe failed:\n"
+                      f"{tail(args.out / f'warm-{s}.log')}")  # fmt: skip
+            bar.advance(w)
     merged = merge(args.out)
     (args.out / "fidelity.json").write_text(json.dumps(merged))
     print(table(merged))
