@@ -15,17 +15,18 @@ Per seed, a warm start (supervised, in its own process) that every arm starts fr
 probe of the guided K/V sites on it: the CUDA engine generates with records, the trainer's
 forward (trace and rtn) replays them, and its K/V are compared with the FP4 codes in the
 engine's cache (D_act, code flip rate). The arms start as soon as the warm-start weights are
-saved; that process evaluates and probes them beside the arms. Per arm: a LocalCluster (Redis, quant-cache,
-weight-sync, the trainer, one CUDA-engine replica), `--steps` RL steps, then the served
-final version pulled from weight-sync and evaluated on held-out prompts.
+saved; that process evaluates and probes them beside the arms. Per arm: a LocalCluster
+(Redis, quant-cache, weight-sync, the trainer, one CUDA-engine replica), `--steps` RL steps,
+then the served final version pulled from weight-sync and evaluated on held-out prompts.
 
     python3 bench/fidelity.py run --out runs/fidelity --seeds 0 1 --ablation-seeds 0 --steps 30 \\
         --devices cuda:0,cuda:1
     python3 bench/fidelity.py plot runs/fidelity/fidelity.json --out docs/
 
 `--set KEY=VALUE` overrides a field of the run's `Setup` (e.g. `--set task=reverse --set
-warmstart_max_steps=400`). `run` writes fidelity.json (every arm's rows, evals and probe figures) and prints the table;
-`plot` draws the reward and mismatch curves (mean and spread across seeds).
+warmstart_max_steps=400`). `run` writes fidelity.json (every arm's rows, evals and probe
+figures) and prints the table; `plot` draws the reward and mismatch curves (mean and spread
+across seeds).
 """
 
 from __future__ import annotations
@@ -179,19 +180,16 @@ def warm(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from trace_common.model import MoECausalLM, QuantConfig, get_config
-    from trace_common.model.quant import quantize_policy
-    from trace_common.rl.warmstart import WarmStartConfig, warm_start
+    from trace_common.model import get_config
+    from trace_common.rl.warmstart import WarmStartConfig, initial_model, warm_start
     from trace_common.tasks import CharTokenizer, PromptStream, make_task
 
     setup = setup_of(args)
     torch.manual_seed(setup.seed)
     tok = CharTokenizer()
     task = make_task(setup.task, setup.difficulty)
-    model = MoECausalLM(get_config(setup.shape).replace(vocab_size=tok.vocab_size))
-    model.init_weights(setup.seed)
-    quantize_policy(model, QuantConfig.none())
-    model = model.to(setup.device)
+    cfg = get_config(setup.shape).replace(vocab_size=tok.vocab_size)
+    model = initial_model(cfg, setup.seed).to(setup.device)
     wcfg = WarmStartConfig(
         max_steps=setup.warmstart_max_steps, target_accuracy=setup.warmstart_target,
         seed=setup.seed, eval_every=25, lr=setup.warmstart_lr,

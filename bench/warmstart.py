@@ -32,19 +32,16 @@ def one(args: argparse.Namespace) -> None:
     """One configuration in this process: the curve as one JSON line on stdout."""
     import torch
 
-    from trace_common.model import MoECausalLM, QuantConfig, get_config
-    from trace_common.model.quant import quantize_policy
-    from trace_common.rl.warmstart import WarmStartConfig, warm_start
+    from trace_common.model import get_config
+    from trace_common.rl.warmstart import WarmStartConfig, initial_model, warm_start
     from trace_common.tasks import CharTokenizer, PromptStream, make_task
 
     task_name, difficulty, lr = parse_config(args.config)
     torch.manual_seed(args.seed)
     tok = CharTokenizer()
     task = make_task(task_name, difficulty)
-    model = MoECausalLM(get_config(args.shape).replace(vocab_size=tok.vocab_size))
-    model.init_weights(args.seed)
-    quantize_policy(model, QuantConfig.none())
-    model = model.to(args.device)
+    cfg = get_config(args.shape).replace(vocab_size=tok.vocab_size)
+    model = initial_model(cfg, args.seed).to(args.device)
     curve: list[tuple[int, float, float]] = []
     last_acc = [-1.0]
 

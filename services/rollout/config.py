@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import pathlib
 import socket
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from trace_common.device import DEVICE_HELP, DEVICE_RE
 from trace_common.kernels.settings import KernelSettings
 from trace_common.service import ServiceSettings
+from trace_common.service.config import ENV_PREFIX
 
 
 class RolloutSettings(ServiceSettings):
@@ -77,25 +78,22 @@ class RolloutSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _check_kernels(self) -> RolloutSettings:
-        """A bad launch shape or a missing file stops start-up, naming its variable."""
-        for env, kw in (
-            ("TRACE_KERNEL_SMALL_LAUNCH", {"small_launch": dict(self.kernel_small_launch)}),
-            (
-                "TRACE_KERNEL_EXPERT_GEMM_CONFIGS",
-                {"expert_gemm_configs": self.kernel_expert_gemm_configs},
-            ),
-            ("TRACE_KERNEL_ATTN_CONFIG", {"attn_config": self.kernel_attn_config}),
-        ):
+        """A bad launch shape or a missing file stops start-up, naming its variable
+        (`kernel_<field>` is `KernelSettings.<field>`)."""
+        for field, value in self._kernel_fields().items():
             try:
-                KernelSettings(**kw)
+                KernelSettings(**{field: value})
             except ValueError as exc:
-                raise ValueError(f"{env}: {exc}") from None
+                raise ValueError(f"{ENV_PREFIX}KERNEL_{field.upper()}: {exc}") from None
         return self
 
+    def _kernel_fields(self) -> dict[str, Any]:
+        return {
+            "small_launch": dict(self.kernel_small_launch),
+            "expert_gemm_configs": self.kernel_expert_gemm_configs,
+            "attn_config": self.kernel_attn_config,
+        }
+
     def kernels(self) -> KernelSettings:
-        """The CUDA engine's launch settings (ValueError naming a bad key or value)."""
-        return KernelSettings(
-            small_launch=dict(self.kernel_small_launch),
-            expert_gemm_configs=self.kernel_expert_gemm_configs,
-            attn_config=self.kernel_attn_config,
-        )
+        """The CUDA engine's launch settings."""
+        return KernelSettings(**self._kernel_fields())

@@ -134,13 +134,9 @@ def default_out_dir() -> pathlib.Path:
 
 def demo_model(cfg: DemoConfig, vocab_size: int):
     """The demo's shape, initialized from the seed, on the CPU (callers move it)."""
-    from trace_common.model import MoECausalLM, QuantConfig
-    from trace_common.model.quant import quantize_policy
+    from trace_common.rl.warmstart import initial_model
 
-    model = MoECausalLM(cfg.run.model.config(vocab_size))
-    model.init_weights(cfg.run.seed)
-    quantize_policy(model, QuantConfig.none())
-    return model
+    return initial_model(cfg.run.model.config(vocab_size), cfg.run.seed)
 
 
 def _device(cfg: DemoConfig) -> torch.device:

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_common.model import MoECausalLM, SamplingConfig, forward_logprobs, generate
+from trace_common.model import (
+    ModelConfig,
+    MoECausalLM,
+    QuantConfig,
+    SamplingConfig,
+    forward_logprobs,
+    generate,
+)
+from trace_common.model.quant import quantize_policy
 from trace_common.model.train_forward import pad_right
 from trace_common.rl.policy import autocast_dtype_of, compute_context
 from trace_common.tasks.prompts import PromptStream
@@ -44,6 +52,14 @@ class WarmStartResult:
     steps: int
     accuracy: float
     loss: float
+
+
+def initial_model(cfg: ModelConfig, seed: int) -> MoECausalLM:
+    """A freshly initialized policy of shape `cfg`, high precision everywhere (no FP4 site:
+    the warm start fits the master weights), on the CPU."""
+    model = MoECausalLM(cfg).init_weights(seed)
+    quantize_policy(model, QuantConfig.none())
+    return model
 
 
 @torch.no_grad()
