@@ -7,8 +7,14 @@ flight: Generate calls of one prompt x `--group` completions, prompts of `--prom
 `--prompt-max` tokens, each call's max_new_tokens drawn up to `--completion-max`. Generated
 tokens per second are read from the service's engine counters over a window after a warm-up.
 Then, in the same run: the seconds from pushing a new version to the replica serving it, and
-the raw decode engine's tok/s at the same batch (one CUDA-graph step, all `batch` sequences at
-`--raw-context` tokens of context), with the service stopped.
+the raw decode engine's tok/s at the same batch (one CUDA-graph step), with the service
+stopped, at two context mixes:
+
+- "service mix" (the reference the service is measured against): each sequence's context drawn
+  as the service's sequences have it at a random moment: a prompt length drawn as the driver
+  draws it, plus a point in a completion whose length is drawn as the driver draws it,
+  weighted by that length (a long completion holds its slot longer);
+- "fixed": every sequence at `--raw-context` tokens.
 
     python3 bench/rollout_service_gpu.py --engines fp4 bf16 --batches 32 128 256 \\
         --layers 24 --out rollout_service.json
@@ -180,6 +186,7 @@ def measure_service(args, cfg, fp4: bool, batch: int, common: dict, ws: WeightSy
             "window_seconds": tb - ta, "decode_steps": d["decode_steps_total"],
             "decode_step_ms": 1e3 * d["decode_seconds_total"] / max(d["decode_steps_total"], 1),
             "prefill_tokens": d["prefill_tokens_total"],
+            "shared_prompt_tokens": d.get("shared_prompt_tokens_total", 0),
             "prefill_share": d["prefill_seconds_total"] / (tb - ta),
             "decode_share": d["decode_seconds_total"] / (tb - ta),
             "mean_active_slots": b["active_slots"],
@@ -201,8 +208,24 @@ def measure_service(args, cfg, fp4: bool, batch: int, common: dict, ws: WeightSy
         svc.stop()
 
 
-def raw_decode(cfg: ModelConfig, fp4: bool, batch: int, context: int, iters: int) -> float:
-    """Raw engine tok/s: one graph step of `batch` sequences at `context` tokens."""
+def service_contexts(args: argparse.Namespace, batch: int, seed: int = 0) -> list[int]:
+    """Each of `batch` slots' context at a random moment of the service's steady state: a
+    prompt length uniform in [prompt_min, prompt_max] plus a point uniform in a completion
+    whose length L is drawn with density proportional to L on [completion_min,
+    completion_max] (the driver draws L uniformly; a slot spends time in proportion to L)."""
+    rng = random.Random(seed)
+    a2, b2 = args.completion_min**2, args.completion_max**2
+    out = []
+    for _ in range(batch):
+        length = (a2 + rng.random() * (b2 - a2)) ** 0.5  # inverse CDF of density ~ L
+        out.append(rng.randint(args.prompt_min, args.prompt_max) + int(rng.random() * length))
+    return out
+
+
+def raw_decode(cfg: ModelConfig, fp4: bool, batch: int, mixes: dict[str, list[int]],
+               iters: int) -> dict[str, float]:  # fmt: skip
+    """Raw engine tok/s per context mix (name -> each slot's context): one graph step of
+    `batch` sequences, timed over `iters` replays (each replay advances every slot by one)."""
     from trace_common.kernels.engine import DecodeEngine, EngineShape, EngineWeights
 
     shape = EngineShape.from_model_config(cfg)
@@ -210,24 +233,31 @@ def raw_decode(cfg: ModelConfig, fp4: bool, batch: int, context: int, iters: int
     if fp4:
         w.quantize_experts_()
     guided = tuple(range(cfg.num_layers // 2, cfg.num_layers)) if fp4 else ()
-    eng = DecodeEngine(shape, w, batch=batch, capacity=context + iters + 8, context=context,
+    longest = max(max(c) for c in mixes.values())
+    mean = sum(sum(c) for c in mixes.values()) // sum(len(c) for c in mixes.values())
+    eng = DecodeEngine(shape, w, batch=batch, capacity=longest + iters + 8, context=mean,
                        guided_layers=guided)  # fmt: skip
     eng.fill_context_()
     eng.capture()
-    for _ in range(3):
-        eng.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        eng.replay()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iters
+    out = {}
+    for name, contexts in mixes.items():
+        ctx = torch.tensor(contexts, dtype=torch.int32, device=eng.pos.device)
+        eng.pos.copy_(ctx)
+        eng.lens.copy_(ctx + 1)
+        for _ in range(3):
+            eng.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            eng.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out[name] = batch / (start.elapsed_time(end) / iters / 1e3)
     del eng, w
     gc.collect()
     torch.cuda.empty_cache()
-    return batch / (ms / 1e3)
+    return out
 
 
 def main() -> None:
@@ -243,7 +273,8 @@ def main() -> None:
     ap.add_argument("--completion-max", type=int, default=2048)
     ap.add_argument("--warmup", type=float, default=15.0)
     ap.add_argument("--window", type=float, default=30.0)
-    ap.add_argument("--raw-context", type=int, default=1536)
+    ap.add_argument("--raw-context", type=int, default=1536,
+                    help="every sequence's context in the fixed-context raw reference")  # fmt: skip
     ap.add_argument("--raw-iters", type=int, default=50)
     ap.add_argument(
         "--no-swap",
@@ -286,7 +317,11 @@ def main() -> None:
                 if fp4 and args.swap and batch == args.batches[0]:
                     version += 1
                 r.update(engine=engine, policy_gib=nbytes / 2**30, first_push_seconds=push_s)
-                r["raw_tok_s"] = raw_decode(cfg, fp4, batch, args.raw_context, args.raw_iters)
+                mixes = {"service": service_contexts(args, batch),
+                         "fixed": [args.raw_context] * batch}  # fmt: skip
+                raw = raw_decode(cfg, fp4, batch, mixes, args.raw_iters)
+                r["raw_tok_s"], r["raw_fixed_tok_s"] = raw["service"], raw["fixed"]
+                r["raw_mean_context"] = sum(mixes["service"]) / batch
                 r["service_over_raw"] = r["service_tok_s"] / r["raw_tok_s"]
                 results.append(r)
                 print(json.dumps(r), flush=True)
@@ -305,14 +340,17 @@ def main() -> None:
         f" completions {args.completion_min}-{args.completion_max}, group {args.group}"
     )
     print(
-        "| engine | batch | service tok/s | raw engine tok/s | service/raw | decode step ms |"
-        " prefill share | pull+load s |"
+        "| engine | batch | service tok/s | raw tok/s, service mix | service/raw |"
+        f" raw tok/s, {args.raw_context} fixed | decode step ms | prefill share |"
+        " prompt tokens prefilled / copied | pull+load s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['engine']} | {r['batch']} | {r['service_tok_s']:.0f} | {r['raw_tok_s']:.0f} "
-              f"| {r['service_over_raw']:.2f} | {r['decode_step_ms']:.2f} | "
-              f"{r['prefill_share']:.2f} | {r.get('replica_pull_load_seconds', r['first_pull_seconds']):.1f} |")  # fmt: skip
+              f"| {r['service_over_raw']:.2f} | {r['raw_fixed_tok_s']:.0f} | "
+              f"{r['decode_step_ms']:.2f} | {r['prefill_share']:.2f} | "
+              f"{r['prefill_tokens']} / {r['shared_prompt_tokens']} | "
+              f"{r.get('replica_pull_load_seconds', r['first_pull_seconds']):.1f} |")  # fmt: skip
     by = {(r["engine"], r["batch"]): r for r in results}
     for b in args.batches:
         if ("fp4", b) in by and ("bf16", b) in by:

@@ -61,6 +61,14 @@ class KVCacheGPU:
             return 2 * width * 2
         return 2 * (width // 2 + width // NVFP4_BLOCK_SIZE + 4)
 
+    def copy_prefix_(self, src: int, dsts: torch.Tensor, n: int) -> None:
+        """Copy positions 0..n-1 of sequence `src` into the sequences `dsts` (int64 [k])."""
+        for t in (self.values, self.codes, self.scales):
+            if t is not None:  # [2, B, Hkv, S, ...]
+                t[:, dsts, :, :n] = t[:, src : src + 1, :, :n]
+        if self.row_scales is not None:  # [2, B, S]
+            self.row_scales[:, dsts, :n] = self.row_scales[:, src : src + 1, :n]
+
     def fill_random_(self, generator: torch.Generator | None = None) -> None:
         """Fill with random valid contents (bench: a long context without a prefill)."""
         if not self.fp4:

@@ -6,7 +6,8 @@ FP4 experts and FP4 KV or BF16), then the step's records (the compact guidance r
 guided layers' `moe_in`, `k` and `v` rows, written by the quantize kernels, and every MoE
 layer's top-k expert ids) gathered into one byte slab and scattered into a per-slot history
 at each slot's position. Prompts are prefilled in chunks (`trace_common.rollout.prefill`) that
-write the same caches and history. When a sequence finishes, its history rows are serialized
+write the same caches and history; the other completions of a prompt copy its positions from
+the slot that prefilled it (`DecodeBackend.copy_prefix`). When a sequence finishes, its history rows are serialized
 as the same `SampleRecords` bytes the PyTorch engine writes.
 
 Weights: a pushed FP4 version is loaded as pushed (the ModelOpt codes and scales are laid out
@@ -310,6 +311,15 @@ class DecodeBackend:
             torch.cat(self._pre_parts, out=self._pre_slab)
             self.hist.index_copy_(0, rows, self._pre_slab[self._pre_index[:n]])
         return torch.cat(out)
+
+    def copy_prefix(self, src: int, dsts: Sequence[int], n: int) -> None:
+        """Positions 0..n-1 of slot `src` (every layer's K/V, the record history) into each
+        slot of `dsts`: a group's shared prompt."""
+        to = torch.tensor(list(dsts), dtype=torch.long, device=self.device)
+        for cache in self.engine.caches:
+            cache.copy_prefix_(src, to, n)
+        hist = self.hist.view(self.batch, self.positions, self.row_bytes)
+        hist[to, :n] = hist[src : src + 1, :n]
 
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)

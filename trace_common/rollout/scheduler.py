@@ -12,7 +12,16 @@ one of two phases:
 
 Each loop round runs one prefill chunk (when a sequence waits for one), samples the first
 token of every sequence whose prompt it completed, then one decode step for the slots in the
-decode phase. A finished sequence frees its slot at once and the next waiting sequence takes
+decode phase.
+
+Groups share their prompt (batched-prefill backends): the completions of one prompt in a
+request (`group_size` of them, 8 in a typical RL step) have the same prompt, so only one of
+them prefills it. The others wait in their slots until it is done, then the backend copies
+the prompt's positions (K/V and record rows) from that slot into theirs (`copy_prefix`), and
+each samples its first token, with its own seed, from the logits the prefill left. That is
+exactly what prefilling the prompt again would give, at a `group_size`-th of the cost. A
+member that finds no slot holding the prompt any more (every member that had it finished)
+prefills it itself. A finished sequence frees its slot at once and the next waiting sequence takes
 it, so long-tail lengths do not idle the batch.
 
 Weight versions: `swap` closes the admission door, lets every admitted request finish on the
@@ -144,6 +153,11 @@ class StepBackend(Protocol):
         chunk's last token [n, V]."""
         ...
 
+    def copy_prefix(self, src: int, dsts: Sequence[int], n: int) -> None:
+        """Copy positions 0..n-1 of slot `src` (K/V and record rows) into each slot of `dsts`
+        (batched-prefill backends)."""
+        ...
+
     def records(self, slot: int, rows: int, tokens: Sequence[int], prompt_len: int) -> bytes:
         """The serialized records of the sequence in `slot`: history rows 0..rows-1 (one per
         token fed), with its `tokens` (prompt + completion)."""
@@ -170,9 +184,19 @@ class _Request:
 
 
 @dataclass(slots=True, eq=False)
+class _Prompt:
+    """The completions of one prompt of a request, which share its prefill."""
+
+    unstarted: int  # members that have not got past the prompt yet
+    prefiller: _Seq | None = None  # the member prefilling the prompt now
+    logits: torch.Tensor | None = None  # [V] after the prompt's last token, while needed
+
+
+@dataclass(slots=True, eq=False)
 class _Seq:
     request: _Request
     index: int  # prompt-major flat index within the request
+    group: _Prompt
     tokens: list[int]  # prompt, then the sampled tokens
     prompt_len: int
     seed: int
@@ -216,6 +240,7 @@ class SlotScheduler:
         self.tokens_total = 0  # tokens sampled
         self.prefill_chunks_total = 0
         self.prefill_tokens_total = 0
+        self.shared_prompt_tokens_total = 0  # prompt tokens copied from a group member's slot
         self.decode_seconds = 0.0  # host time in decode steps (sampling included)
         self.prefill_seconds = 0.0  # host time in prefill chunks (first-token sampling included)
         self._thread = threading.Thread(target=self._run, name="slot-scheduler", daemon=True)
@@ -301,6 +326,7 @@ class SlotScheduler:
             "sampled_tokens_total": self.tokens_total,
             "prefill_chunks_total": self.prefill_chunks_total,
             "prefill_tokens_total": self.prefill_tokens_total,
+            "shared_prompt_tokens_total": self.shared_prompt_tokens_total,
             "decode_seconds_total": self.decode_seconds,
             "prefill_seconds_total": self.prefill_seconds,
         }
@@ -337,10 +363,11 @@ class SlotScheduler:
             req.version = self.version
             self._admitted.append(req)
             for pi, p in enumerate(req.prompts):
+                group = _Prompt(unstarted=req.group_size)
                 for g in range(req.group_size):
                     idx = pi * req.group_size + g
                     self._waiting.append(_Seq(
-                        request=req, index=idx, tokens=list(p), prompt_len=len(p),
+                        request=req, index=idx, group=group, tokens=list(p), prompt_len=len(p),
                         seed=sequence_seed(req.sampling.seed, idx),
                     ))  # fmt: skip
         for slot, cur in enumerate(self._slots):
@@ -360,6 +387,7 @@ class SlotScheduler:
         if be.prefill_tokens:
             t0 = time.perf_counter()
             self._take(self._prefill_chunk())
+            self._take(self._share_prompts())
             self.prefill_seconds += time.perf_counter() - t0
         sampled: list[tuple[int, int, float]] = []  # (slot, token, log-prob)
         tokens, pos = self._tokens_np, self._pos_np
@@ -402,6 +430,12 @@ class SlotScheduler:
                 break
             if seq is None or seq.fed >= seq.prompt_len:
                 continue
+            group = seq.group
+            if group.prefiller is None and not (group.logits is not None
+                                                and self._prompt_source(seq) is not None):  # fmt: skip
+                group.prefiller = seq  # no member has the prompt: this one prefills it
+            if group.prefiller is not seq:
+                continue  # a member prefills it (or has it): this one copies it when done
             n = min(budget, seq.prompt_len - seq.fed)
             slots.append(slot)
             starts.append(seq.fed)
@@ -421,11 +455,59 @@ class SlotScheduler:
             if seq.fed == seq.prompt_len:
                 done.append(slot)
                 rows.append(i)
+                group = seq.group
+                group.prefiller = None
+                group.unstarted -= 1
+                if group.unstarted:  # members still to start copy it and sample from these
+                    group.logits = logits[i].clone()
         if not done:
             return []
         self._set_uniforms(done)
         idx = torch.tensor(rows, device=logits.device)
         tok, logp = self._sample(logits.index_select(0, idx), done, rows_are_slots=False)
+        return [(slot, int(tok[j]), float(logp[j])) for j, slot in enumerate(done)]
+
+    def _prompt_source(self, seq: _Seq) -> int | None:
+        """A slot holding `seq`'s prompt in full: another member of its group past the
+        prompt (its later positions do not touch the prompt's), or None."""
+        for slot, other in enumerate(self._slots):
+            if (other is not None and other is not seq and other.group is seq.group
+                    and other.fed >= other.prompt_len):  # fmt: skip
+                return slot
+        return None
+
+    def _share_prompts(self) -> list[tuple[int, int, float]]:
+        """Members waiting for a prompt another member has prefilled: copy it into their
+        slots and sample their first tokens from its logits."""
+        copies: dict[int, list[int]] = {}  # source slot -> slots that copy from it
+        for slot, seq in enumerate(self._slots):
+            if (seq is None or seq.fed or seq.group.logits is None
+                    or seq.group.prefiller is seq):  # fmt: skip
+                continue
+            src = self._prompt_source(seq)
+            if src is not None:
+                copies.setdefault(src, []).append(slot)
+        if not copies:
+            return []
+        done: list[int] = []
+        rows: list[torch.Tensor] = []
+        for src, dsts in copies.items():
+            n = self._slots[src].prompt_len  # type: ignore[union-attr]
+            self.backend.copy_prefix(src, dsts, n)
+            for slot in dsts:
+                seq = self._slots[slot]
+                assert seq is not None and seq.group.logits is not None
+                seq.fed = n
+                self.shared_prompt_tokens_total += n
+                done.append(slot)
+                rows.append(seq.group.logits)
+                seq.group.unstarted -= 1
+        for slot in done:  # the logits are kept while some member has still to start
+            group = self._slots[slot].group  # type: ignore[union-attr]
+            if not group.unstarted:
+                group.logits = None
+        self._set_uniforms(done)
+        tok, logp = self._sample(torch.stack(rows), done, rows_are_slots=False)
         return [(slot, int(tok[j]), float(logp[j])) for j, slot in enumerate(done)]
 
     def _set_uniforms(self, slots: list[int]) -> None:

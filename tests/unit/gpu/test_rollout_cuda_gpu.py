@@ -3,6 +3,8 @@
 - greedy tokens equal wherever the logit margin allows, and the per-token log-probs agree;
 - sampled first tokens follow the PyTorch engine's truncated distribution;
 - the batched prefill writes the FP4 cache bit for bit as the decode append does;
+- a group's members, which copy the prompt one of them prefilled, decode and record as a
+  sequence that prefilled it alone;
 - records from the engine replayed by the trainer's guided forward reproduce the rollout's
   K/V codes (D_act and flip rate reported for guided vs RTN);
 - a weight swap during generation never mixes versions inside a sample.
@@ -147,6 +149,39 @@ def test_prefill_writes_the_cache_as_the_decode_append() -> None:
     finally:
         a.close()
         b.close()
+
+
+@torch.no_grad()
+def test_group_members_share_the_prompt_and_decode_as_if_alone(engines) -> None:
+    """Groups of 4 (greedy, records): one member per prompt prefills it and 3 copy its K/V
+    and record rows. Against the prompt generated alone (group of 1: nothing to copy), every
+    member has the prompt's record rows bit for bit, the first token and its log-prob
+    exactly, and the same greedy completion (later log-probs as close as decoding beside
+    other sequences leaves them)."""
+    _, cuda, *_ = engines
+    ps = prompts(3, 21)
+    sp = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    alone = cuda.generate(ps, 1, sp, with_records=True)
+    before = cuda.stats()
+    got = cuda.generate(ps, 4, sp, with_records=True)
+    after = cuda.stats()
+    copied = after["shared_prompt_tokens_total"] - before["shared_prompt_tokens_total"]
+    prefilled = after["prefill_tokens_total"] - before["prefill_tokens_total"]
+    assert (prefilled, copied) == (sum(map(len, ps)), 3 * sum(map(len, ps)))
+    for s in got:
+        ref, who = alone[s.prompt_index], (s.prompt_index, s.group_index)
+        assert s.completion_tokens == ref.completion_tokens, who
+        assert s.logprobs[0] == ref.logprobs[0], who
+        assert max(abs(a - b) for a, b in zip(s.logprobs, ref.logprobs, strict=True)) < 1e-2, who
+        n = len(ps[s.prompt_index])  # record rows of the prompt's tokens
+        rec, want = SampleRecords.from_bytes(s.records), SampleRecords.from_bytes(ref.records)
+        assert torch.equal(rec.routing[:n], want.routing[:n]), who
+        assert rec.guidance.keys() == want.guidance.keys()
+        for key, g in rec.guidance.items():
+            a, b = g.rows(0, n), want.guidance[key].rows(0, n)
+            assert torch.equal(a.payload, b.payload), (who, key)
+            assert torch.equal(a.block_scales, b.block_scales), (who, key)
+            assert torch.equal(a.row_scales, b.row_scales), (who, key)
 
 
 @torch.no_grad()

@@ -53,6 +53,29 @@ def test_cache_and_budget_arithmetic():
     assert engine.largest_batch(3, 5, per) == 0
 
 
+@pytest.mark.parametrize("fp4", [True, False])
+def test_cache_copy_prefix_copies_the_positions_and_nothing_else(fp4: bool) -> None:
+    cache = attn.KVCacheGPU.allocate(fp4=fp4, batch=4, kv_heads=2, capacity=10, head_dim=32,
+                                     device="cpu")  # fmt: skip
+    cache.fill_random_(torch.Generator().manual_seed(0))
+    names = ("codes", "scales", "row_scales") if fp4 else ("values",)
+    if fp4:
+        cache.row_scales.uniform_()
+    before = {n: getattr(cache, n).clone() for n in names}
+    cache.copy_prefix_(1, torch.tensor([0, 3]), 6)
+    for n in names:
+        t, b = getattr(cache, n), before[n]
+        for slot in range(4):  # [2, B, Hkv, S, .] or row scales [2, B, S]
+            head = (slice(None), slot, slice(None), slice(0, 6)) if t.dim() == 5 else \
+                (slice(None), slot, slice(0, 6))  # fmt: skip
+            tail = (slice(None), slot, slice(None), slice(6, None)) if t.dim() == 5 else \
+                (slice(None), slot, slice(6, None))  # fmt: skip
+            src = (slice(None), 1, *head[2:])
+            want = b[src] if slot in (0, 3) else b[head]
+            assert torch.equal(t[head], want), (n, slot)
+            assert torch.equal(t[tail], b[tail]), (n, slot)
+
+
 def test_engine_shape_validation():
     with pytest.raises(ValueError, match="num_heads=30"):
         engine.EngineShape.named(num_heads=30, num_kv_heads=4)

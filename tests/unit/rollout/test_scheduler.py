@@ -47,6 +47,7 @@ class FakeBackend:
         self.step_sleep = step_sleep
         self.steps = 0
         self.prefills: list[int] = []  # tokens per prefill call
+        self.copies: list[tuple[int, tuple[int, ...], int]] = []  # (src, dsts, n) per copy_prefix
         self.busy = threading.Lock()
 
     def _logits(self, t: int, p: int) -> torch.Tensor:
@@ -78,6 +79,12 @@ class FakeBackend:
                     self.hist[slot, start + i] = (t, start + i)
                 out.append(self._logits(chunk[-1], start + len(chunk) - 1))
             return torch.stack(out)
+
+    def copy_prefix(self, src: int, dsts, n: int) -> None:
+        with self.busy:
+            assert src not in dsts and 0 < n <= self.capacity
+            self.hist[list(dsts), :n] = self.hist[src, :n]
+            self.copies.append((src, tuple(dsts), n))
 
     def sync(self) -> None:
         pass
@@ -144,9 +151,42 @@ def test_greedy_continuous_batching_matches_reference_and_records_rows(
     # 14 sequences on 3 slots: far fewer steps than running them one at a time
     fed = sum(len(prompts[s.prompt_index]) + len(s.completion_tokens) - 1 for s in samples)
     assert be.steps < fed
-    if prefill_tokens:  # prompts went through the batched prefill, chunked to its budget
-        assert sum(be.prefills) == 2 * sum(map(len, prompts)) and max(be.prefills) <= 5
-        assert be.steps <= fed - sum(be.prefills) + 1
+    if prefill_tokens:  # prompts went through the batched prefill, chunked to its budget,
+        # or were copied from the slot of the group's other member
+        shared = sched.stats()["shared_prompt_tokens_total"]
+        assert sum(be.prefills) + shared == 2 * sum(map(len, prompts)) and max(be.prefills) <= 5
+        assert shared == sum(n for _, dsts, n in be.copies for _ in dsts) > 0
+        assert be.steps <= fed - sum(be.prefills) - shared + 1
+
+
+def test_a_group_prefills_its_prompt_once_and_samples_as_if_each_prefilled_it(
+    sched_factory,
+) -> None:
+    """The completions of one prompt: one member prefills it, the others copy its positions
+    and sample their first token from its logits. Tokens, log-probs and records equal those
+    of a backend without batched prefill (each sequence feeds its own prompt); a member that
+    takes a slot after every member holding the prompt has finished prefills it again."""
+    global MARGIN
+    prompt = [5, 9, 11, 4, 7, 3, 8, 6, 10]
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=3, seed=11)
+    old, MARGIN = MARGIN, 1.0  # sampled first tokens differ between the members
+    try:
+        shared, be = sched_factory(batch=4, prefill_tokens=4)
+        got, _ = shared.generate([prompt, prompt[:5]], 5, sp, with_records=True)
+        alone, _ = sched_factory(batch=4)[0].generate([prompt, prompt[:5]], 5, sp,
+                                                      with_records=True)  # fmt: skip
+    finally:
+        MARGIN = old
+    key = lambda ss: [(s.prompt_index, s.group_index, s.completion_tokens, s.logprobs,  # noqa: E731
+                       s.records) for s in ss]  # fmt: skip
+    assert key(got) == key(alone)
+    assert len({tuple(s.completion_tokens) for s in got}) > 2, "the members should differ"
+    stats = shared.stats()
+    prefilled, copied = stats["prefill_tokens_total"], stats["shared_prompt_tokens_total"]
+    assert prefilled == sum(be.prefills) and prefilled + copied == 5 * (9 + 5)
+    assert copied >= 3 * 9, "the first slots' members should copy the first prompt"
+    assert prefilled > 9 + 5, "10 members on 4 slots: some prompt is prefilled again"
+    assert all(n == len(prompt) or n == 5 for _, _, n in be.copies)
 
 
 def test_stop_token_ids_end_a_sequence(sched_factory) -> None:
