@@ -242,6 +242,8 @@ class RunConfig:
     prompts_per_step: int = 16
     group_size: int = 8  # completions per prompt (GRPO group)
     max_staleness: int = DEFAULT_MAX_STALENESS  # samples more versions behind are dropped
+    # push each version in the background during the next step (with max_staleness >= 1)
+    overlap_push: bool = True
     seed: int = 0  # weights' init, prompt stream and sampling
     task: TaskSection = field(default_factory=TaskSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -308,6 +310,7 @@ RETIRED_RUN_ENV: dict[str, str] = {
     "TRACE_PROMPTS_PER_STEP": "prompts_per_step",
     "TRACE_GROUP_SIZE": "group_size",
     "TRACE_MAX_STALENESS": "max_staleness",
+    "TRACE_OVERLAP_PUSH": "overlap_push",
     "TRACE_SEED": "seed",
     "TRACE_TASK": "task.name",
     "TRACE_TASK_DIFFICULTY": "task.difficulty",

@@ -129,6 +129,7 @@ class TrainerApp:
                 sampling=run.sampling, measure_records=run.guidance.measure_records,
                 lost_records=run.stores.lost_records,
                 regenerate_attempts=run.stores.regenerate_attempts,
+                overlap_push=run.overlap_push,
             ),
             prompts=PromptStream(self.task, tok, seed=run.seed),
             dispatcher=Dispatcher(self.directory, run.dispatch),
@@ -211,6 +212,12 @@ class TrainerApp:
             self.metrics.failed.set(1)
 
     def run(self) -> None:
+        try:
+            self._run_steps()
+        finally:
+            self.core.close()  # the last version's push finishes (or fails the run)
+
+    def _run_steps(self) -> None:
         s, run = self.settings, self.run_config
         self._restore_or_publish()
         self.state = "running" if self._resume.is_set() else "paused"
@@ -263,7 +270,7 @@ class TrainerApp:
         ones). Push the current weights again under the current version, so replicas that
         restart or join can load them (replicas re-register on their own)."""
         latest = self.publisher.latest_version()
-        if latest < self.core.version:
+        if latest < self.core.pushed_version:  # the version in flight, if any, is not there yet
             log.warning(
                 "weight-sync lost the current version (restarted?): publishing it again",
                 extra={"version": self.core.version, "weight_sync_latest": latest},
@@ -273,6 +280,7 @@ class TrainerApp:
 
     def checkpoint(self) -> None:
         assert self.settings.checkpoint_dir is not None
+        self.core.wait_pushed()  # a resume finds the checkpoint's version in weight-sync
         if isinstance(self.learner, LeaderLearner):  # every rank writes its own shards
             self.learner.save(
                 self.settings.checkpoint_dir, step=self.core.step_index,
@@ -336,6 +344,7 @@ class TrainerApp:
             log.info("metrics rows after the checkpoint removed", extra={"rows": dropped})
         if latest == version:
             self.core.version = version  # replicas already hold exactly these weights
+            self.core.pushed_version = version
             self.core.version_floor = version
         else:
             # weight-sync holds other weights (pushed after the checkpoint, or lost): push the

@@ -49,7 +49,7 @@ SCALAR_SERIES = {
     "loss": "policy loss",
     "clip_frac": "fraction of tokens with the clipped ratio branch active",
     "tis_mean": "mean truncated importance weight",
-    "weight_push_seconds": "seconds to quantize + push the last version",
+    "weight_push_seconds": "seconds to quantize + push the last version whose push finished",
 }
 PHASES = ("rollout", "records", "train", "push")
 

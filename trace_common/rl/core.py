@@ -1,6 +1,13 @@
 """The trainer's step loop, independent of transport: prompts -> rollout -> score -> records
 -> train -> quantize + push.
 
+Overlapped push (`TrainerConfig.overlap_push`, with max_staleness >= 1): the step quantizes
+and exports the new version (the weights are copied out, so training may go on), then pushes
+it on a background thread while the next step rolls out and trains; that step's rollout
+samples the versions the staleness bound allows, as it would while replicas pull. Pushes run
+one at a time in version order: the next publish, a checkpoint and the end of the run wait for
+the one in flight, and a push that failed for good fails the step that finds it.
+
 Every component is an interface so the loop can run in-process (tests, fakes that record the
 order of events) or against the real services (the trainer service wires gRPC clients in).
 """
@@ -10,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,6 +89,7 @@ class TrainerConfig:
     measure_records: bool = False  # rollouts write records in every mode (for D_act metrics)
     lost_records: str = "regenerate"  # groups whose records are lost: LOST_RECORDS
     regenerate_attempts: int = 2  # regenerate: rounds per step before a lost group is dropped
+    overlap_push: bool = False  # push in the background during the next step (max_staleness >= 1)
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:
@@ -95,6 +104,12 @@ class TrainerConfig:
             )
         if self.regenerate_attempts < 1:
             raise ValueError(f"regenerate_attempts must be >= 1, got {self.regenerate_attempts}")
+
+    @property
+    def pushes_in_background(self) -> bool:
+        """With max_staleness 0 the next step needs the new version on the replicas before
+        it can roll out, so there is nothing to overlap: the push runs in the step."""
+        return self.overlap_push and self.max_staleness >= 1
 
     @property
     def writes_records(self) -> bool:
@@ -130,25 +145,71 @@ class TrainerCore:
         # (or another start of this one) that shared weight-sync; set at the first publish.
         self.version_floor: int | None = None
         self._on_event = on_event or (lambda _e: None)
+        self.pushed_version = -1  # latest version whose push has finished
+        self.last_push_seconds = 0.0  # export + push of the latest finished push
+        self._push: Future[float] | None = None  # the background push in flight
+        self._pusher: ThreadPoolExecutor | None = None
 
-    def publish(self) -> float:
-        """Quantize the master weights and push them as the next version; returns seconds."""
+    def publish(self, *, background: bool = False) -> float:
+        """Quantize the master weights and push them as the next version (on a background
+        thread with `background`: see the module docstring); returns the seconds this call
+        took: the export and, in the background case, the wait for the previous push."""
         t0 = time.perf_counter()
+        self.wait_pushed()
         tensors, metadata = self.learner.export_weights()
         version = self.version + 1
         metadata = {**metadata, "step": self.step_index, "mode": self.config.mode}
-        self.publisher.publish(version, tensors, metadata)
+        exported = time.perf_counter() - t0
+        if background:
+            if self._pusher is None:
+                self._pusher = ThreadPoolExecutor(1, thread_name_prefix="weight-push")
+            self._push = self._pusher.submit(self._push_now, version, tensors, metadata, exported)
+        else:
+            self._push_now(version, tensors, metadata, exported)
         self.version = version
         if self.version_floor is None:
             self.version_floor = version
-        self._on_event(f"push version={version}")
         return time.perf_counter() - t0
+
+    def _push_now(self, version: int, tensors: Mapping[str, torch.Tensor],
+                  metadata: dict[str, Any], exported: float) -> float:  # fmt: skip
+        t0 = time.perf_counter()
+        self.publisher.publish(version, tensors, metadata)
+        self.pushed_version = version
+        self.last_push_seconds = exported + time.perf_counter() - t0
+        self._on_event(f"push version={version}")
+        return self.last_push_seconds
+
+    def wait_pushed(self) -> float:
+        """Wait for the background push in flight, if any (raising what made it fail);
+        returns the seconds waited."""
+        push, self._push = self._push, None
+        if push is None:
+            return 0.0
+        t0 = time.perf_counter()
+        push.result()
+        return time.perf_counter() - t0
+
+    def _check_push(self) -> None:
+        """Raise now if the background push has already failed."""
+        if self._push is not None and self._push.done():
+            self.wait_pushed()
+
+    def close(self) -> None:
+        """Finish the push in flight and stop the push thread."""
+        try:
+            self.wait_pushed()
+        finally:
+            if self._pusher is not None:
+                self._pusher.shutdown(wait=True)
+                self._pusher = None
 
     def republish(self) -> float:
         """Push the current version again, the same weights under the same number (a
         weight-sync that restarted lost it; replicas that hold it need not pull it again)."""
         if self.version < 0:
             raise RuntimeError("no policy version published yet: call publish() first")
+        self.wait_pushed()
         t0 = time.perf_counter()
         tensors, metadata = self.learner.export_weights()
         metadata = {**metadata, "step": self.step_index, "mode": self.config.mode}
@@ -178,6 +239,7 @@ class TrainerCore:
         cfg = self.config
         if self.version < 0:
             raise RuntimeError("no policy version published yet: call publish() first")
+        self._check_push()
         t_start = time.perf_counter()
         batch = self.prompts.next_batch(cfg.prompts_per_step)
         by_id = {p.prompt_id: p for p in batch}
@@ -206,7 +268,7 @@ class TrainerCore:
         t_train = time.perf_counter()
 
         self.step_index += 1
-        push_s = self.publish()
+        self.publish(background=cfg.pushes_in_background)
         t_end = time.perf_counter()
 
         all_rewards = [ts.reward for ts in train_samples]
@@ -232,7 +294,8 @@ class TrainerCore:
             "redispatched_units": dstats.redispatched_units + lost.redispatched_units,
             "failed_replicas": list(dstats.failed_replicas),
             "record_bytes_per_token": sum(s.record_bytes for s in samples) / max(n_tokens, 1),
-            "weight_push_seconds": push_s,
+            "weight_push_seconds": self.last_push_seconds,
+            "weight_push_in_background": cfg.pushes_in_background,
             "time_rollout_s": t_rollout - t_start,
             "time_records_s": t_records - t_rollout,
             "time_train_s": t_train - t_records,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 from fakes import EventLog, FakeLearner, FakePublisher, FakeRecordStore, FakeReplica
@@ -21,7 +22,7 @@ def scorer(sample, problem) -> float:
 
 def make_core(
     replicas, log, store, *, mode="trace", prompts=4, group=2, units=1, max_staleness=3,
-    lost_records="regenerate",
+    lost_records="regenerate", overlap_push=False,
 ):  # fmt: skip
     stream = PromptStream(make_task("reverse", 1), TOK, seed=0)
     # reverse of 1 digit is the digit itself: build each prompt's right answer tokens
@@ -36,6 +37,7 @@ def make_core(
         max_staleness=max_staleness,
         sampling=SamplingConfig(max_new_tokens=4),
         lost_records=lost_records,
+        overlap_push=overlap_push,
     )
     disp = Dispatcher(
         StaticDirectory(replicas),
@@ -76,6 +78,75 @@ def test_step_runs_components_in_order() -> None:
     assert [ts.advantage for ts in seen[:2]] == pytest.approx([1.0, -1.0], abs=1e-4)
     # the learner got exactly the blobs the replica wrote for those samples
     assert all(ts.records == store[("r1", 0, ts.rollout.sample_id)] for ts in seen)
+
+
+class GatedPublisher(FakePublisher):
+    """Pushes block until the test opens the gate; `fail` makes the next push raise."""
+
+    def __init__(self, log, replicas) -> None:
+        super().__init__(log, replicas)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.threads: list[str] = []
+        self.fail: Exception | None = None
+
+    def publish(self, version, tensors, metadata) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.started.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        if self.fail is not None:
+            raise self.fail
+        super().publish(version, tensors, metadata)
+
+
+def gated_core(max_staleness: int = 1):
+    log, store = EventLog(), {}
+    replica = FakeReplica("a", store=store)
+    core, learner, _ = make_core([replica], log, store, max_staleness=max_staleness,
+                                 overlap_push=True)  # fmt: skip
+    core.publisher = pub = GatedPublisher(log, [replica])
+    pub.gate.set()
+    core.publish()  # version 0, in the caller's thread
+    pub.gate.clear()
+    return core, learner, pub, replica, log
+
+
+def test_overlapped_push_runs_beside_the_next_step_in_version_order() -> None:
+    core, learner, pub, replica, _ = gated_core()
+    m1 = core.step()  # exports version 1, pushes it in the background (held at the gate)
+    assert pub.started.wait(5) and m1["weight_push_in_background"] is True
+    assert core.version == 1 and core.pushed_version == 0 and replica.version == 0
+    pub.started.clear()
+    waiter = threading.Thread(target=core.step)  # step 2 rolls out on version 0 (staleness 1)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive(), "step 2 must wait for version 1's push before pushing version 2"
+    assert len(learner.seen) == 2, "step 2 trains while version 1 is being pushed"
+    pub.gate.set()
+    waiter.join(10)
+    core.close()
+    assert [v for v, _ in pub.pushed] == [0, 1, 2] and core.pushed_version == 2
+    assert pub.threads[0] == threading.current_thread().name
+    assert all(t.startswith("weight-push") for t in pub.threads[1:])
+    assert core.last_push_seconds > 0
+
+
+def test_a_failed_background_push_fails_the_next_step() -> None:
+    core, _, pub, _, _ = gated_core()
+    core.step()
+    pub.fail = RuntimeError("weight-sync refused version 1")
+    pub.gate.set()
+    with pytest.raises(RuntimeError, match="refused version 1"):
+        core.step()  # at its start, or at its publish, which waits for the push
+    assert core.pushed_version == 0
+
+
+def test_no_overlap_without_staleness_room() -> None:
+    core, _, pub, _, _ = gated_core(max_staleness=0)
+    pub.gate.set()
+    m = core.step()
+    assert m["weight_push_in_background"] is False and core.pushed_version == 1
+    assert pub.threads == [threading.current_thread().name] * 2
 
 
 def test_no_records_fetched_outside_trace_mode() -> None:
