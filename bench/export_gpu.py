@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trace_common.clients.tensors import tensor_to_wire  # noqa: E402
-from trace_common.device import resolve_device  # noqa: E402
+from trace_common.device import resolve_device, to_host  # noqa: E402
 from trace_common.fp4 import get_format  # noqa: E402
 from trace_common.model import MoECausalLM, QuantConfig, get_config  # noqa: E402
 from trace_common.model.quant import (  # noqa: E402
@@ -81,6 +81,8 @@ def main() -> None:
     assert isinstance(tensors, dict)
     s, host = timed(lambda: {k: v.cpu() for k, v in tensors.items()}, device, args.repeats)
     rows.append((f"to host, one .cpu() per tensor ({len(tensors)} tensors)", s))
+    s, _ = timed(lambda: to_host(tensors), device, args.repeats)
+    rows.append(("to host, one pinned buffer (to_host, what the export uses)", s))
     assert isinstance(host, dict)
     s, _ = timed(lambda: [tensor_to_wire(k, v) for k, v in host.items()], device, args.repeats)
     rows.append(("wire views + CRC-32", s))

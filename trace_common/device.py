@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -25,3 +26,35 @@ def resolve_device(value: str) -> torch.device:
         if dev.index is not None and dev.index >= n:
             raise ValueError(f"TRACE_DEVICE={value!r} but this machine has {n} CUDA device(s)")
     return dev
+
+
+HOST_ALIGN = 64  # bytes: each tensor's offset in the host buffer (any dtype's alignment)
+# Above this, `to_host` copies tensor by tensor into pageable memory: page-locked memory is
+# taken from the OS's reclaimable pool (and PyTorch rounds its blocks up to a power of two).
+HOST_PINNED_MAX_BYTES = 4 << 30
+
+
+def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies of `tensors` (CPU ones are returned as they are). The CUDA ones are copied
+    into one page-locked buffer, every copy queued before a single wait: a `.cpu()` per
+    tensor waits for each copy and stages it through pageable memory. The returned tensors
+    are views of that buffer (contiguous, their own dtype and shape); it lives as long as
+    any of them does. Beyond HOST_PINNED_MAX_BYTES in all: a `.cpu()` per tensor."""
+    on_gpu = [(k, t) for k, t in tensors.items() if t.device.type == "cuda"]
+    out = dict(tensors)
+    if not on_gpu:
+        return out
+    offsets, total = [], 0
+    for _, t in on_gpu:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // HOST_ALIGN) * HOST_ALIGN
+    if total > HOST_PINNED_MAX_BYTES:
+        return {**out, **{k: t.cpu() for k, t in on_gpu}}
+    buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+    for (k, t), off in zip(on_gpu, offsets, strict=True):
+        dst = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        dst.copy_(t, non_blocking=True)
+        out[k] = dst
+    for dev in {t.device for _, t in on_gpu}:
+        torch.cuda.synchronize(dev)
+    return out

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from trace_common.device import to_host
 from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,
@@ -153,7 +154,7 @@ class ModelLearner:
         quantize_policy(self.model, self.quant)
         tensors, meta = export_quantized_state_dict(self.model)
         if self.device.type != "cpu":  # what goes on the wire (and into the engines) is CPU
-            tensors = {k: v.cpu() for k, v in tensors.items()}
+            tensors = to_host(tensors)
         meta = dict(meta)
         meta.update(
             PolicyMeta(guidance=self.guidance, eos_id=self.eos_id, pad_id=self.pad_id).to_metadata()

@@ -88,6 +88,36 @@ def test_learner_on_cuda_keeps_fp32_master_and_fused_adamw() -> None:
     assert {t.device.type for t in tensors.values()} == {"cpu"}
 
 
+@pytest.mark.parametrize("pinned", [True, False])
+def test_to_host_copies_every_tensor_exactly(pinned: bool, monkeypatch) -> None:
+    """Into one page-locked buffer, or (over the size limit) tensor by tensor."""
+    import trace_common.device
+    from trace_common.device import to_host
+
+    if not pinned:
+        monkeypatch.setattr(trace_common.device, "HOST_PINNED_MAX_BYTES", 64)
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    src = {
+        "codes": torch.randint(0, 256, (64, 33), generator=g, device=DEV, dtype=torch.uint8),
+        "e4m3": torch.randn(7, 5, generator=g, device=DEV).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(0.25, device=DEV),
+        "bf16_t": torch.randn(9, 6, generator=g, device=DEV).to(torch.bfloat16).t(),
+        "empty": torch.empty(0, 4, device=DEV),
+        "on_cpu": torch.arange(5),
+        "i64": torch.arange(11, device=DEV),
+    }
+    host = to_host(src)
+    assert host.keys() == src.keys() and host["on_cpu"] is src["on_cpu"]
+    for k, t in src.items():
+        h = host[k]
+        assert h.device.type == "cpu" and h.dtype == t.dtype and h.shape == t.shape, k
+        want = t.cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(h.contiguous().reshape(-1).view(torch.uint8), want), k
+        if k != "on_cpu" and t.numel():
+            assert h.is_pinned() == pinned and (h.is_contiguous() or not pinned), k
+
+
 def test_guided_qat_on_cuda_reproduces_a_bf16_cuda_rollout() -> None:
     """Every layer guided with full records and routing replayed: the bf16-autocast trainer
     lands on the rollout's FP4 values at the guided sites (D_act, flips ~0) where RTN QAT,
