@@ -9,6 +9,12 @@ backward + AdamW over B sequences x T tokens with routing replay, per configurat
 Reported per configuration: median step time, tokens/s, MFU against the bf16 dense peak,
 peak memory; and the guided-vs-RTN overhead. Prints a table, writes JSON to --out.
 
+`--profile`: one more step per configuration under torch.profiler: how many times the host
+waited for the device (`aten::_local_scalar_dense`, the op behind `.item()`, `bool(t)` and
+`int(t)`, and explicit synchronizes), how many kernels it launched, the device's busy time
+against the step's wall time, and the ops that take the most host and device time. On the
+CPU (`--device cpu`) the wait and op counts are the ones a CUDA step would have.
+
 MFU counts 6 x active parameters per token (the GEMMs of the experts a token is routed to,
 attention projections, router, LM head) plus 6 x layers x T x heads x head_dim for causal
 attention (half the full score matrix), over the peak given by --peak-tflops (H200 SXM bf16
@@ -69,6 +75,7 @@ class Result:
     tokens_per_s: float
     mfu: float
     peak_memory_gib: float
+    profile: dict[str, Any] | None = None
 
 
 def active_params(cfg: ModelConfig) -> int:
@@ -180,6 +187,7 @@ def time_config(
     cuda = device.type == "cuda"
     for _ in range(args.warmup):
         step()
+    profile = profile_step(step, device, args.top) if args.profile else None
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -202,9 +210,69 @@ def time_config(
         tokens_per_s=tps,
         mfu=tps * flops_per_token / (args.peak_tflops * 1e12),
         peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
+        profile=profile,
     )
     model.zero_grad(set_to_none=True)
     return res
+
+
+HOST_WAITS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+              "cudaEventSynchronize")  # fmt: skip
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def profile_step(step, device: torch.device, top: int) -> dict[str, Any]:
+    """One `step()` under torch.profiler: host waits, kernel launches, device busy time and
+    the top ops by host and by device self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    counts = {e.key: e.count for e in ev}
+    waits = {k: counts[k] for k in HOST_WAITS if k in counts}
+    launches = sum(counts.get(k, 0) for k in LAUNCHES)
+    ops = sum(e.count for e in ev if e.key.startswith("aten::"))
+
+    def device_us(e) -> float:
+        return float(
+            getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+        )
+
+    kernels = [e for e in ev if device_us(e) > 0 and not e.key.startswith(("aten::", "cuda"))]
+    busy_us = sum(device_us(e) for e in kernels)
+    by_host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    by_dev = sorted(kernels, key=device_us, reverse=True)[:top]
+    return {
+        "wall_s": wall,
+        "host_waits": waits,
+        "host_waits_total": sum(waits.values()),
+        "kernel_launches": launches,
+        "aten_ops": ops,
+        "device_busy_s": busy_us / 1e6,
+        "top_host_self_ms": [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in by_host],
+        "top_device_self_ms": [(e.key[:90], e.count, device_us(e) / 1e3) for e in by_dev],
+    }
+
+
+def print_profile(name: str, pr: dict[str, Any]) -> None:
+    busy = f", device busy {pr['device_busy_s']:.3f} s" if pr["device_busy_s"] else ""
+    print(f"\n{name} profiled step: {pr['wall_s']:.3f} s wall{busy}; host waited for the "
+          f"device {pr['host_waits_total']} times {pr['host_waits']}; "
+          f"{pr['kernel_launches']} kernel launches, {pr['aten_ops']} aten ops")  # fmt: skip
+    print("  top host self time (op, calls, ms):")
+    for k, n, ms in pr["top_host_self_ms"]:
+        print(f"    {ms:9.1f}  {n:6d}  {k}")
+    if pr["top_device_self_ms"]:
+        print("  top device self time (kernel, calls, ms):")
+        for k, n, ms in pr["top_device_self_ms"]:
+            print(f"    {ms:9.1f}  {n:6d}  {k}")
 
 
 def overheads(results: list[Result]) -> dict[str, float]:
@@ -261,6 +329,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     p.add_argument("--device", default="cuda", help="cuda | cuda:N (cpu: a smoke test only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more step per configuration (module docstring)")  # fmt: skip
+    p.add_argument("--top", type=int, default=15, help="--profile: ops listed per table")
     args = p.parse_args(argv)
     wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(wanted) - {c[0] for c in CONFIGS})
@@ -289,6 +360,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.empty_cache()
         r = results[-1]
         print(f"{r.name}: {r.step_s_median:.3f} s/step, {r.tokens_per_s:.0f} tokens/s", flush=True)
+        if r.profile is not None:
+            print_profile(r.name, r.profile)
     extra = overheads(results)
     report = {
         "bench": "trainer_gpu",
