@@ -125,6 +125,15 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * _BITS_PER_BYTE)
 
 
+def packed_values(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 values of packed codes uint8 [..., K/2] -> [..., K], for codes known to be valid
+    (a quantizer's own output): `e2m1_to_f32(unpack_uint4(packed))` without their checks,
+    which wait for the device."""
+    lo, hi = packed & _NIBBLE_MASK, packed >> _NIBBLE_SHIFT
+    codes = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return _table("values", packed.device)[codes.long()]
+
+
 def _check_codes(codes: torch.Tensor, fn: str) -> None:
     if codes.dtype != torch.uint8:
         raise TypeError(f"{fn} expects uint8 codes, got dtype {codes.dtype}")
@@ -137,6 +146,7 @@ __all__ = [
     "f32_to_e2m1",
     "pack_bits",
     "pack_uint4",
+    "packed_values",
     "rne_magnitude_index",
     "unpack_bits",
     "unpack_uint4",

@@ -6,6 +6,8 @@ saturated elements), so QAT sees the FP4 forward while the master weights get fu
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Any
 
 import torch
@@ -45,5 +47,21 @@ def fake_quantize(
     if spec.name == "nvfp4":
         kwargs["scale_granularity"] = scale_granularity
     with torch.no_grad():
-        y = spec.dequantize(spec.quantize(x, **kwargs), dtype=x.dtype)
+        if spec.name == "nvfp4" and not kwargs.keys() - {"scale_granularity"} and gpu_path(x):
+            from trace_common.kernels.quant import fake_quantize as fake_quantize_gpu
+
+            y = fake_quantize_gpu(x, scale_granularity=scale_granularity)  # type: ignore[arg-type]
+        else:
+            y = spec.dequantize(spec.quantize(x, **kwargs), dtype=x.dtype)
     return straight_through(x, y)
+
+
+def gpu_path(x: torch.Tensor) -> bool:
+    """Whether NVFP4 fake quantization of `x` runs the Triton quantize kernel (bit-identical
+    to the reference): a CUDA tensor, with Triton installed."""
+    return x.is_cuda and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -11,6 +11,7 @@ from trace_common.fp4.e2m1 import (
     f32_to_e2m1,
     pack_bits,
     pack_uint4,
+    packed_values,
     unpack_bits,
     unpack_uint4,
 )
@@ -145,3 +146,11 @@ def test_pack_bits_errors() -> None:
         pack_bits(torch.zeros(12, dtype=torch.uint8))
     with pytest.raises(ValueError, match="0/1 values, got max 2"):
         pack_bits(torch.tensor([2, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8))
+
+
+def test_packed_values_decodes_every_code_pair_as_unpack_then_decode() -> None:
+    packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)  # every byte: all code pairs
+    want = e2m1_to_f32(unpack_uint4(packed))
+    got = packed_values(packed)
+    assert got.dtype == torch.float32 and got.shape == (4, 128)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 included

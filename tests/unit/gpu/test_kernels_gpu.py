@@ -68,6 +68,37 @@ def test_quantize_bit_exact(shape, dtype, gran):
     torch.testing.assert_close(got.dequantize(), ref.dequantize(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("gran", ["row", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(33, 128), (3, 4, 512), (700, 384)])
+def test_fake_quantize_bit_exact_and_used_by_qat(shape, dtype, gran):
+    """The kernel's fake quant equals the CPU reference's dequantize(quantize(x)) bit for bit;
+    `fp4.fake.fake_quantize` takes it for CUDA tensors, with the straight-through gradient."""
+    from trace_common.fp4 import nvfp4
+    from trace_common.fp4.fake import fake_quantize, gpu_path
+    from trace_common.kernels import quant
+
+    x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + len(gran) + 1)
+    ref = nvfp4.dequantize(nvfp4.quantize(x.cpu(), scale_granularity=gran), dtype=dtype)
+    bits = {4: torch.int32, 2: torch.int16}[x.element_size()]
+    got = quant.fake_quantize(x, scale_granularity=gran)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.cpu().view(bits), ref.view(bits)), (
+        "fake quant differs from the reference"
+    )
+    assert gpu_path(x)
+    leaf = x.clone().requires_grad_(True)
+    y = fake_quantize(leaf, "nvfp4", scale_granularity=gran)
+    assert torch.equal(y.detach().cpu().view(bits), ref.view(bits))
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.equal(leaf.grad, g), "straight-through: the gradient passes unchanged"
+    bad = x.clone()
+    bad.view(-1)[7] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        quant.fake_quantize(bad, scale_granularity=gran)
+
+
 def test_quantize_scale_ties_and_subnormals():
     """Block amaxes that land exactly on e4m3 rounding midpoints, subnormal scales included."""
     from trace_common.fp4 import nvfp4
