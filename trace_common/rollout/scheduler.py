@@ -12,7 +12,8 @@ one of two phases:
 
 Each loop round runs one prefill chunk (when a sequence waits for one), samples the first
 token of every sequence whose prompt it completed, then one decode step for the slots in the
-decode phase.
+decode phase. A finished sequence frees its slot at once and the next waiting sequence takes
+it, so long-tail lengths do not idle the batch.
 
 Groups share their prompt (batched-prefill backends): the completions of one prompt in a
 request (`group_size` of them, 8 in a typical RL step) have the same prompt, so only one of
@@ -21,8 +22,7 @@ the prompt's positions (K/V and record rows) from that slot into theirs (`copy_p
 each samples its first token, with its own seed, from the logits the prefill left. That is
 exactly what prefilling the prompt again would give, at a `group_size`-th of the cost. A
 member that finds no slot holding the prompt any more (every member that had it finished)
-prefills it itself. A finished sequence frees its slot at once and the next waiting sequence takes
-it, so long-tail lengths do not idle the batch.
+prefills it itself.
 
 Weight versions: `swap` closes the admission door, lets every admitted request finish on the
 old weights, loads the new ones while nothing runs, and opens the door again. A request is
