@@ -80,13 +80,19 @@ def forward_logprobs(
         raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
     b, t = tokens.shape
     dev = next(model.parameters()).device
-    tokens = tokens.to(dev)
-    lengths = (torch.full((b,), t) if lengths is None else torch.as_tensor(lengths)).to(dev)
-    if lengths.shape != (b,) or bool((lengths < 2).any()) or bool((lengths > t).any()):
-        raise ValueError(f"lengths must be [B] with 2 <= length <= T={t}, got {lengths.tolist()}")
+    # Checked on the host, where the record checks below read them too: one copy each, not a
+    # wait for the device per check and per sequence.
+    tokens_host = tokens.cpu()
+    lengths_host = torch.full((b,), t) if lengths is None else torch.as_tensor(lengths).cpu()
+    if (lengths_host.shape != (b,) or bool((lengths_host < 2).any())
+            or bool((lengths_host > t).any())):  # fmt: skip
+        raise ValueError(
+            f"lengths must be [B] with 2 <= length <= T={t}, got {lengths_host.tolist()}"
+        )
     cfg = model.cfg
-    if bool(((tokens < 0) | (tokens >= cfg.vocab_size)).any()):
+    if bool(((tokens_host < 0) | (tokens_host >= cfg.vocab_size)).any()):
         raise ValueError(f"tokens contain ids outside [0, {cfg.vocab_size})")
+    tokens, lengths = tokens.to(dev), lengths_host.to(dev)
     if t - 1 > cfg.max_position_embeddings:
         raise ValueError(f"sequence length {t} exceeds max_position_embeddings")
     needs_records = qat_mode == "trace" or routing_replay
@@ -104,9 +110,9 @@ def forward_logprobs(
         records = list(records)
         if len(records) != b:
             raise ValueError(f"got {len(records)} records for a batch of {b} sequences")
-        for i, rec in enumerate(records):
+        for i, (rec, n) in enumerate(zip(records, lengths_host.tolist(), strict=True)):
             rec.validate(cfg)
-            seq = tokens[i, : int(lengths[i])].cpu()
+            seq = tokens_host[i, :n]
             if rec.tokens.shape != seq.shape or not torch.equal(rec.tokens, seq):
                 raise ValueError(
                     f"records[{i}] were recorded for a different token sequence "
