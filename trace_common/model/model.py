@@ -411,8 +411,12 @@ def _experts_per_expert(
     hooks: Hooks,
     layer: int,
 ) -> torch.Tensor:
-    """SwiGLU experts, one GEMM per expert with rows and projection -> [N*k, H]."""
-    wg, wu, wd = w
+    """SwiGLU experts, one GEMM per expert with rows and projection -> [N*k, H].
+
+    Each stacked weight is split into its experts once (`unbind`): its gradient is then put
+    together by one stack, where indexing `w[e]` per expert would have autograd fill and add
+    a zero tensor of the whole stack for every expert used (the same values either way)."""
+    wg, wu, wd = (t.unbind(0) for t in w)
     sizes = counts.tolist()  # the one host sync for the block sizes
     experts = [e for e, size in enumerate(sizes) if size]
     blocks = [sizes[e] for e in experts]
