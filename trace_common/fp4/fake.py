@@ -6,8 +6,6 @@ saturated elements), so QAT sees the FP4 forward while the master weights get fu
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from typing import Any
 
 import torch
@@ -59,9 +57,6 @@ def fake_quantize(
 def gpu_path(x: torch.Tensor) -> bool:
     """Whether NVFP4 fake quantization of `x` runs the Triton quantize kernel (bit-identical
     to the reference): a CUDA tensor, with Triton installed."""
-    return x.is_cuda and _triton_installed()
+    from trace_common.kernels import triton_available
 
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return x.is_cuda and triton_available()

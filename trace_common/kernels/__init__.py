@@ -35,6 +35,11 @@ def require_triton() -> ModuleType:
     return require_module("triton", "the TRACE GPU kernels", TRITON_INSTALL_HINT)
 
 
+def triton_available() -> bool:
+    """Whether Triton is importable (the GPU kernels' compiler)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def cupy_available() -> bool:
     """Whether CuPy (which compiles and launches the CUDA C++ kernels) is importable."""
     return importlib.util.find_spec("cupy") is not None
@@ -95,4 +100,5 @@ __all__ = [
     "load_kernels",
     "require_module",
     "require_triton",
+    "triton_available",
 ]

@@ -30,7 +30,10 @@ admitted whole, so all its completions come from one version, which they report.
 
 Sampling (`sample_rows`) is per sequence: temperature, top-k, top-p and a seed. The random
 draw of a sequence's t-th token is a counter-based hash of (request seed, sequence index, t),
-so a sequence's samples do not depend on which slot it ran in or what ran beside it.
+so a sequence's samples do not depend on which slot it ran in or what ran beside it. On CUDA
+the rows without top-k or top-p sample in one Triton kernel (`trace_common.kernels.sample`):
+the same distribution from the same draw, each row read twice instead of copied to fp32
+several times.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from trace_common.kernels import triton_available
 from trace_common.rollout.types import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -236,6 +240,8 @@ class SlotScheduler:
             self._temperature.numpy(), self._top_k.numpy(), self._top_p.numpy())  # fmt: skip
         self._params_dirty = True
         self._params_dev: tuple[torch.Tensor, ...] = ()
+        # rows without top-k/top-p sample in one Triton kernel on CUDA (`kernels.sample`)
+        self._gpu_sampling = self.device.type == "cuda" and triton_available()
         self.steps_total = 0  # decode steps
         self.tokens_total = 0  # tokens sampled
         self.prefill_chunks_total = 0
@@ -545,9 +551,15 @@ class SlotScheduler:
         filtered = bool((self._top_k_np[slots] > 0).any() or (self._top_p_np[slots] < 1).any())
         greedy = bool((self._temp_np[slots] <= 0).any())
         idx = torch.tensor(slots, device=dev)
-        rows = logits.index_select(0, idx) if rows_are_slots else logits
-        tok, logp = sample_rows(rows, temp[idx], top_k[idx], top_p[idx], u[idx],
-                                filtered=filtered, any_greedy=greedy)  # fmt: skip
+        if not filtered and self._gpu_sampling:
+            from trace_common.kernels.sample import sample_rows_unfiltered
+
+            rows = idx if rows_are_slots else torch.arange(len(slots), device=dev)
+            tok, logp = sample_rows_unfiltered(logits, rows, temp[idx], u[idx])
+        else:
+            sel = logits.index_select(0, idx) if rows_are_slots else logits
+            tok, logp = sample_rows(sel, temp[idx], top_k[idx], top_p[idx], u[idx],
+                                    filtered=filtered, any_greedy=greedy)  # fmt: skip
         both = torch.stack([tok.double(), logp.double()]).cpu().numpy()
         return both[0].astype(np.int64), both[1]
 

@@ -99,6 +99,33 @@ def test_fake_quantize_bit_exact_and_used_by_qat(shape, dtype, gran):
         quant.fake_quantize(bad, scale_granularity=gran)
 
 
+@pytest.mark.parametrize("vocab", [37, 1000, 151936])
+def test_sampling_kernel_matches_sample_rows(vocab):
+    """Same tokens as the scheduler's PyTorch sampler for the same draws (a draw within
+    rounding of a token boundary could differ; none of these does), log-probs within 1e-4,
+    greedy rows the argmax; the rows are picked out of a larger logits tensor by index."""
+    import numpy as np
+
+    from trace_common.kernels.sample import sample_rows_unfiltered
+    from trace_common.rollout.scheduler import sample_rows, uniforms
+
+    n = 64
+    g = torch.Generator(device=DEV).manual_seed(vocab)
+    logits = (torch.randn(n + 5, vocab, generator=g, device=DEV) * 3).to(torch.bfloat16)
+    rows = torch.randperm(n + 5, generator=g, device=DEV)[:n]
+    temp = torch.rand(n, generator=g, device=DEV) * 1.5 + 0.2
+    temp[::5] = 0.0  # greedy
+    seeds = np.arange(n, dtype=np.uint64) + 11
+    u = torch.from_numpy(uniforms(seeds, np.zeros(n, dtype=np.uint64))).to(DEV)
+    none_k, none_p = torch.zeros(n, dtype=torch.long, device=DEV), torch.ones(n, device=DEV)
+    want_tok, want_lp = sample_rows(logits[rows], temp, none_k, none_p, u, filtered=False)
+    tok, lp = sample_rows_unfiltered(logits, rows, temp, u)
+    assert torch.equal(tok, want_tok), (tok != want_tok).nonzero().flatten().tolist()
+    assert float((lp - want_lp).abs().max()) < 1e-4
+    greedy = temp <= 0
+    assert torch.equal(tok[greedy], logits[rows][greedy].float().argmax(-1))
+
+
 def test_quantize_scale_ties_and_subnormals():
     """Block amaxes that land exactly on e4m3 rounding midpoints, subnormal scales included."""
     from trace_common.fp4 import nvfp4

@@ -121,6 +121,25 @@ _INTERPRETED = textwrap.dedent(
         assert torch.equal(ref.scale.view(torch.uint8), got.scale.view(torch.uint8)), shape
         assert torch.equal(ref.per_tensor_scale, got.per_tensor_scale), shape
         assert torch.equal(want.payload, rec.payload), shape
+        # fake quantization: the kernel's codes decoded, bit for bit the reference's values
+        fq = quant.fake_quantize(x, scale_granularity=gran)
+        bits = {4: torch.int32, 2: torch.int16}[x.element_size()]
+        assert torch.equal(fq.view(bits), ref.dequantize(dt).view(bits)), shape
+
+    import numpy as np
+    from trace_common.kernels.sample import sample_rows_unfiltered
+    from trace_common.rollout.scheduler import sample_rows, uniforms
+    for vocab, n in [(37, 16), (1000, 32)]:
+        logits = (torch.randn(n + 3, vocab) * 3).to(torch.bfloat16)
+        rows = torch.randperm(n + 3)[:n]
+        temp = torch.rand(n) * 1.5 + 0.2
+        temp[::5] = 0.0
+        u = torch.from_numpy(uniforms(np.arange(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)))
+        want_tok, want_lp = sample_rows(logits[rows], temp, torch.zeros(n, dtype=torch.long),
+                                        torch.ones(n), u, filtered=False)
+        tok, lp = sample_rows_unfiltered(logits, rows, temp, u)
+        assert torch.equal(tok, want_tok), vocab
+        assert float((lp - want_lp).abs().max()) < 1e-4, vocab
     print("ok")
     """
 )
@@ -130,7 +149,7 @@ _INTERPRETED = textwrap.dedent(
     importlib.util.find_spec("triton") is None,
     reason="Triton is not installed (pip install 'trace-rl[gpu]'); the interpreter test needs it",
 )
-def test_quantize_kernel_bit_exact_under_triton_interpreter():
+def test_quantize_fake_quant_and_sampling_kernels_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run(
         [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120
