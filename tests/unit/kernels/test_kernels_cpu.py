@@ -155,3 +155,26 @@ def test_quantize_fake_quant_and_sampling_kernels_under_triton_interpreter():
         [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="Triton is not installed (pip install 'trace-rl[gpu]'); compiling needs it",
+)
+@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
+def test_sampling_kernel_compiles_for_hopper(logits: str) -> None:
+    """The sampling kernel through Triton's whole pipeline for sm_90 (to a cubin, with the
+    wheel's ptxas), as on the H200: no GPU needed to catch what the interpreter lets pass."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trace_common.kernels import _tl_sample
+
+    sig = {"logits_ptr": logits, "row_stride": "i64", "rows_ptr": "*i64", "temp_ptr": "*fp32",
+           "u_ptr": "*fp64", "tok_ptr": "*i64", "logp_ptr": "*fp32", "V": "constexpr",
+           "BLOCK": "constexpr"}  # fmt: skip
+    src = ASTSource(fn=_tl_sample.sample_kernel, signature=sig,
+                    constexprs={"V": 151936, "BLOCK": 4096})  # fmt: skip
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert compiled.asm["cubin"], "no cubin"
