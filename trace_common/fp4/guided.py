@@ -340,12 +340,30 @@ def guided_codes(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
 def guided_quantize(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
     """Training side: rollout-guided rounding of x_train (see module docstring).
 
-    Forward: s_rollout * q* in x_train.dtype; backward: straight-through to x_train.
+    Forward: s_rollout * q* in x_train.dtype; backward: straight-through to x_train. CUDA
+    tensors with compact NVFP4 records take the Triton kernel (`kernels.quant.guided_quantize`,
+    the same values) where Triton is installed.
     """
     with torch.no_grad():
-        q_star, factor = _guided(x_train, record)
-        y = _apply_scales(q_star, factor, record, x_train)
+        if _guided_kernel(x_train, record):
+            from trace_common.kernels.quant import guided_quantize as guided_quantize_gpu
+
+            y = guided_quantize_gpu(x_train, record)
+        else:
+            q_star, factor = _guided(x_train, record)
+            y = _apply_scales(q_star, factor, record, x_train)
     return straight_through(x_train, y)
+
+
+def _guided_kernel(x_train: torch.Tensor, record: GuidanceRecord) -> bool:
+    from trace_common.kernels import triton_available
+
+    return (
+        isinstance(record, GuidanceRecord)
+        and (record.fmt, record.mode) == ("nvfp4", "compact")
+        and x_train.is_cuda
+        and triton_available()
+    )
 
 
 def rtn_with_record_scales(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
@@ -398,7 +416,9 @@ def _guided(x_train: torch.Tensor, record: GuidanceRecord) -> tuple[torch.Tensor
     return q_star + 0.0, factor  # + 0.0 turns -0.0 into +0.0, as the decode table
 
 
-def _scaled(x_train: torch.Tensor, record: GuidanceRecord) -> tuple[torch.Tensor, torch.Tensor]:
+def check_guided_input(x_train: torch.Tensor, record: GuidanceRecord) -> GuidanceRecord:
+    """Raise unless x_train can be guided by `record` (a supported float tensor of the
+    record's shape, all finite); the record on x_train's device."""
     check_tensor(x_train, "x_train")
     if not isinstance(record, GuidanceRecord):
         raise TypeError(f"record must be a GuidanceRecord, got {type(record).__name__}")
@@ -408,7 +428,11 @@ def _scaled(x_train: torch.Tensor, record: GuidanceRecord) -> tuple[torch.Tensor
             f"{record.shape} (use record.with_shape(...) if only the leading dims differ)"
         )
     check_finite(x_train, "x_train")
-    rec = record.to(x_train.device) if record.payload.device != x_train.device else record
+    return record.to(x_train.device) if record.payload.device != x_train.device else record
+
+
+def _scaled(x_train: torch.Tensor, record: GuidanceRecord) -> tuple[torch.Tensor, torch.Tensor]:
+    rec = check_guided_input(x_train, record)
     bs, factor = _factor(rec)
     x_blocks = x_train.float().reshape(rec.num_rows, rec.k // bs, bs)
     z = (x_blocks / factor.unsqueeze(-1)).clamp(-F4_E2M1_MAX, F4_E2M1_MAX)

@@ -312,3 +312,45 @@ def load_fp4_tile(
     else:
         v = dequant_tile_f16(c, s, R, BK)
     return v
+
+
+@triton.jit
+def guided_compact_kernel(
+    x_ptr,  # [R, C] fp32/bf16/fp16, unit stride along C: the trainer's values
+    x_row_stride,
+    mbits_ptr,  # uint8 [R, C/8]: the rollout's mantissa bits, element i -> bit i % 8
+    scale_ptr,  # uint8 [R, C/16]: the rollout's e4m3 block scales
+    g_ptr,  # fp32 [R]: the rollout's second-level scales
+    y_ptr,  # out [R, C], x's dtype: s_rollout * q*
+    C: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # next power of two >= C
+    OUT_BF16: tl.constexpr,  # y is bf16
+):
+    """Rollout-guided rounding of one row (`fp4.guided.guided_quantize`, compact NVFP4
+    records): z = clamp(x / s, -6, 6) with the rollout's scale s; of the two E2M1 magnitudes
+    that bracket |z| (one where z is on the grid), the one whose mantissa bit is the
+    rollout's; the value times s, in x's dtype."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    inside = cols < C
+    x = tl.load(x_ptr + r * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    s_byte = tl.load(scale_ptr + r * (C // BLOCK) + cols // BLOCK, mask=inside, other=0x38)
+    factor = e4m3_to_f32(s_byte.to(tl.int32)) * tl.load(g_ptr + r)
+    z = tl.minimum(tl.maximum(tl.math.div_rn(x, factor), -E2M1_MAX), E2M1_MAX)
+    mag = tl.abs(z)
+    nearest = f32_to_e2m1(mag)  # magnitude index 0..7 (mag >= 0: no sign bit)
+    g_near = e2m1_to_f32(nearest)
+    other = nearest + (mag > g_near).to(tl.int32) - (mag < g_near).to(tl.int32)
+    byte = tl.load(mbits_ptr + r * (C // 8) + cols // 8, mask=inside, other=0).to(tl.int32)
+    m_rollout = (byte >> (cols % 8)) & 1
+    idx = tl.where((nearest & 1) == m_rollout, nearest, other)
+    q = e2m1_to_f32(idx)
+    q = tl.where(z < 0, -q, q) + 0.0  # + 0.0: a guided zero is +0.0, as the reference's
+    y = q * factor
+    if OUT_BF16:  # RNE on the fp32 bits (finite values): the same on every Triton backend
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r * C + cols, out, mask=inside)

@@ -159,6 +159,31 @@ def fake_quantize(x: torch.Tensor, *, scale_granularity: ScaleGranularity = "row
     return (blocks * factor.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
+def guided_quantize(x: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
+    """GPU forward of `fp4.guided.guided_quantize` for compact NVFP4 records (the caller adds
+    the straight-through gradient): the same values bit for bit, in x's dtype. x must have
+    the record's shape and be finite, as the reference requires."""
+    from trace_common.fp4.guided import check_guided_input
+
+    rec = check_guided_input(x, record)
+    if (rec.fmt, rec.mode) != ("nvfp4", "compact"):
+        raise ValueError(f"the guided kernel reads compact NVFP4 records, got {rec.fmt}/{rec.mode}")
+    k = rec.k
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    r = x2d.shape[0]
+    y = torch.empty(r, k, dtype=x.dtype, device=x.device)
+    if r:
+        block_c, warps = _launch_meta(k)
+        load_kernels("_tl_fp4").guided_compact_kernel[(r,)](
+            x2d, x2d.stride(0), rec.payload.contiguous(), rec.block_scales.contiguous(),
+            rec.row_scales.contiguous(), y, C=k, BLOCK_C=block_c,  # type: ignore[union-attr]
+            OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps,
+        )  # fmt: skip
+    return y.reshape(x.shape)
+
+
 def capture(x: torch.Tensor, mode: str = "compact") -> tuple[torch.Tensor, GuidanceRecord]:
     """GPU `guided.capture(x, "nvfp4", mode)`: (dequantized x in x.dtype, record)."""
     from trace_common.fp4.guided import make_record

@@ -99,6 +99,32 @@ def test_fake_quantize_bit_exact_and_used_by_qat(shape, dtype, gran):
         quant.fake_quantize(bad, scale_granularity=gran)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(33, 128), (3, 4, 512), (700, 384)])
+def test_guided_quantize_kernel_bit_exact(shape, dtype):
+    """Compact NVFP4 records of a rollout whose values differ a little: the kernel's guided
+    rounding equals the CPU reference bit for bit, and `guided_quantize` on CUDA takes it,
+    with the straight-through gradient."""
+    from trace_common.fp4 import nvfp4
+    from trace_common.fp4.guided import guided_quantize, make_record
+    from trace_common.kernels import quant
+
+    x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + 2)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x_roll = (x.float() * (1 + 0.05 * torch.randn(shape, generator=g, device=DEV))).to(dtype)
+    rec = make_record(nvfp4.quantize(x_roll.cpu(), scale_granularity="row"), "compact")
+    want = guided_quantize(x.cpu(), rec)
+    bits = {4: torch.int32, 2: torch.int16}[x.element_size()]
+    got = quant.guided_quantize(x, rec.to(DEV))
+    assert torch.equal(got.cpu().view(bits), want.view(bits)), "guided rounding differs"
+    leaf = x.clone().requires_grad_(True)
+    y = guided_quantize(leaf, rec.to(DEV))
+    assert torch.equal(y.detach().cpu().view(bits), want.view(bits))
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    assert torch.equal(leaf.grad, grad)
+
+
 @pytest.mark.parametrize("vocab", [37, 1000, 151936])
 def test_sampling_kernel_matches_sample_rows(vocab):
     """Same tokens as the scheduler's PyTorch sampler for the same draws (a draw within

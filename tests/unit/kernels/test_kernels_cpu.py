@@ -126,6 +126,17 @@ _INTERPRETED = textwrap.dedent(
         bits = {4: torch.int32, 2: torch.int16}[x.element_size()]
         assert torch.equal(fq.view(bits), ref.dequantize(dt).view(bits)), shape
 
+    # rollout-guided rounding, compact records of a rollout whose values differ a little
+    from trace_common.fp4.guided import guided_quantize
+    for shape, dt in [((6, 64), torch.float32), ((3, 4, 48), torch.bfloat16),
+                      ((5, 512), torch.float16)]:
+        x = (torch.randn(shape) * torch.logspace(-4, 2, shape[-1])).to(dt)
+        x_roll = (x.float() * (1 + 0.05 * torch.randn(shape))).to(dt)
+        rec = make_record(nvfp4.quantize(x_roll, scale_granularity="row"), "compact")
+        bits = {4: torch.int32, 2: torch.int16}[x.element_size()]
+        want = guided_quantize(x, rec)
+        assert torch.equal(quant.guided_quantize(x, rec).view(bits), want.view(bits)), shape
+
     import numpy as np
     from trace_common.kernels.sample import sample_rows_unfiltered
     from trace_common.rollout.scheduler import sample_rows, uniforms
@@ -149,7 +160,7 @@ _INTERPRETED = textwrap.dedent(
     importlib.util.find_spec("triton") is None,
     reason="Triton is not installed (pip install 'trace-rl[gpu]'); the interpreter test needs it",
 )
-def test_quantize_fake_quant_and_sampling_kernels_under_triton_interpreter():
+def test_quantize_fake_quant_guided_and_sampling_kernels_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run(
         [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120
@@ -161,20 +172,29 @@ def test_quantize_fake_quant_and_sampling_kernels_under_triton_interpreter():
     importlib.util.find_spec("triton") is None,
     reason="Triton is not installed (pip install 'trace-rl[gpu]'); compiling needs it",
 )
-@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
-def test_sampling_kernel_compiles_for_hopper(logits: str) -> None:
-    """The sampling kernel through Triton's whole pipeline for sm_90 (to a cubin, with the
-    wheel's ptxas), as on the H200: no GPU needed to catch what the interpreter lets pass."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("kernel", ["sample", "guided"])
+def test_new_kernels_compile_for_hopper(kernel: str, dtype: str) -> None:
+    """The sampling and guided-rounding kernels through Triton's whole pipeline for sm_90 (to a
+    cubin, with the wheel's ptxas), as on the H200: no GPU needed to catch what the
+    interpreter lets pass (types of loop-carried values, unsupported ops)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from trace_common.kernels import _tl_sample
+    from trace_common.kernels import _tl_fp4, _tl_sample
 
-    sig = {"logits_ptr": logits, "row_stride": "i64", "rows_ptr": "*i64", "temp_ptr": "*fp32",
-           "u_ptr": "*fp64", "tok_ptr": "*i64", "logp_ptr": "*fp32", "V": "constexpr",
-           "BLOCK": "constexpr"}  # fmt: skip
-    src = ASTSource(fn=_tl_sample.sample_kernel, signature=sig,
-                    constexprs={"V": 151936, "BLOCK": 4096})  # fmt: skip
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    if kernel == "sample":
+        fn = _tl_sample.sample_kernel
+        sig = {"logits_ptr": f"*{dtype}", "row_stride": "i64", "rows_ptr": "*i64",
+               "temp_ptr": "*fp32", "u_ptr": "*fp64", "tok_ptr": "*i64", "logp_ptr": "*fp32"}  # fmt: skip
+        const = {"V": 151936, "BLOCK": 4096}
+    else:
+        fn = _tl_fp4.guided_compact_kernel
+        sig = {"x_ptr": f"*{dtype}", "x_row_stride": "i64", "mbits_ptr": "*u8",
+               "scale_ptr": "*u8", "g_ptr": "*fp32", "y_ptr": f"*{dtype}"}  # fmt: skip
+        const = {"C": 384, "BLOCK_C": 512, "OUT_BF16": dtype == "bf16"}
+    sig |= dict.fromkeys(const, "constexpr")
+    src = ASTSource(fn=fn, signature=sig, constexprs=const)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert compiled.asm["cubin"], "no cubin"
