@@ -17,7 +17,7 @@ import torch
 from trace_common.fp4._checks import check_finite, check_last_dim, check_tensor
 from trace_common.fp4.constants import NVFP4_BLOCK_SIZE
 from trace_common.fp4.e2m1 import packed_values
-from trace_common.fp4.guided import GuidanceRecord
+from trace_common.fp4.guided import GuidanceRecord, check_guided_input
 from trace_common.fp4.nvfp4 import (
     SCALE_GRANULARITIES,
     NVFP4Tensor,
@@ -163,8 +163,6 @@ def guided_quantize(x: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
     """GPU forward of `fp4.guided.guided_quantize` for compact NVFP4 records (the caller adds
     the straight-through gradient): the same values bit for bit, in x's dtype. x must have
     the record's shape and be finite, as the reference requires."""
-    from trace_common.fp4.guided import check_guided_input
-
     rec = check_guided_input(x, record)
     if (rec.fmt, rec.mode) != ("nvfp4", "compact"):
         raise ValueError(f"the guided kernel reads compact NVFP4 records, got {rec.fmt}/{rec.mode}")
