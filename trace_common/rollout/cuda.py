@@ -7,8 +7,8 @@ guided layers' `moe_in`, `k` and `v` rows, written by the quantize kernels, and 
 layer's top-k expert ids) gathered into one byte slab and scattered into a per-slot history
 at each slot's position. Prompts are prefilled in chunks (`trace_common.rollout.prefill`) that
 write the same caches and history; the other completions of a prompt copy its positions from
-the slot that prefilled it (`DecodeBackend.copy_prefix`). When a sequence finishes, its history rows are serialized
-as the same `SampleRecords` bytes the PyTorch engine writes.
+the slot that prefilled it (`DecodeBackend.copy_prefix`). When a sequence finishes, its
+history rows are serialized as the same `SampleRecords` bytes the PyTorch engine writes.
 
 Weights: a pushed FP4 version is loaded as pushed (the ModelOpt codes and scales are laid out
 for the expert GEMM, never re-quantized), into the buffers the graph reads, so a new version
