@@ -189,6 +189,49 @@ def test_a_group_prefills_its_prompt_once_and_samples_as_if_each_prefilled_it(
     assert all(n == len(prompt) or n == 5 for _, _, n in be.copies)
 
 
+def test_prompt_sharing_under_random_load_equals_no_sharing(sched_factory) -> None:
+    """12 random workloads: requests (group sizes 1-6, prompts 1-13 tokens, lengths 1-9,
+    sampled) sent at once from several threads onto 2-5 slots, with a prefill budget of 1-6
+    tokens. Every sample equals the same request on a backend that feeds prompts token by
+    token, and prompts were copied (not only prefilled) in these workloads."""
+    global MARGIN
+    key = lambda ss: [(s.prompt_index, s.group_index, s.completion_tokens, s.logprobs,  # noqa: E731
+                       s.finish_reason, s.records) for s in ss]  # fmt: skip
+    copied = 0
+    old, MARGIN = MARGIN, 1.0
+    try:
+        for seed in range(12):
+            rng = np.random.default_rng(seed)
+            batch, budget = int(rng.integers(2, 6)), int(rng.integers(1, 7))
+            requests = []
+            for r in range(int(rng.integers(2, 5))):
+                prompts = [list(rng.integers(3, V, size=int(rng.integers(1, 14))))
+                           for _ in range(int(rng.integers(1, 4)))]  # fmt: skip
+                sp = SamplingConfig(temperature=1.0, max_new_tokens=int(rng.integers(1, 10)),
+                                    seed=seed * 100 + r)  # fmt: skip
+                requests.append((prompts, int(rng.integers(1, 7)), sp))
+            results = {}
+            for name, prefill in (("shared", budget), ("stepped", 0)):
+                sched, _ = sched_factory(batch=batch, prefill_tokens=prefill)
+                out: dict[int, list] = {}
+                threads = [threading.Thread(target=lambda i=i, rq=rq, o=out, sc=sched: o.setdefault(
+                    i, sc.generate(rq[0], rq[1], rq[2], with_records=True)[0]))
+                    for i, rq in enumerate(requests)]  # fmt: skip
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                assert len(out) == len(requests), f"seed {seed} {name}: a request did not finish"
+                results[name] = out
+                if prefill:
+                    copied += sched.stats()["shared_prompt_tokens_total"]
+            for i in range(len(requests)):
+                assert key(results["shared"][i]) == key(results["stepped"][i]), (seed, i)
+    finally:
+        MARGIN = old
+    assert copied > 0, "no workload copied a prompt"
+
+
 def test_stop_token_ids_end_a_sequence(sched_factory) -> None:
     sched, _ = sched_factory()
     prompt = [5, 6]
