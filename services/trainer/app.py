@@ -246,6 +246,7 @@ class TrainerApp:
                 or self.core.step_index == run.steps
             ):
                 self.checkpoint()
+        self.core.wait_pushed()  # "finished" means the last version is in weight-sync
         if self.core.step_index >= run.steps:
             self.state = "finished"
         if isinstance(self.learner, LeaderLearner):

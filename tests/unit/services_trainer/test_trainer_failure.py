@@ -4,6 +4,7 @@ The loop runs for real; its step, the publisher and the directory are small fake
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -90,3 +91,39 @@ def test_healthz_is_200_while_live() -> None:
     with TestClient(http) as client:
         reply = client.get("/healthz")
         assert reply.status_code == 200 and reply.json() == {"status": "ok", "component": "x"}
+
+
+def test_finished_only_once_the_last_version_is_pushed() -> None:
+    """With the push overlapped (a background thread), the run reports "finished" only after
+    the last version's push has completed: the state seen when each push ends is "running"."""
+    app = TrainerApp(TrainerSettings(**REQUIRED, auth_token="t", run={"steps": 2}),
+                     Metrics("trainer_overlap"))  # fmt: skip
+    seen: list[tuple[int, str]] = []
+
+    class SlowPublisher(_Publisher):
+        def publish(self, version: int, tensors: Any, metadata: Any) -> None:
+            time.sleep(0.3)
+            self.latest = version
+            seen.append((version, app.state))
+
+    pub = SlowPublisher()
+    app.publisher = app.core.publisher = pub  # type: ignore[assignment]
+    app.directory.pull_seconds = dict  # type: ignore[method-assign]
+    assert app.core.config.pushes_in_background
+
+    def step() -> dict[str, Any]:
+        app.core.step_index += 1
+        app.core.publish(background=True)
+        return {
+            "step": app.core.step_index, "policy_version": app.core.version,
+            "reward_mean": 0.0, "samples": 8, "samples_trained": 8,
+            "samples_dropped_records": 0, "samples_dropped_stale": 0,
+            "redispatched_units": 0, "time_rollout_s": 0.0, "time_records_s": 0.0,
+            "time_train_s": 0.0, "time_push_s": 0.0, "step_time_s": 0.0,
+        }  # fmt: skip
+
+    app.core.step = step  # type: ignore[method-assign]
+    app._run_safely()
+    assert app.state == "finished", app.detail
+    assert [v for v, _ in seen] == [0, 1, 2]
+    assert all(state != "finished" for _, state in seen), seen
