@@ -185,7 +185,8 @@ class TrainerApp:
             "state": self.state,
             "step": self.core.step_index,
             "total_steps": self.run_config.steps,
-            "policy_version": self.core.version,
+            "policy_version": self.core.version,  # the latest exported (maybe being pushed)
+            "policy_version_pushed": self.core.pushed_version,  # the latest in weight-sync
             "rollout_replicas": len(self.directory.replicas()),
             "mode": self.run_config.mode,
             "device": str(self.learner.device),

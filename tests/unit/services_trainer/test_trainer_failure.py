@@ -126,4 +126,6 @@ def test_finished_only_once_the_last_version_is_pushed() -> None:
     app._run_safely()
     assert app.state == "finished", app.detail
     assert [v for v, _ in seen] == [0, 1, 2]
+    status = app.status()
+    assert (status["policy_version"], status["policy_version_pushed"]) == (2, 2)
     assert all(state != "finished" for _, state in seen), seen
