@@ -55,8 +55,8 @@ def fake_quantize(
 
 
 def gpu_path(x: torch.Tensor) -> bool:
-    """Whether NVFP4 fake quantization of `x` runs the Triton quantize kernel (bit-identical
-    to the reference): a CUDA tensor, with Triton installed."""
+    """Whether FP4 ops on `x` may run their Triton kernels (bit-identical to the reference):
+    a CUDA tensor, with Triton installed."""
     from trace_common.kernels import triton_available
 
     return x.is_cuda and triton_available()

@@ -58,7 +58,7 @@ from trace_common.fp4.e2m1 import (
     unpack_bits,
     unpack_uint4,
 )
-from trace_common.fp4.fake import straight_through
+from trace_common.fp4.fake import gpu_path, straight_through
 from trace_common.fp4.mxfp4 import MXFP4Tensor, e8m0_to_f32
 from trace_common.fp4.nvfp4 import NVFP4Tensor
 
@@ -356,13 +356,10 @@ def guided_quantize(x_train: torch.Tensor, record: GuidanceRecord) -> torch.Tens
 
 
 def _guided_kernel(x_train: torch.Tensor, record: GuidanceRecord) -> bool:
-    from trace_common.kernels import triton_available
-
     return (
         isinstance(record, GuidanceRecord)
         and (record.fmt, record.mode) == ("nvfp4", "compact")
-        and x_train.is_cuda
-        and triton_available()
+        and gpu_path(x_train)
     )
 
 

@@ -32,7 +32,12 @@ from trace_common.fp4.constants import (
     F32_MANTISSA_BITS,
     MXFP4_BLOCK_SIZE,
 )
-from trace_common.fp4.e2m1 import e2m1_to_f32, f32_to_e2m1, pack_uint4, unpack_uint4
+from trace_common.fp4.e2m1 import (
+    f32_to_e2m1,
+    pack_uint4,
+    packed_values,
+    unpack_uint4,
+)
 
 # fp32 bit pattern of 2**-127 (a subnormal: only mantissa bit 22 set); every other E8M0 value
 # 2**(b - 127), b in 1..254, is the normal fp32 with exponent field b.
@@ -108,6 +113,6 @@ def dequantize(q: MXFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     if not isinstance(q, MXFP4Tensor):
         raise TypeError(f"mxfp4.dequantize expects an MXFP4Tensor, got {type(q).__name__}")
     k = q.shape[-1]
-    values_fp32 = e2m1_to_f32(unpack_uint4(q.qdata))
+    values_fp32 = packed_values(q.qdata)
     blocks_fp32 = values_fp32.reshape(*q.shape[:-1], k // MXFP4_BLOCK_SIZE, MXFP4_BLOCK_SIZE)
     return (blocks_fp32 * e8m0_to_f32(q.scale).unsqueeze(-1)).reshape(q.shape).to(dtype)

@@ -32,7 +32,12 @@ from trace_common.fp4.constants import (
     NVFP4_ZERO_AMAX_SCALE_2,
     NVFP4_ZERO_BLOCK_SCALE,
 )
-from trace_common.fp4.e2m1 import e2m1_to_f32, f32_to_e2m1, pack_uint4, unpack_uint4
+from trace_common.fp4.e2m1 import (
+    f32_to_e2m1,
+    pack_uint4,
+    packed_values,
+    unpack_uint4,
+)
 
 ScaleGranularity = Literal["tensor", "row"]
 SCALE_GRANULARITIES: tuple[str, ...] = ("tensor", "row")
@@ -201,7 +206,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"nvfp4.dequantize expects an NVFP4Tensor, got {type(q).__name__}")
     k = q.shape[-1]
-    values_fp32 = e2m1_to_f32(unpack_uint4(q.qdata))  # [..., K]
+    values_fp32 = packed_values(q.qdata)  # [..., K]
     blocks_fp32 = values_fp32.reshape(*q.shape[:-1], k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
     factor_fp32 = effective_block_scale(q.scale, q.per_tensor_scale)  # [..., K/16]
     return (blocks_fp32 * factor_fp32.unsqueeze(-1)).reshape(q.shape).to(dtype)

@@ -16,14 +16,12 @@ import torch
 
 from trace_common.fp4._checks import check_finite, check_last_dim, check_tensor
 from trace_common.fp4.constants import NVFP4_BLOCK_SIZE
-from trace_common.fp4.e2m1 import packed_values
 from trace_common.fp4.guided import GuidanceRecord, check_guided_input
 from trace_common.fp4.nvfp4 import (
     SCALE_GRANULARITIES,
     NVFP4Tensor,
     ScaleGranularity,
     _check_scale_2,
-    effective_block_scale,
     scale_2_from_amax,
 )
 from trace_common.kernels import load_kernels
@@ -147,16 +145,12 @@ def quantize_and_record(
 
 def fake_quantize(x: torch.Tensor, *, scale_granularity: ScaleGranularity = "row") -> torch.Tensor:
     """GPU `nvfp4.dequantize(nvfp4.quantize(x), x.dtype)`, bit-identical: the quantize kernel,
-    then its codes decoded by table (the reference decoder's checks, each a wait for the
-    device, have nothing to find in the kernel's own codes). Non-finite inputs are refused
-    as the reference refuses them."""
+    then the reference's dequantize. Non-finite inputs are refused as the reference refuses
+    them."""
     check_tensor(x)
     check_finite(x)
     q, _ = _quantize(x, scale_granularity, None, capture=False)
-    k = x.shape[-1]
-    blocks = packed_values(q.qdata).reshape(*x.shape[:-1], k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
-    factor = effective_block_scale(q.scale, q.per_tensor_scale)  # [..., K/16]
-    return (blocks * factor.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
+    return q.dequantize(x.dtype)
 
 
 def guided_quantize(x: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:

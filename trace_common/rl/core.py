@@ -147,7 +147,7 @@ class TrainerCore:
         self._on_event = on_event or (lambda _e: None)
         self.pushed_version = -1  # latest version whose push has finished
         self.last_push_seconds = 0.0  # export + push of the latest finished push
-        self._push: Future[float] | None = None  # the background push in flight
+        self._push: Future[None] | None = None  # the background push in flight
         self._pusher: ThreadPoolExecutor | None = None
 
     def publish(self, *, background: bool = False) -> float:
@@ -156,9 +156,8 @@ class TrainerCore:
         took: the export and, in the background case, the wait for the previous push."""
         t0 = time.perf_counter()
         self.wait_pushed()
-        tensors, metadata = self.learner.export_weights()
+        tensors, metadata = self._export()
         version = self.version + 1
-        metadata = {**metadata, "step": self.step_index, "mode": self.config.mode}
         exported = time.perf_counter() - t0
         if background:
             if self._pusher is None:
@@ -171,24 +170,24 @@ class TrainerCore:
             self.version_floor = version
         return time.perf_counter() - t0
 
+    def _export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The quantized policy and its metadata, stamped with the step and mode."""
+        tensors, metadata = self.learner.export_weights()
+        return tensors, {**metadata, "step": self.step_index, "mode": self.config.mode}
+
     def _push_now(self, version: int, tensors: Mapping[str, torch.Tensor],
-                  metadata: dict[str, Any], exported: float) -> float:  # fmt: skip
+                  metadata: dict[str, Any], exported: float) -> None:  # fmt: skip
         t0 = time.perf_counter()
         self.publisher.publish(version, tensors, metadata)
         self.pushed_version = version
         self.last_push_seconds = exported + time.perf_counter() - t0
         self._on_event(f"push version={version}")
-        return self.last_push_seconds
 
-    def wait_pushed(self) -> float:
-        """Wait for the background push in flight, if any (raising what made it fail);
-        returns the seconds waited."""
+    def wait_pushed(self) -> None:
+        """Wait for the background push in flight, if any (raising what made it fail)."""
         push, self._push = self._push, None
-        if push is None:
-            return 0.0
-        t0 = time.perf_counter()
-        push.result()
-        return time.perf_counter() - t0
+        if push is not None:
+            push.result()
 
     def _check_push(self) -> None:
         """Raise now if the background push has already failed."""
@@ -211,8 +210,7 @@ class TrainerCore:
             raise RuntimeError("no policy version published yet: call publish() first")
         self.wait_pushed()
         t0 = time.perf_counter()
-        tensors, metadata = self.learner.export_weights()
-        metadata = {**metadata, "step": self.step_index, "mode": self.config.mode}
+        tensors, metadata = self._export()
         self.publisher.publish(self.version, tensors, metadata)
         self._on_event(f"republish version={self.version}")
         return time.perf_counter() - t0
