@@ -72,13 +72,88 @@ def site_names(csv: str) -> list[str]:
 class TaskSection:
     """What the policy is trained on."""
 
-    name: Literal["addition", "sort", "reverse", "mixed"] = "addition"
+    # A synthetic digit task, or "dataset": the rows of the [dataset] section.
+    name: Literal["addition", "sort", "reverse", "mixed", "dataset"] = "addition"
     difficulty: int = 1  # digits (addition) or sequence length (sort, reverse)
     tokenizer: str = "char"  # "char" or a Hugging Face tokenizer directory
 
     def __post_init__(self) -> None:
         if self.difficulty < 1:
             raise ValueError(f"task.difficulty must be >= 1, got {self.difficulty}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DatasetSection:
+    """The user's dataset (task.name = "dataset"): its splits and how a row becomes a prompt
+    (`trace_common.data`). Paths are relative to the working directory."""
+
+    # A .jsonl or .parquet file, or a directory saved by Hugging Face datasets (save_to_disk).
+    train: pathlib.Path | None = None
+    eval: pathlib.Path | None = None  # the held-out split (evaluation); same formats
+    train_split: str = "train"  # the split of a DatasetDict directory
+    eval_split: str = "test"
+    prompt: str = "prompt"  # the column holding the prompt: text, or a list of chat messages
+    # reward field -> dataset column, e.g. {answer = "solution"}; other columns keep their names
+    columns: dict[str, Any] = field(default_factory=dict)
+    template: str = ""  # plain prompts: a format string over columns, "Q: {question}\nA:"
+    system: str = ""  # a system message before chat prompts ("" = none)
+    # Plain prompts through the tokenizer's chat template as one user message: "auto" (when
+    # the tokenizer has one), "always" (refuse a tokenizer without), "never".
+    chat: Literal["auto", "always", "never"] = "auto"
+    target: str = ""  # the column a supervised warm start fits ("" = no warm start possible)
+    max_prompt_tokens: int = 512  # longer prompts are skipped and counted, never truncated
+    shuffle: bool = True  # a new seeded order each epoch (false: file order)
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in self.columns.items() if not (isinstance(v, str) and v)}
+        if bad:
+            raise ConfigError(f"dataset.columns={self.columns}: each value is a column name")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(
+                f"dataset.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardSection:
+    """How completions are scored (`trace_common.rewards`): a named reward run in a pool of
+    worker processes beside the trainer."""
+
+    # exact_match | math | code | module:function (a custom reward, importable by the trainer)
+    name: str = "exact_match"
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the reward
+    workers: int = 2  # worker processes
+    timeout_s: float = 30.0  # a call running longer scores 0 (counted in reward_timeouts)
+    # A completion cut off at sampling.max_new_tokens (no EOS): "zero" scores it 0 without
+    # calling the reward, "score" scores its text like any other.
+    truncated: Literal["zero", "score"] = "zero"
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("reward.name must not be empty")
+        if not 1 <= self.workers <= 256:
+            raise ValueError(f"reward.workers must be in [1, 256], got {self.workers}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalSection:
+    """Held-out evaluation on the rollout replicas (the FP4 rollout path): k samples per
+    prompt at the run's sampling settings; mean reward, pass@1 and pass@k."""
+
+    every: int = 0  # steps between evaluations, also run at the start and the end; 0 = off
+    prompts: int = 64  # held-out prompts (the first that fit, in file order)
+    samples: int = 4  # k: completions per prompt
+    pass_threshold: float = 1.0  # a completion with reward >= this counts as passing
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"eval.every must be >= 0, got {self.every}")
+        if self.prompts < 1 or self.samples < 1:
+            raise ValueError(
+                f"eval.prompts and eval.samples must be >= 1, got {self.prompts}, {self.samples}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -246,6 +321,9 @@ class RunConfig:
     overlap_push: bool = True
     seed: int = 0  # weights' init, prompt stream and sampling
     task: TaskSection = field(default_factory=TaskSection)
+    dataset: DatasetSection = field(default_factory=DatasetSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     model: ModelSection = field(default_factory=ModelSection)
     quant: QuantSection = field(default_factory=QuantSection)
     guidance: GuidanceSection = field(default_factory=GuidanceSection)
@@ -276,6 +354,12 @@ class RunConfig:
             raise ValueError(
                 f"sampling.temperature must be > 0 (log-probs are tempered), got "
                 f"{self.sampling.temperature}"
+            )
+        if self.task.name == "dataset" and self.dataset.train is None:
+            raise ConfigError('task.name = "dataset" needs dataset.train (a file or directory)')
+        if self.task.name == "dataset" and self.eval.every and self.dataset.eval is None:
+            raise ConfigError(
+                f"eval.every = {self.eval.every} needs dataset.eval (the held-out split)"
             )
         o = self.objective
         if not (o.lr > 0 and o.tis_cap > 0 and 0 < o.clip_eps < 1):
@@ -429,6 +513,10 @@ def load_run_config(
     return build_run_config(raw, source=source)
 
 
+# Keys whose value is a table of the user's names, not a section of the tree.
+TABLE_KEYS = frozenset({"model.overrides", "dataset.columns", "reward.options"})
+
+
 def flatten(run: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested and dotted keys as dotted keys: {"task": {"name": "sort"}, "objective.lr": 1e-4}
     -> {"task.name": "sort", "objective.lr": 1e-4}. `model.overrides` is a table-valued key
@@ -465,6 +553,11 @@ def build_run_config(raw: Mapping[str, Any], *, source: str = "run configuration
         from trace_common.tasks import make_task
 
         task = build_section(TaskSection, dict(raw.get("task") or {}), "task.", source)
+        if task.name == "dataset":
+            raise ConfigError(
+                f"{source}: sampling.max_new_tokens must be set for a dataset task (the longest "
+                "completion to sample)"
+            )
         sampling["max_new_tokens"] = make_task(task.name, task.difficulty).max_answer_chars + 1
         raw["sampling"] = sampling
     return build_section(RunConfig, raw, "", source)

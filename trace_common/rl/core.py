@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trace_common.rewards.pool import RewardOutcome
 from trace_common.rl.dispatch import Dispatcher
 from trace_common.rl.objective import (
     DEFAULT_MAX_STALENESS,
@@ -32,6 +33,9 @@ from trace_common.rl.objective import (
 from trace_common.rl.types import TRAIN_MODES, DispatchStats, RolloutSample, TrainSample
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks.prompts import Prompt, PromptStream
+
+if TYPE_CHECKING:
+    from trace_common.data.prompts import DatasetPrompts
 from trace_common.tasks.tasks import Problem
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,54 @@ class Learner(Protocol):
     def export_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
 
 
-Scorer = Callable[[RolloutSample, Problem], float]
+class Scorer(Protocol):
+    """Scores a completion of a problem; `submit` returns at once and the reward runs
+    elsewhere (`trace_common.rewards.RewardPool`), so a step scores each work unit's samples
+    while the rest are still being generated."""
+
+    def submit(self, sample: RolloutSample, problem: Problem) -> Future[RewardOutcome]: ...
+
+
+class FunctionScorer:
+    """A plain function ``(sample, problem) -> float`` as a Scorer, run in the caller's thread
+    (tests, benches); an exception scores 0 with status "error"."""
+
+    def __init__(self, fn: Callable[[RolloutSample, Problem], float]) -> None:
+        self.fn = fn
+
+    def submit(self, sample: RolloutSample, problem: Problem) -> Future[RewardOutcome]:
+        fut: Future[RewardOutcome] = Future()
+        try:
+            fut.set_result(RewardOutcome(float(self.fn(sample, problem))))
+        except Exception as e:
+            fut.set_result(RewardOutcome(0.0, "error", f"{type(e).__name__}: {e}"))
+        return fut
+
+
+def as_scorer(scorer: Scorer | Callable[[RolloutSample, Problem], float]) -> Scorer:
+    return scorer if hasattr(scorer, "submit") else FunctionScorer(scorer)  # type: ignore[arg-type]
+
+
+@dataclass(kw_only=True, slots=True)
+class ScoreTally:
+    """What became of one step's reward calls (the statuses of RewardOutcome)."""
+
+    errors: int = 0
+    timeouts: int = 0
+    truncated: int = 0
+
+    def add(self, outcome: RewardOutcome) -> None:
+        if outcome.status == "error":
+            self.errors += 1
+        elif outcome.status == "timeout":
+            self.timeouts += 1
+        elif outcome.status == "truncated":
+            self.truncated += 1
+
+
+# Held-out evaluation's work units are numbered from here, so their sample ids never meet a
+# training unit's of the same step.
+EVAL_FIRST_UNIT = 1_000_000
 
 # What happens to a group whose records are lost for good (a Redis restart, eviction at the
 # memory bound, a refused record), in the setting TrainerConfig.lost_records:
@@ -124,9 +175,9 @@ class TrainerCore:
         self,
         config: TrainerConfig,
         *,
-        prompts: PromptStream,
+        prompts: PromptStream | DatasetPrompts,
         dispatcher: Dispatcher,
-        scorer: Scorer,
+        scorer: Scorer | Callable[[RolloutSample, Problem], float],
         records: RecordStore,
         learner: Learner,
         publisher: WeightPublisher,
@@ -135,7 +186,7 @@ class TrainerCore:
         self.config = config
         self.prompts = prompts
         self.dispatcher = dispatcher
-        self.scorer = scorer
+        self.scorer = as_scorer(scorer)
         self.records = records
         self.learner = learner
         self.publisher = publisher
@@ -216,10 +267,12 @@ class TrainerCore:
         return time.perf_counter() - t0
 
     def _dispatch(
-        self, prompts: Sequence[Prompt], *, write_records: bool, first_unit_id: int = 0
-    ) -> tuple[list[RolloutSample], DispatchStats]:
+        self, prompts: Sequence[Prompt], *, write_records: bool, first_unit_id: int = 0,
+        on_unit: Callable[[list[RolloutSample]], None] | None = None,
+    ) -> tuple[list[RolloutSample], DispatchStats]:  # fmt: skip
         """Generate `prompts` for this step on the replicas (no sample older than
-        max_staleness versions, nor than the version floor)."""
+        max_staleness versions, nor than the version floor); `on_unit` gets each work unit's
+        samples as they are accepted."""
         cfg = self.config
         return self.dispatcher.run(
             prompts,
@@ -230,7 +283,63 @@ class TrainerCore:
             min_policy_version=max(self.version_floor or 0, self.version - cfg.max_staleness),
             write_records=write_records,
             first_unit_id=first_unit_id,
+            on_unit=on_unit,
         )
+
+    def _scoring(
+        self, by_id: Mapping[int, Prompt]
+    ) -> tuple[dict[str, Future[RewardOutcome]], Callable[[list[RolloutSample]], None]]:
+        """Scores submitted as units arrive: the futures by sample id, and the callback."""
+        futures: dict[str, Future[RewardOutcome]] = {}
+
+        def on_unit(samples: list[RolloutSample]) -> None:
+            for s in samples:
+                futures[s.sample_id] = self.scorer.submit(s, by_id[s.prompt_id].problem)
+
+        return futures, on_unit
+
+    def evaluate(self, prompts: Sequence[Prompt], *, samples: int,
+                 pass_threshold: float) -> dict[str, Any]:  # fmt: skip
+        """Held-out evaluation of the latest version on the replicas: `samples` completions of
+        each prompt (no records), scored by the run's reward. Returns mean reward, pass@1 and
+        pass@k (k = `samples`: the fraction of prompts with a passing completion, reward >=
+        `pass_threshold`)."""
+        if self.version < 0:
+            raise RuntimeError("no policy version published yet: call publish() first")
+        self.wait_pushed()  # evaluate the version just exported, not the one before
+        t0 = time.perf_counter()
+        by_id = {p.prompt_id: p for p in prompts}
+        futures, on_unit = self._scoring(by_id)
+        out, _ = self.dispatcher.run(
+            prompts, run_id=self.config.run_id, step=self.step_index, group_size=samples,
+            sampling=self.config.sampling, min_policy_version=self.version,
+            write_records=False, first_unit_id=EVAL_FIRST_UNIT, on_unit=on_unit,
+        )  # fmt: skip
+        tally = ScoreTally()
+        per_prompt: dict[int, list[float]] = {}
+        for s in out:
+            outcome = futures[s.sample_id].result()
+            tally.add(outcome)
+            per_prompt.setdefault(s.prompt_id, []).append(outcome.value)
+        rewards = [v for vs in per_prompt.values() for v in vs]
+        passed = [[v >= pass_threshold for v in vs] for vs in per_prompt.values()]
+        self._on_event(f"eval prompts={len(prompts)} samples={samples}")
+        return {
+            "event": "eval",
+            "step": self.step_index,
+            "policy_version": self.version,
+            "eval_prompts": len(per_prompt),
+            "eval_samples_per_prompt": samples,
+            "eval_reward_mean": sum(rewards) / max(len(rewards), 1),
+            "eval_pass_at_1": sum(sum(p) for p in passed) / max(len(rewards), 1),
+            "eval_pass_at_k": sum(any(p) for p in passed) / max(len(passed), 1),
+            "eval_reward_errors": tally.errors,
+            "eval_reward_timeouts": tally.timeouts,
+            "eval_completions_truncated": tally.truncated,
+            "eval_completion_len_mean": sum(len(s.completion_tokens) for s in out)
+            / max(len(out), 1),
+            "eval_seconds": time.perf_counter() - t0,
+        }
 
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics (also what metrics.jsonl gets)."""
@@ -239,24 +348,29 @@ class TrainerCore:
             raise RuntimeError("no policy version published yet: call publish() first")
         self._check_push()
         t_start = time.perf_counter()
+        skipped_before = dict(self.prompts.skipped)
         batch = self.prompts.next_batch(cfg.prompts_per_step)
+        skipped = {k: v - skipped_before.get(k, 0) for k, v in self.prompts.skipped.items()}
         by_id = {p.prompt_id: p for p in batch}
         self._on_event(f"prompts step={self.step_index} n={len(batch)}")
 
-        samples, dstats = self._dispatch(batch, write_records=cfg.writes_records)
+        futures, on_unit = self._scoring(by_id)
+        samples, dstats = self._dispatch(batch, write_records=cfg.writes_records, on_unit=on_unit)
         self._on_event(f"rollout samples={len(samples)}")
         t_rollout = time.perf_counter()
 
+        tally = ScoreTally()
         kept_groups, dropped, staleness = self._filter_groups(samples)
-        train_samples = self._score(kept_groups, by_id)
+        train_samples = self._score(kept_groups, by_id, tally, futures)
         self._on_event(f"score groups={len(kept_groups)}")
+        t_score = time.perf_counter()
 
         lost = LostRecords()
         if cfg.writes_records and train_samples:
             train_samples, lost_groups = self._attach_records(train_samples)
             self._on_event("records")
             if lost_groups:
-                recovered, lost = self._recover(lost_groups, by_id, first_unit_id=len(batch))
+                recovered, lost = self._recover(lost_groups, by_id, tally, first_unit_id=len(batch))
                 train_samples += recovered
                 staleness += [ts.staleness for ts in recovered]
         t_records = time.perf_counter()
@@ -290,6 +404,12 @@ class TrainerCore:
             "rollout_tokens_per_s": n_completion / max(t_rollout - t_start, 1e-9),
             "rollout_tokens_per_s_per_replica": tps,
             "redispatched_units": dstats.redispatched_units + lost.redispatched_units,
+            "reward_errors": tally.errors,
+            "reward_timeouts": tally.timeouts,
+            "completions_truncated": tally.truncated,
+            "prompts_skipped_too_long": skipped.get("too_long", 0),
+            "prompts_skipped_malformed": skipped.get("malformed", 0),
+            "time_score_wait_s": t_score - t_rollout,
             "failed_replicas": list(dstats.failed_replicas),
             "record_bytes_per_token": sum(s.record_bytes for s in samples) / max(n_tokens, 1),
             "weight_push_seconds": self.last_push_seconds,
@@ -320,13 +440,27 @@ class TrainerCore:
         return kept, dropped, staleness
 
     def _score(
-        self, groups: Sequence[Sequence[RolloutSample]], by_id: Mapping[int, Prompt]
+        self,
+        groups: Sequence[Sequence[RolloutSample]],
+        by_id: Mapping[int, Prompt],
+        tally: ScoreTally,
+        futures: Mapping[str, Future[RewardOutcome]] | None = None,
     ) -> list[TrainSample]:
+        """Rewards (the scores submitted as units arrived, or submitted now) and GRPO
+        advantages of whole groups; failed reward calls score 0 and are counted in `tally`."""
         if not groups:
             return []
-        rewards = torch.tensor(
-            [[self.scorer(s, by_id[s.prompt_id].problem) for s in g] for g in groups]
-        )  # [G, n]
+        futures = futures or {}
+        pending = [
+            [futures.get(s.sample_id) or self.scorer.submit(s, by_id[s.prompt_id].problem)
+             for s in g]
+            for g in groups
+        ]  # fmt: skip
+        outcomes = [[f.result() for f in g] for g in pending]
+        for g in outcomes:
+            for o in g:
+                tally.add(o)
+        rewards = torch.tensor([[o.value for o in g] for g in outcomes])  # [G, n]
         adv = grpo_advantages(rewards)  # [G, n]
         return [
             TrainSample(
@@ -385,6 +519,7 @@ class TrainerCore:
         self,
         groups: list[list[TrainSample]],
         by_id: Mapping[int, Prompt],
+        tally: ScoreTally,
         *,
         first_unit_id: int,
     ) -> tuple[list[TrainSample], LostRecords]:
@@ -416,7 +551,7 @@ class TrainerCore:
             stats.redispatched_units += dstats.redispatched_units
             kept_groups, stale, _ = self._filter_groups(samples)
             stats.dropped += stale  # the replicas lag the floor: rare, counted as dropped
-            got, groups = self._attach_records(self._score(kept_groups, by_id))
+            got, groups = self._attach_records(self._score(kept_groups, by_id, tally))
             out += got
         stats.dropped += sum(len(g) for g in groups)
         return out, stats

@@ -167,10 +167,13 @@ class Dispatcher:
         min_policy_version: int,
         write_records: bool,
         first_unit_id: int = 0,
+        on_unit: Callable[[list[RolloutSample]], None] | None = None,
     ) -> tuple[list[RolloutSample], DispatchStats]:
         """Every completion of ``prompts`` exactly once. Units are numbered from
         ``first_unit_id``: a second round in the same step (regenerating groups whose records
-        were lost) starts past the first round's units, so its sample ids and seeds differ."""
+        were lost) starts past the first round's units, so its sample ids and seeds differ.
+        ``on_unit`` is called with each unit's samples once they are accepted (each exactly
+        once), so the caller can start scoring them while the rest are generated."""
         cfg = self.config
         pending = collections.deque(self.make_units(prompts, first_unit_id))
         done: dict[int, list[RolloutSample]] = {}
@@ -267,6 +270,8 @@ class Dispatcher:
                     s.replica_id = s.replica_id or rid
                 done[unit.unit_id] = samples
                 self._on_event(f"done unit={unit.unit_id} replica={rid}")
+                if on_unit is not None:
+                    on_unit(samples)
                 stats.tokens_per_replica[rid] = stats.tokens_per_replica.get(rid, 0) + sum(
                     len(s.completion_tokens) for s in samples
                 )

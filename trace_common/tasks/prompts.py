@@ -7,7 +7,9 @@ cursor and restarts continues with exactly the prompts it would have seen.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from trace_common.tasks.tasks import Problem, Task
 from trace_common.tasks.tokenizer import Tokenizer
@@ -38,8 +40,12 @@ class PromptStream:
         return self.task.sample(random.Random(f"trace-prompts:{self.seed}:{index}"))
 
     def encode(self, prompt_id: int, problem: Problem) -> Prompt:
-        ids = (self.tokenizer.bos_id, *self.tokenizer.encode(problem.prompt))
+        ids = tuple(self.tokenizer.prompt_ids(problem.prompt))
         return Prompt(prompt_id=prompt_id, problem=problem, token_ids=ids)
+
+    def with_seed(self, seed: int) -> PromptStream:
+        """The same task and tokenizer, another stream (e.g. a warm start's own problems)."""
+        return PromptStream(self.task, self.tokenizer, seed=seed)
 
     def next_batch(self, n: int) -> list[Prompt]:
         if n < 1:
@@ -48,10 +54,15 @@ class PromptStream:
         self.cursor += n
         return out
 
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Prompts skipped so far, by reason (a generated task skips none)."""
+        return {"too_long": 0, "malformed": 0}
+
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "cursor": self.cursor}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if int(state["seed"]) != self.seed:
             raise ValueError(
                 f"prompt stream seed mismatch: checkpoint has {state['seed']}, stream has {self.seed}"

@@ -14,9 +14,9 @@ Prompt formats (characters of :data:`~trace_common.tasks.tokenizer.DEFAULT_ALPHA
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 from trace_common.tasks.tokenizer import Tokenizer
 
@@ -26,10 +26,20 @@ REWARD_WRONG = 0.0
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One prompt of a task and its unique correct answer."""
+    """One prompt and what scoring it needs.
+
+    `answer` is the text a perfect completion reads (the synthetic tasks' unique answer; a
+    dataset's warm-start target, or "" when it has none). `row` holds the fields a reward
+    reads (`trace_common.rewards`): a dataset row, or ``{"answer": answer}`` for the synthetic
+    tasks."""
 
     prompt: str
     answer: str
+    row: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.row:
+            object.__setattr__(self, "row", {"answer": self.answer})
 
 
 class Task(Protocol):

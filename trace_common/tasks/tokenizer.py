@@ -9,7 +9,7 @@ inside a tokenizer, so a real model's tokenizer drops in without code changes.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 PAD_TOKEN = "<pad>"  # id 0: fills right-padded batches, never sampled
@@ -40,6 +40,10 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt's token ids, with the BOS the model expects (when it has one)."""
+        ...
 
 
 class CharTokenizer:
@@ -84,6 +88,9 @@ class CharTokenizer:
             ids.append(self._char_to_id[c])
         return ids
 
+    def prompt_ids(self, text: str) -> list[int]:
+        return [self.bos_id, *self.encode(text)]
+
     def decode(self, ids: Sequence[int]) -> str:
         out = []
         for i in ids:
@@ -123,7 +130,9 @@ class HFTokenizerAdapter:
         pad = self._tok.pad_token_id
         self._pad = int(pad) if pad is not None else self._eos
         bos = self._tok.bos_token_id
+        self._has_bos = bos is not None
         self._bos = int(bos) if bos is not None else self._pad
+        self.path = path
 
     @property
     def vocab_size(self) -> int:
@@ -146,6 +155,27 @@ class HFTokenizerAdapter:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """`text`'s ids, after the tokenizer's BOS when it has one and the text (a rendered
+        chat template, say) does not start with it already."""
+        ids = self.encode(text)
+        if (self._has_bos and (not ids or ids[0] != self._bos)) or not ids:
+            ids.insert(0, self._bos)  # an empty prompt still needs one position
+        return ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """Chat messages as the prompt text of the tokenizer's chat template, ending where the
+        assistant's reply begins."""
+        if not self.has_chat_template:
+            raise ValueError(f"tokenizer at {str(self.path)!r} has no chat template")
+        return self._tok.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
