@@ -76,6 +76,36 @@ def demo(
 
 
 @app.command()
+def train(
+    config: Annotated[Path, typer.Option(help="recipe file (TOML) of the run")],
+    out: Annotated[
+        Path | None, typer.Option(help="run directory (default: runs/<timestamp>)")
+    ] = None,
+    device: str | None = typer.Option(
+        None, help="auto | cpu | cuda | cuda:N: trainer and replicas [the recipe's [train] device]"
+    ),
+    steps: int | None = typer.Option(None, min=1, help="RL steps [the recipe's]"),
+    replicas: int | None = typer.Option(None, min=1, help="rollout replicas (processes) [2]"),
+    seed: int | None = typer.Option(None, help="[the recipe's]"),
+) -> None:
+    """Train on a recipe with the user's model, tokenizer, dataset and reward: the local
+    cluster of `demo` (Redis, quant-cache, weight-sync, trainer, replicas as processes), a
+    warm start only when the recipe's [train] table asks for one."""
+    from trace_common.rl.demo import DemoConfig, run_demo
+
+    if not config.is_file():
+        raise typer.BadParameter(f"--config {config}: not a file")
+    try:
+        cfg = DemoConfig.load(
+            config, table="train", device=device, out=out, steps=steps, replicas=replicas,
+            seed=seed,
+        )  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    run_demo(cfg)
+
+
+@app.command()
 def export(
     out: Annotated[Path, typer.Argument(help="output directory (must be empty or absent)")],
     checkpoint: Annotated[

@@ -54,8 +54,9 @@ RECIPES_DIR = pathlib.Path(__file__).resolve().parents[1] / "recipes"
 # confused with TRACE_CONFIG_FILE, a YAML file of service settings (trace_common.service).
 RECIPE_ENV = "TRACE_RECIPE"
 # Tables of a recipe that configure the program playing it, not the run: `trace-rl demo` reads
-# `[demo]` (DemoConfig), the trainer skips it, so one recipe serves both.
-DRIVER_TABLES = ("demo",)
+# `[demo]` and `trace-rl train` reads `[train]` (DemoConfig), the trainer skips them, so one
+# recipe serves all three.
+DRIVER_TABLES = ("demo", "train")
 
 
 class ConfigError(ValueError):

@@ -47,6 +47,9 @@ class ExportConfig:
     task: str = "reverse"  # calibration prompts (the run's task)
     difficulty: int = 3
     calib_samples: int = 64  # prompt + answer sequences run through the FP4 policy
+    # The calibration sequences' token ids, when the caller has them (a dataset run's prompts
+    # and targets); None: `calib_samples` problems of `task`.
+    sequences: list[list[int]] | None = None
     dtype: torch.dtype = torch.bfloat16  # high-precision tensors of both exports
     master: bool = True  # also write the master weights (out/master)
 
@@ -78,7 +81,10 @@ def _model(cfg: ExportConfig, vocab_size: int) -> MoECausalLM:
 
 
 def calibration_batches(cfg: ExportConfig) -> list[torch.Tensor]:
-    """One [1, T] batch per prompt + answer + EOS of the task (what rollouts see)."""
+    """One [1, T] batch per prompt + answer + EOS of the task (what rollouts see), or per
+    sequence the caller gave."""
+    if cfg.sequences is not None:
+        return [torch.tensor([list(seq)]) for seq in cfg.sequences]
     tok = load_tokenizer(cfg.tokenizer)
     stream = PromptStream(make_task(cfg.task, cfg.difficulty), tok, seed=CALIB_SEED)
     return [

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 PROJECT = "trace-rl"
-DEFAULT_EXTRAS = ("hf",)
+DEFAULT_EXTRAS = ("hf", "data")
 # Supplied by the image's base (CUDA) or by constraints/cpu.txt (CPU), never from the lock.
 EXCLUDED = frozenset({"torch", "trace-rl"})
 LOCK_PATH = pathlib.Path(__file__).with_name("requirements.lock")

@@ -21,8 +21,16 @@ from services.trainer.remote import (
 )
 from trace_common.clients import QuantCacheClient, WeightSyncClient
 from trace_common.config import RunConfig
+from trace_common.data.recipe import (
+    check_inputs,
+    eval_prompts,
+    is_dataset,
+    reward_config,
+    train_prompts,
+)
 from trace_common.model import MoECausalLM, QuantConfig
 from trace_common.model.hf import load_native_state_dict
+from trace_common.rewards import RewardPool
 from trace_common.rl.audit import RecordAudit, state_digest
 from trace_common.rl.checkpoint import (
     Checkpoint,
@@ -31,11 +39,11 @@ from trace_common.rl.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from trace_common.rl.core import TrainerConfig, TrainerCore
+from trace_common.rl.core import RewardScorer, TrainerConfig, TrainerCore
 from trace_common.rl.dispatch import Dispatcher
 from trace_common.rl.distributed import LeaderLearner
 from trace_common.service import Backoff, Metrics
-from trace_common.tasks import PromptStream, exact_match_reward, load_tokenizer, make_task
+from trace_common.tasks import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +74,20 @@ def build_model(run: RunConfig, vocab_size: int) -> MoECausalLM:
 
 
 def export_checkpoint(run: RunConfig, path: pathlib.Path, quant: QuantConfig) -> None:
-    """`trace-rl export` of a checkpoint just written, into `<path>/export`."""
-    from trace_common.export_job import ExportConfig, run_export
+    """`trace-rl export` of a checkpoint just written, into `<path>/export` (calibrated on the
+    run's own prompts and targets)."""
+    from trace_common.export_job import CALIB_SEED, ExportConfig, run_export
 
+    sequences = None
+    if is_dataset(run):
+        tok = load_tokenizer(run.task.tokenizer)
+        prompts = train_prompts(run, tok).with_seed(CALIB_SEED).next_batch(64)
+        sequences = [[*p.token_ids, *tok.encode(p.problem.answer), tok.eos_id] for p in prompts]
     run_export(
         ExportConfig(
             out=path / "export", model=run.model.name, checkpoint=path,
             tokenizer=run.task.tokenizer, quant=quant, task=run.task.name,
-            difficulty=run.task.difficulty,
+            difficulty=run.task.difficulty, sequences=sequences,
         )
     )  # fmt: skip
 
@@ -88,8 +102,12 @@ class TrainerApp:
         torch.manual_seed(run.seed)
         token = s.token()
         self.tokenizer = tok = load_tokenizer(run.task.tokenizer)
-        self.task = make_task(run.task.name, run.task.difficulty)
         model = build_model(run, tok.vocab_size)
+        # The dataset, the reward and the model fit together, or start-up stops naming the key.
+        self.inputs = check_inputs(run, tok, model.cfg.max_position_embeddings)
+        prompts = train_prompts(run, tok)
+        self.eval_prompts = eval_prompts(run, tok) if run.eval.every else []
+        self.rewards = RewardPool(reward_config(run))
         quant = run.quant.build(model.cfg)
         guidance = run.guidance.build(model.cfg.num_layers)
         guidance.resolve(model.cfg, quant)  # a guided site whose FP4 site is off stops start-up
@@ -131,11 +149,9 @@ class TrainerApp:
                 regenerate_attempts=run.stores.regenerate_attempts,
                 overlap_push=run.overlap_push,
             ),
-            prompts=PromptStream(self.task, tok, seed=run.seed),
+            prompts=prompts,
             dispatcher=Dispatcher(self.directory, run.dispatch),
-            scorer=lambda sample, problem: exact_match_reward(
-                sample.completion_tokens, problem.answer, tok
-            ),
+            scorer=RewardScorer(self.rewards, tok, truncated=run.reward.truncated),
             records=records,
             learner=self.learner,
             publisher=self.publisher,
@@ -144,6 +160,7 @@ class TrainerApp:
         self.state = "starting"
         self.detail = ""
         self.last_metrics: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
         self.resumed_from: str | None = None
         self.republished = 0  # versions pushed again after weight-sync lost them
         self.samples_seen = 0  # received from rollout in this process (for the dropped limit)
@@ -196,6 +213,9 @@ class TrainerApp:
             "versions_republished": self.republished,
             "weights_digest": self.weights_digest,
             "last_metrics": self.last_metrics,
+            "last_eval": self.last_eval,
+            "inputs": self.inputs,
+            "prompts_skipped": dict(self.core.prompts.skipped),
         }
 
     # ----------------------------------------------------------------- run
@@ -216,11 +236,38 @@ class TrainerApp:
         try:
             self._run_steps()
         finally:
-            self.core.close()  # the last version's push finishes (or fails the run)
+            try:
+                self.core.close()  # the last version's push finishes (or fails the run)
+            finally:
+                self.rewards.close()
+
+    def _evaluate_if_due(self, *, start: bool = False) -> None:
+        """Held-out evaluation at the start of a fresh run, every eval.every steps and after
+        the last step (recorded in metrics.jsonl as an "eval" event)."""
+        every, step = self.run_config.eval.every, self.core.step_index
+        if not every:
+            return
+        due = (start and step == 0) or (
+            not start and (step % every == 0 or step == self.run_config.steps)
+        )
+        if not due:
+            return
+        e = self.core.evaluate(
+            self.eval_prompts, samples=self.run_config.eval.samples,
+            pass_threshold=self.run_config.eval.pass_threshold,
+        )  # fmt: skip
+        e["wall_time"] = time.time()
+        self.metrics.record_eval(e)
+        self.last_eval = e
+        log.info(
+            "evaluation done",
+            extra={k: e[k] for k in ("step", "eval_reward_mean", "eval_pass_at_k", "eval_seconds")},
+        )
 
     def _run_steps(self) -> None:
         s, run = self.settings, self.run_config
         self._restore_or_publish()
+        self._evaluate_if_due(start=True)
         self.state = "running" if self._resume.is_set() else "paused"
         while self.core.step_index < run.steps and not self._stop.is_set():
             if not self._resume.is_set():
@@ -238,6 +285,7 @@ class TrainerApp:
             self.metrics.record(m)
             self.last_metrics = m
             self._check_dropped(m)
+            self._evaluate_if_due()
             log.info(
                 "step done",
                 extra={k: m[k] for k in ("step", "policy_version", "reward_mean", "step_time_s")},

@@ -23,6 +23,14 @@ Documented series (all gauges unless noted; every one is set on every step where
   ``trace_trainer_step_seconds`` (histogram)
 - ``trace_trainer_loss``, ``trace_trainer_clip_frac``, ``trace_trainer_tis_mean``
 - ``trace_trainer_run_failed`` (1 once the run failed: alert TraceTrainerRunFailed)
+- ``trace_trainer_reward_failures_total{reason=error|timeout}`` (reward calls that raised or
+  ran past reward.timeout_s; each scored 0), ``trace_trainer_completions_truncated_total``,
+  ``trace_trainer_prompts_skipped_total{reason=too_long|malformed}`` (counters)
+- ``trace_trainer_eval_reward_mean``, ``trace_trainer_eval_pass_at_1``,
+  ``trace_trainer_eval_pass_at_k``, ``trace_trainer_eval_step`` (the last held-out evaluation)
+
+metrics.jsonl also holds one line per held-out evaluation, ``{"event": "eval", ...}``
+(`EVENT_KEY`); step lines have no "event" key.
 """
 
 from __future__ import annotations
@@ -52,6 +60,13 @@ SCALAR_SERIES = {
     "weight_push_seconds": "seconds to quantize + push the last version whose push finished",
 }
 PHASES = ("rollout", "records", "train", "push")
+EVENT_KEY = "event"  # metrics.jsonl lines that are not a step's carry this key
+EVAL_SERIES = {
+    "eval_reward_mean": "mean reward of the last held-out evaluation",
+    "eval_pass_at_1": "fraction of held-out completions that pass (reward >= pass_threshold)",
+    "eval_pass_at_k": "fraction of held-out prompts with a passing completion among k",
+    "step": "step of the last held-out evaluation",
+}
 
 
 class TrainerMetrics:
@@ -88,6 +103,19 @@ class TrainerMetrics:
             "step_phase_seconds", "seconds of the last step by phase", ("phase",)
         )
         self.step_seconds = metrics.histogram("step_seconds", "RL step wall time")
+        self.reward_failures = metrics.counter(
+            "reward_failures", "reward calls that raised or timed out (scored 0)", ("reason",)
+        )
+        self.truncated = metrics.counter(
+            "completions_truncated", "completions cut off at max_new_tokens (no EOS)"
+        )
+        self.skipped = metrics.counter(
+            "prompts_skipped", "dataset rows skipped: prompt too long or malformed", ("reason",)
+        )
+        self.eval = {
+            k: metrics.gauge(f"eval_{k}" if k == "step" else k, doc)
+            for k, doc in EVAL_SERIES.items()
+        }
         self.failed = metrics.gauge("run_failed", "1 once the run failed (state failed)")
         self.failed.set(0)
         if run_id:
@@ -135,6 +163,11 @@ class TrainerMetrics:
             self.regenerated.inc(m.get("samples_regenerated", 0))
             self.unguided.inc(m.get("samples_unguided", 0))
             self.redispatched.inc(m.get("redispatched_units", 0))
+            self.reward_failures.labels("error").inc(m.get("reward_errors", 0))
+            self.reward_failures.labels("timeout").inc(m.get("reward_timeouts", 0))
+            self.truncated.inc(m.get("completions_truncated", 0))
+            self.skipped.labels("too_long").inc(m.get("prompts_skipped_too_long", 0))
+            self.skipped.labels("malformed").inc(m.get("prompts_skipped_malformed", 0))
             for r, v in (m.get("rollout_tokens_per_s_per_replica") or {}).items():
                 self.tps.labels(r).set(v)
             for r, v in (m.get("weight_pull_seconds_per_replica") or {}).items():
@@ -142,6 +175,18 @@ class TrainerMetrics:
             for p in PHASES:
                 self.phase.labels(p).set(m[f"time_{p}_s"])
             self.step_seconds.observe(m["step_time_s"])
-            if self.jsonl is not None:
-                with open(self.jsonl, "a") as f:
-                    f.write(json.dumps(m, sort_keys=True) + "\n")
+            self._append(m)
+
+    def record_eval(self, e: dict[str, Any]) -> None:
+        """A held-out evaluation: its gauges, and an "eval" line in metrics.jsonl."""
+        with self._lock:
+            for k, g in self.eval.items():
+                g.set(e[k])
+            self.reward_failures.labels("error").inc(e.get("eval_reward_errors", 0))
+            self.reward_failures.labels("timeout").inc(e.get("eval_reward_timeouts", 0))
+            self._append({**e, EVENT_KEY: "eval"})
+
+    def _append(self, row: dict[str, Any]) -> None:
+        if self.jsonl is not None:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps(row, sort_keys=True) + "\n")

@@ -40,7 +40,8 @@ class RewardOutcome:
     """One reward call's result: the score, and what happened."""
 
     value: float
-    status: Literal["ok", "error", "timeout"] = "ok"
+    # truncated: not scored, the completion had no EOS (the trainer's reward.truncated = zero)
+    status: Literal["ok", "error", "timeout", "truncated"] = "ok"
     detail: str = ""
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trace_common.rewards.pool import RewardOutcome
+from trace_common.rewards.pool import RewardOutcome, RewardPool
 from trace_common.rl.dispatch import Dispatcher
 from trace_common.rl.objective import (
     DEFAULT_MAX_STALENESS,
@@ -33,6 +33,8 @@ from trace_common.rl.objective import (
 from trace_common.rl.types import TRAIN_MODES, DispatchStats, RolloutSample, TrainSample
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks.prompts import Prompt, PromptStream
+from trace_common.tasks.tasks import completion_text
+from trace_common.tasks.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from trace_common.data.prompts import DatasetPrompts
@@ -90,6 +92,29 @@ class FunctionScorer:
         except Exception as e:
             fut.set_result(RewardOutcome(0.0, "error", f"{type(e).__name__}: {e}"))
         return fut
+
+
+class RewardScorer:
+    """The run's reward on a pool of workers: a completion's text (before EOS) and its
+    prompt's row go to `pool`; a completion cut off without EOS scores 0 at once with status
+    "truncated" (`truncated="zero"`) or is scored like the others (`"score"`)."""
+
+    def __init__(self, pool: RewardPool, tokenizer: Tokenizer, *, truncated: str = "zero") -> None:
+        if truncated not in ("zero", "score"):
+            raise ValueError(f"truncated={truncated!r}: expected 'zero' or 'score'")
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.truncated = truncated
+
+    def submit(self, sample: RolloutSample, problem: Problem) -> Future[RewardOutcome]:
+        text = completion_text(sample.completion_tokens, self.tokenizer)
+        if text is None:
+            if self.truncated == "zero":
+                fut: Future[RewardOutcome] = Future()
+                fut.set_result(RewardOutcome(0.0, "truncated"))
+                return fut
+            text = self.tokenizer.decode(sample.completion_tokens)
+        return self.pool.submit(problem.row, text)
 
 
 def as_scorer(scorer: Scorer | Callable[[RolloutSample, Problem], float]) -> Scorer:

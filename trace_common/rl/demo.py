@@ -1,4 +1,8 @@
-"""`trace-rl demo`: RL of an MoE with TRACE, end to end on this machine.
+"""`trace-rl demo` and `trace-rl train`: RL of an MoE with TRACE, end to end on this machine.
+
+`train` plays a recipe as it is (the user's model, tokenizer, dataset and reward; a warm start
+only when its `[train]` table asks for one, held-out evaluation as its `[eval]` section says);
+`demo` plays the demo recipes, warm start included.
 
 Its run is a recipe: ``recipes/demo-cpu.toml`` (the default) trains the tiny debug shape on
 the CPU; with ``--device cuda`` it follows ``recipes/demo-gpu.toml``: the mid-1b shape with the
@@ -23,12 +27,14 @@ import gc
 import json
 import pathlib
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trace_common.config import (
+    DRIVER_TABLES,
     RECIPES_DIR,
     RunConfig,
     build_run_config,
@@ -40,7 +46,9 @@ from trace_common.config import (
 )
 from trace_common.rl.cluster import ClusterConfig, LocalCluster
 
-EVAL_SEED_OFFSET = 7_777_777  # held-out evaluation prompts, disjoint from training streams
+if TYPE_CHECKING:
+    from trace_common.tasks import Problem, Tokenizer
+
 POLL_S = 0.5
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
 ROLLOUT_ENGINES = ("auto", "native", "cuda", "vllm")  # vllm: run the demo where vllm is installed
@@ -79,6 +87,7 @@ class DemoConfig:
     eval_prompts: int = 256  # held-out prompts of the warm-start and final evaluations
     rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas: auto|native|cuda|vllm
     rollout_dtype: str = "auto"  # PyTorch engine's dtype (auto: bf16 on CUDA, else fp32)
+    warmstart: bool = True  # supervised warm start first (`trace-rl train`: only if asked)
 
     def __post_init__(self) -> None:
         from trace_common.device import DEVICE_HELP, DEVICE_RE
@@ -95,19 +104,24 @@ class DemoConfig:
     @classmethod
     def load(
         cls, recipe: pathlib.Path | str | None = None, *, device: str | None = None,
-        **options: Any,
+        table: str = "demo", **options: Any,
     ) -> DemoConfig:  # fmt: skip
         """The recipe (default: `DEMO_GPU_RECIPE` for a CUDA `device`, else `DEMO_CPU_RECIPE`),
-        then the options that are not None: run keys by `RUN_OPTIONS`, the others `[demo]`
-        keys. Unless given, checkpoints come every quarter of the steps and a work unit is
-        an even share of the prompts for twice the replicas. ConfigError names a bad key."""
+        then the options that are not None: run keys by `RUN_OPTIONS`, the others keys of the
+        driver's table (`[demo]`, or `[train]` for `trace-rl train`, where a warm start is off
+        unless the table turns it on). Unless given, checkpoints come every quarter of the
+        steps and a work unit is an even share of the prompts for twice the replicas.
+        ConfigError names a bad key."""
         if recipe is None:
             cuda = device is not None and (
                 device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
             )
             recipe = DEMO_GPU_RECIPE if cuda else DEMO_CPU_RECIPE
         raw = read_recipe(recipe)
-        demo = dict(raw.pop("demo", None) or {})
+        drivers = {t: raw.pop(t, None) for t in DRIVER_TABLES}
+        demo = dict(drivers.get(table) or {})
+        if table == "train":
+            demo.setdefault("warmstart", False)
         if device is not None:
             demo["device"] = device
         for key, value in options.items():
@@ -119,7 +133,7 @@ class DemoConfig:
                 demo[key] = value
         source = f"recipe {recipe}"
         run = build_run_config(raw, source=source)
-        cfg = build_section(cls, demo, "demo.", source, run=run)
+        cfg = build_section(cls, demo, f"{table}.", source, run=run)
         if "every" not in (raw.get("checkpoint") or {}):
             run.checkpoint = dataclasses.replace(run.checkpoint, every=max(1, run.steps // 4))
         if "prompts_per_unit" not in (raw.get("dispatch") or {}):
@@ -153,14 +167,38 @@ def _release_gpu() -> None:
         torch.cuda.empty_cache()
 
 
+def run_tokenizer(cfg: DemoConfig) -> Tokenizer:
+    from trace_common.tasks import load_tokenizer
+
+    return load_tokenizer(cfg.run.task.tokenizer)
+
+
+def inline_score(cfg: DemoConfig) -> Callable[[Problem, str | None], float]:
+    """The run's reward, called in this process: (problem, completion text or None when cut
+    off) -> score (a reward that raises scores 0, as in the trainer's pool)."""
+    from trace_common.rewards import load_reward
+
+    reward = load_reward(cfg.run.reward.name, cfg.run.reward.options)
+    truncated = cfg.run.reward.truncated
+
+    def score(problem: Problem, text: str | None) -> float:
+        if text is None and truncated == "zero":
+            return 0.0
+        try:
+            return reward(problem.row, text or "")
+        except Exception:
+            return 0.0
+
+    return score
+
+
 @torch.no_grad()
 def evaluate_policy(model_state: dict[str, torch.Tensor], cfg: DemoConfig) -> float:
     """Mean reward of the FP4 rollout path (as the replicas run it) on held-out prompts."""
     from trace_common.model import QuantConfig
     from trace_common.rl.policy import LearnerConfig, ModelLearner
-    from trace_common.tasks import CharTokenizer
 
-    tok = CharTokenizer()
+    tok = run_tokenizer(cfg)
     model = demo_model(cfg, tok.vocab_size)
     model.load_state_dict(model_state)
     learner = ModelLearner(
@@ -179,26 +217,26 @@ def evaluate_weights(
     """Mean reward of a policy version as exported (or pulled from weight-sync), served by the
     engine the replicas build (the same TRACE_ROLLOUT_ENGINE / device / dtype), on the
     held-out prompts, sampled at the training temperature."""
+    from trace_common.data.recipe import eval_prompts
     from trace_common.rollout.select import EngineSettings, make_engine_factory
-    from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
+    from trace_common.tasks import completion_text
 
     run = cfg.run
-    tok = CharTokenizer()
-    task = make_task(run.task.name, run.task.difficulty)
+    tok = run_tokenizer(cfg)
+    score = inline_score(cfg)
     factory = make_engine_factory(
         EngineSettings(
             engine=cfg.rollout_engine, device=_device(cfg), native_dtype=cfg.rollout_dtype
         )  # type: ignore[arg-type]
     )
     engine = factory(tensors, {k: v for k, v in meta.items() if isinstance(v, str)}, 0)
-    stream = PromptStream(task, tok, seed=run.seed + EVAL_SEED_OFFSET)
-    prompts = stream.next_batch(cfg.eval_prompts)
+    prompts = eval_prompts(run, tok, cfg.eval_prompts)
     out = engine.generate(
         [p.token_ids for p in prompts], 1, dataclasses.replace(run.sampling, seed=run.seed + 1),
         with_records=False,
     )  # fmt: skip
     rewards = [
-        exact_match_reward(s.completion_tokens, prompts[s.prompt_index].problem.answer, tok)
+        score(prompts[s.prompt_index].problem, completion_text(s.completion_tokens, tok))
         for s in out
     ]
     close = getattr(engine, "close", None)
@@ -209,16 +247,27 @@ def evaluate_weights(
     return sum(rewards) / len(rewards)
 
 
-def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[str, Any]:
+def warm_start_phase(
+    cfg: DemoConfig, out: pathlib.Path, console: Any, *, evaluate: bool = True
+) -> dict[str, Any]:
+    """The supervised warm start; its weights go to `out`/warmstart.safetensors (and its
+    held-out FP4 reward is measured in this process with `evaluate`)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from safetensors.torch import save_file
 
+    from trace_common.data.recipe import is_dataset, open_split, prompt_format, train_prompts
     from trace_common.rl.warmstart import WarmStartConfig, warm_start
-    from trace_common.tasks import CharTokenizer, PromptStream, make_task
 
     torch.manual_seed(cfg.run.seed)
-    tok = CharTokenizer()
-    task = make_task(cfg.run.task.name, cfg.run.task.difficulty)
+    tok = run_tokenizer(cfg)
+    stream = train_prompts(cfg.run, tok)
+    held_out, score = None, None
+    if is_dataset(cfg.run):
+        from trace_common.data.prompts import DatasetPrompts
+
+        score = inline_score(cfg)
+        if cfg.run.dataset.eval is not None:
+            held_out = DatasetPrompts(open_split(cfg.run, "eval"), prompt_format(cfg.run), tok)
     model = demo_model(cfg, tok.vocab_size).to(_device(cfg))
     wcfg = WarmStartConfig(
         max_steps=cfg.warmstart_max_steps, target_accuracy=cfg.warmstart_target,
@@ -232,8 +281,8 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
     ) as bar:  # fmt: skip
         job = bar.add_task("", total=wcfg.max_steps)
         res = warm_start(
-            model, PromptStream(task, tok, seed=cfg.run.seed), wcfg,
-            max_new_tokens=task.max_answer_chars + 1,
+            model, stream, wcfg, max_new_tokens=cfg.run.sampling.max_new_tokens,
+            held_out=held_out, score=score,
             progress=lambda s, loss, acc: bar.update(
                 job, completed=s, description=f"step {s} loss {loss:.3f} greedy acc {acc:.2f}"
             ),
@@ -250,15 +299,31 @@ def warm_start_phase(cfg: DemoConfig, out: pathlib.Path, console: Any) -> dict[s
         "loss": res.loss,
         "seconds": time.perf_counter() - t0,
         "weights": str(path),
-        "eval_reward": evaluate_policy(state, cfg),
+        "eval_reward": evaluate_policy(state, cfg) if evaluate else None,
     }
 
 
-def trainer_run(cfg: DemoConfig, init: str) -> RunConfig:
-    """The run the trainer plays: the recipe's, starting from the warm start `init`."""
-    return dataclasses.replace(
-        cfg.run, model=dataclasses.replace(cfg.run.model, init_weights=pathlib.Path(init))
+def trainer_run(cfg: DemoConfig, init: str | None) -> RunConfig:
+    """The run the trainer plays: the recipe's, starting from the warm start `init` (if any),
+    its files named by absolute paths (the trainer runs in another directory)."""
+    run = dataclasses.replace(cfg.run)
+    if init is not None:
+        run = dataclasses.replace(
+            run, model=dataclasses.replace(run.model, init_weights=pathlib.Path(init))
+        )
+    d = run.dataset
+    run.dataset = dataclasses.replace(
+        d,
+        train=d.train.resolve() if d.train is not None else None,
+        eval=d.eval.resolve() if d.eval is not None else None,
     )
+    for section, key in (("task", "tokenizer"), ("model", "name")):
+        value = getattr(getattr(run, section), key)
+        if pathlib.Path(value).is_dir():
+            setattr(run, section, dataclasses.replace(
+                getattr(run, section), **{key: str(pathlib.Path(value).resolve())}
+            ))  # fmt: skip
+    return run
 
 
 def trainer_env(cfg: DemoConfig, out: pathlib.Path) -> dict[str, str]:
@@ -298,6 +363,11 @@ def rl_phase(cluster: LocalCluster, cfg: DemoConfig, console: Any) -> dict[str, 
                         f"  rollout {m['rollout_tokens_per_s']:.0f} tok/s"
                         f"  train {m.get('train_tokens_per_s', 0):.0f} tok/s"
                         f"  v{st['policy_version']}"
+                        + (
+                            f"  held-out {st['last_eval']['eval_reward_mean']:.2f}"
+                            if st.get("last_eval")
+                            else ""
+                        )
                     ),
                 )
             if st["state"] in ("finished", "failed"):
@@ -309,26 +379,32 @@ def rl_phase(cluster: LocalCluster, cfg: DemoConfig, console: Any) -> dict[str, 
 
 
 def run_demo(cfg: DemoConfig) -> pathlib.Path:
-    """Run the whole demo; returns the run directory."""
+    """Run the whole demo (or `trace-rl train`: `cfg.warmstart` off unless asked); returns
+    the run directory."""
     from rich.console import Console
 
     from trace_common.rl.checkpoint import latest_checkpoint, load_checkpoint
-    from trace_common.rl.plots import plot_run, read_metrics
+    from trace_common.rl.plots import plot_run, read_evals, read_metrics
 
     console = Console()
     out = cfg.out or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), default=str, indent=2))
-    console.print(f"[bold]TRACE demo[/] ({cfg.run.model.name} on {cfg.device}) -> {out}")
-    warm = warm_start_phase(cfg, out, console)
-    console.print(
-        f"warm start: {warm['steps']} steps, greedy accuracy {warm['greedy_accuracy']:.2f}, "
-        f"FP4 sampled eval reward {warm['eval_reward']:.3f}"
-    )
+    console.print(f"[bold]TRACE[/] {cfg.run.run_id}: {cfg.run.model.name} on {cfg.device}, "
+                  f"{task_label(cfg)} -> {out}")  # fmt: skip
+    # The trainer's own held-out evaluation (eval.every) replaces the in-process one.
+    evaluates_inline = not cfg.run.eval.every
+    warm: dict[str, Any] | None = None
+    if cfg.warmstart:
+        warm = warm_start_phase(cfg, out, console, evaluate=evaluates_inline)
+        console.print(
+            f"warm start: {warm['steps']} steps, greedy accuracy {warm['greedy_accuracy']:.2f}"
+            + (f", FP4 sampled eval reward {warm['eval_reward']:.3f}" if evaluates_inline else "")
+        )
     console.print(
         f"starting Redis, quant-cache, weight-sync, trainer, {cfg.replicas} rollout replicas"
     )
-    run = trainer_run(cfg, warm["weights"])
+    run = trainer_run(cfg, warm["weights"] if warm else None)
     (out / "run.toml").write_text(dump_toml(run_config_dict(run)))  # a recipe that replays it
     cluster = LocalCluster(
         ClusterConfig(
@@ -347,25 +423,40 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
         raise RuntimeError(f"trainer {final['state']}: {final['detail']} (logs: {out / 'logs'})")
     ckpt_path = latest_checkpoint(out / "checkpoints")
     assert ckpt_path is not None
-    final_reward = evaluate_policy(load_checkpoint(ckpt_path).model, cfg)
     rows = read_metrics(out / "metrics.jsonl")
+    evals = read_evals(out / "metrics.jsonl")
+    warm_reward = warm["eval_reward"] if warm and evaluates_inline else None
+    if evaluates_inline:
+        final_reward: float | None = evaluate_policy(load_checkpoint(ckpt_path).model, cfg)
+    else:
+        final_reward = evals[-1]["eval_reward_mean"] if evals else None
     plots = plot_run(
-        rows, out,
-        title=f"TRACE demo: {cfg.run.task.name} ({cfg.run.task.difficulty}), mode {cfg.run.mode}",
-        warm_start_reward=warm["eval_reward"], final_reward=final_reward,
+        rows, out, title=f"TRACE: {task_label(cfg)}, mode {cfg.run.mode}",
+        warm_start_reward=warm_reward, final_reward=final_reward if evaluates_inline else None,
+        evals=evals,
     )  # fmt: skip
     summary = {
         "mode": cfg.run.mode,
         "steps": len(rows),
         "warm_start": warm,
-        "eval_reward_warm_start": warm["eval_reward"],
+        "eval_reward_warm_start": warm_reward,
+        "eval_reward_start": evals[0]["eval_reward_mean"] if evals else warm_reward,
         "eval_reward_final": final_reward,
+        "evals": [
+            {k: e[k] for k in ("step", "eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k")}
+            for e in evals
+        ],
+        "eval_samples_per_prompt": evals[-1]["eval_samples_per_prompt"] if evals else 1,
         "reward_first_5_steps": _mean([r["reward_mean"] for r in rows[:5]]),
         "reward_last_5_steps": _mean([r["reward_mean"] for r in rows[-5:]]),
         "logp_abs_diff_mean": _mean([r.get("logp_abs_diff_mean", float("nan")) for r in rows]),
         "steps_with_fresh_samples": sum("logp_abs_diff_mean" in r for r in rows),
         "d_act_mean": _mean([r["d_act_mean"] for r in rows if "d_act_mean" in r]),
         "samples_dropped_stale": sum(r["samples_dropped_stale"] for r in rows),
+        "reward_errors": sum(r.get("reward_errors", 0) for r in rows),
+        "reward_timeouts": sum(r.get("reward_timeouts", 0) for r in rows),
+        "completions_truncated": sum(r.get("completions_truncated", 0) for r in rows),
+        "prompts_skipped": final.get("prompts_skipped", {}),
         "step_time_split_s": {
             phase: _mean([r.get(f"time_{phase}_s", float("nan")) for r in rows])
             for phase in ("rollout", "records", "train", "push")
@@ -382,51 +473,85 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(summary_markdown(summary, cfg))
+    start = summary["eval_reward_start"]
     console.print(
-        f"[bold green]done[/] in {rl_seconds:.0f}s of RL: eval reward "
-        f"{warm['eval_reward']:.3f} (warm start) -> {final_reward:.3f} (after {len(rows)} steps); "
-        f"mean |dlogp| {summary['logp_abs_diff_mean']:.4f}; plots and checkpoint in {out}"
+        f"[bold green]done[/] in {rl_seconds:.0f}s of RL: held-out reward "
+        + (f"{start:.3f} -> " if start is not None else "")
+        + (f"{final_reward:.3f}" if final_reward is not None else "(not evaluated)")
+        + f" after {len(rows)} steps; mean |dlogp| {summary['logp_abs_diff_mean']:.4f}; "
+        f"plots and checkpoint in {out}"
     )
     return out
+
+
+def task_label(cfg: DemoConfig) -> str:
+    t = cfg.run.task
+    if t.name == "dataset":
+        return f"dataset {cfg.run.dataset.train}, reward {cfg.run.reward.name}"
+    return f"{t.name} ({t.difficulty})"
 
 
 def summary_markdown(s: dict[str, Any], cfg: DemoConfig) -> str:
     """The run in a few lines, for people."""
     w, run = s["warm_start"], cfg.run
-    return "\n".join(
-        [
-            f"# TRACE demo: {run.task.name} ({run.task.difficulty}), mode {run.mode}",
-            "",
-            f"- model: {run.model.name} on {cfg.device} (rollout engine {cfg.rollout_engine})",
+    lines = [
+        f"# TRACE: {task_label(cfg)}, mode {run.mode}",
+        "",
+        f"- model: {run.model.name} on {cfg.device} (rollout engine {cfg.rollout_engine})",
+    ]
+    if w is not None:
+        lines.append(
             f"- warm start: {w['steps']} supervised steps, greedy accuracy "
-            f"{w['greedy_accuracy']:.3f}, {w['seconds']:.0f} s",
-            f"- RL: {s['steps']} steps x {run.prompts_per_step} prompts x {run.group_size} "
-            f"completions, {cfg.replicas} rollout replicas, {s['rl_seconds']:.0f} s",
-            f"- held-out reward (FP4 rollout path, {cfg.eval_prompts} prompts, temperature "
-            f"{run.sampling.temperature}): {s['eval_reward_warm_start']:.3f} after the warm start -> "
-            f"{s['eval_reward_final']:.3f} after RL",
-            f"- per-step sampled reward: {s['reward_first_5_steps']:.3f} (steps 1-5) -> "
-            f"{s['reward_last_5_steps']:.3f} (last 5)",
-            f"- train-rollout |dlogp| on fresh samples: {s['logp_abs_diff_mean']:.2e} (mean over "
-            f"the {s['steps_with_fresh_samples']} of {s['steps']} steps that had some); "
-            f"D_act at guided sites: {s['d_act_mean']:.2e}"
-            + (" (compact records: not measured)" if run.guidance.mode == "compact" else ""),
-            "- step time split (mean s): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in s["step_time_split_s"].items()),
-            f"- trainer: {s['train_tokens_per_s']:.0f} tokens/s (whole train step)"
-            + (
-                f", peak {s['train_peak_memory_bytes'] / 2**30:.1f} GiB"
-                if s["train_peak_memory_bytes"]
-                else ""
-            )
-            + f"; weight push "
-            f"{s['weight_push_seconds']:.2f} s + pull {s['weight_pull_seconds']:.2f} s per version",
-            f"- samples dropped as stale: {s['samples_dropped_stale']}",
-            f"- final checkpoint: {s['final_checkpoint']}",
-            "- plots: reward.png, discrepancy.png, overview.png; per-step metrics: metrics.jsonl",
-            "",
-        ]
+            f"{w['greedy_accuracy']:.3f}, {w['seconds']:.0f} s"
+        )
+    lines.append(
+        f"- RL: {s['steps']} steps x {run.prompts_per_step} prompts x {run.group_size} "
+        f"completions, {cfg.replicas} rollout replicas, {s['rl_seconds']:.0f} s"
     )
+    if s["evals"]:
+        k = s["eval_samples_per_prompt"]
+        first, last = s["evals"][0], s["evals"][-1]
+        lines.append(
+            f"- held-out evaluation on the replicas (FP4 rollout path, {run.eval.prompts} "
+            f"prompts x {k} samples, temperature {run.sampling.temperature}): mean reward "
+            f"{first['eval_reward_mean']:.3f} (step {first['step']}) -> "
+            f"{last['eval_reward_mean']:.3f} (step {last['step']}); pass@{k} "
+            f"{first['eval_pass_at_k']:.3f} -> {last['eval_pass_at_k']:.3f}"
+        )
+    elif s["eval_reward_final"] is not None:
+        start = s["eval_reward_warm_start"]
+        lines.append(
+            f"- held-out reward (FP4 rollout path, {cfg.eval_prompts} prompts, temperature "
+            f"{run.sampling.temperature}): "
+            + (f"{start:.3f} after the warm start -> " if start is not None else "")
+            + f"{s['eval_reward_final']:.3f} after RL"
+        )
+    lines += [
+        f"- per-step sampled reward: {s['reward_first_5_steps']:.3f} (steps 1-5) -> "
+        f"{s['reward_last_5_steps']:.3f} (last 5)",
+        f"- rewards that failed: {s['reward_errors']} raised, {s['reward_timeouts']} timed out; "
+        f"completions cut off: {s['completions_truncated']}; prompts skipped: "
+        f"{s['prompts_skipped'] or 'none'}",
+        f"- train-rollout |dlogp| on fresh samples: {s['logp_abs_diff_mean']:.2e} (mean over "
+        f"the {s['steps_with_fresh_samples']} of {s['steps']} steps that had some); "
+        f"D_act at guided sites: {s['d_act_mean']:.2e}"
+        + (" (compact records: not measured)" if run.guidance.mode == "compact" else ""),
+        "- step time split (mean s): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in s["step_time_split_s"].items()),
+        f"- trainer: {s['train_tokens_per_s']:.0f} tokens/s (whole train step)"
+        + (
+            f", peak {s['train_peak_memory_bytes'] / 2**30:.1f} GiB"
+            if s["train_peak_memory_bytes"]
+            else ""
+        )
+        + f"; weight push {s['weight_push_seconds']:.2f} s + pull "
+        f"{s['weight_pull_seconds']:.2f} s per version",
+        f"- samples dropped as stale: {s['samples_dropped_stale']}",
+        f"- final checkpoint: {s['final_checkpoint']}",
+        "- plots: reward.png, discrepancy.png, overview.png; per-step metrics: metrics.jsonl",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _mean(xs: list[float]) -> float:

@@ -74,6 +74,16 @@ DISCREPANCY_PANELS = (
 
 
 def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The step lines of a metrics.jsonl (lines of events, such as evaluations, left out)."""
+    return [r for r in _read_lines(path) if "event" not in r]
+
+
+def read_evals(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The held-out evaluations of a metrics.jsonl, in step order."""
+    return [r for r in _read_lines(path) if r.get("event") == "eval"]
+
+
+def _read_lines(path: pathlib.Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -109,11 +119,21 @@ def draw_reward(
     rows: list[dict[str, Any]],
     warm_start_reward: float | None = None,
     final_reward: float | None = None,
+    evals: Sequence[dict[str, Any]] = (),
 ) -> None:
+    """Sampled reward per step and its moving mean; the held-out evaluations (`evals`, mean
+    reward and pass@k) where the run made them."""
     steps = [r["step"] for r in rows]
     reward = _series(rows, "reward_mean")
     ax.plot(steps, reward, "o-", ms=3, lw=1, alpha=0.45, label="reward per step (sampled)")
     ax.plot(steps, moving_average(reward), lw=2.2, label=f"{MOVING_AVERAGE_STEPS}-step mean")
+    if evals:
+        e_steps = [e["step"] for e in evals]
+        k = evals[-1].get("eval_samples_per_prompt", "k")
+        ax.plot(e_steps, _series(list(evals), "eval_reward_mean"), "s-", color="black", ms=5,
+                lw=1.8, label="held-out reward (FP4 rollout)")  # fmt: skip
+        ax.plot(e_steps, _series(list(evals), "eval_pass_at_k"), "^--", color="purple", ms=5,
+                lw=1.2, label=f"held-out pass@{k}")  # fmt: skip
     if warm_start_reward is not None:
         ax.axhline(warm_start_reward, color="grey", ls="--",
                    label=f"warm start, eval {warm_start_reward:.2f}")  # fmt: skip
@@ -122,7 +142,7 @@ def draw_reward(
                    label=f"after RL, eval {final_reward:.2f}")  # fmt: skip
     ax.set_title("reward", fontsize=9)
     ax.set_xlabel("RL step")
-    ax.set_ylabel("exact-match reward (fraction)")
+    ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     _legend_below(ax, ncol=2)
@@ -183,13 +203,14 @@ def overview_figure(
     title: str,
     warm_start_reward: float | None = None,
     final_reward: float | None = None,
+    evals: Sequence[dict[str, Any]] = (),
 ) -> Any:
     """Reward on the left, the four discrepancy panels on the right."""
     import matplotlib.pyplot as plt
 
     fig = plt.figure(figsize=(15, 7.5))
     grid = fig.add_gridspec(2, 3)
-    draw_reward(fig.add_subplot(grid[:, 0]), rows, warm_start_reward, final_reward)
+    draw_reward(fig.add_subplot(grid[:, 0]), rows, warm_start_reward, final_reward, evals)
     for (r, c), panel in zip(((0, 1), (0, 2), (1, 1), (1, 2)), DISCREPANCY_PANELS, strict=True):
         draw_discrepancy(fig.add_subplot(grid[r, c]), rows, panel)
     fig.suptitle(f"{title}\n{GOOD_RUN}", fontsize=10)
@@ -204,6 +225,7 @@ def plot_run(
     title: str,
     warm_start_reward: float | None = None,
     final_reward: float | None = None,
+    evals: Sequence[dict[str, Any]] = (),
 ) -> list[pathlib.Path]:
     """Write reward.png, discrepancy.png and overview.png (both side by side) into out_dir."""
     import matplotlib
@@ -212,13 +234,13 @@ def plot_run(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    draw_reward(ax, rows, warm_start_reward, final_reward)
+    draw_reward(ax, rows, warm_start_reward, final_reward, evals)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     figures = {
         "reward.png": fig,
         "discrepancy.png": discrepancy_figure(rows, title),
-        "overview.png": overview_figure(rows, title, warm_start_reward, final_reward),
+        "overview.png": overview_figure(rows, title, warm_start_reward, final_reward, evals),
     }
     paths = []
     for name, figure in figures.items():
