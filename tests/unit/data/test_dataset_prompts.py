@@ -110,7 +110,7 @@ def test_malformed_rows_are_skipped_counted_and_named(
 def test_a_stream_where_no_row_fits_stops_with_the_reason(tmp_path: pathlib.Path) -> None:
     src = dataset(tmp_path, [{"q": "1" * 50}] * 3)
     stream = DatasetPrompts(src, PromptFormat(prompt_column="q", max_prompt_tokens=5), TOK)
-    with pytest.raises(DatasetError, match="rows in a row gave no prompt.*max_prompt_tokens=5"):
+    with pytest.raises(DatasetError, match=r"rows in a row gave no prompt.*max_prompt_tokens=5"):
         stream.next_batch(1)
 
 
