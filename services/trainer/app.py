@@ -25,6 +25,7 @@ from trace_common.data.recipe import (
     check_inputs,
     eval_prompts,
     is_dataset,
+    resolve_run_paths,
     reward_config,
     train_prompts,
 )
@@ -97,7 +98,7 @@ class TrainerApp:
 
     def __init__(self, settings: TrainerSettings, metrics: Metrics) -> None:
         self.settings = s = settings
-        self.run_config = run = s.run
+        self.run_config = run = resolve_run_paths(s.run, s.data_root)
         torch.set_num_threads(s.torch_threads)
         torch.manual_seed(run.seed)
         token = s.token()

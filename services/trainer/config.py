@@ -51,6 +51,11 @@ class TrainerSettings(ServiceSettings):
         "in code, `run=` takes a RunConfig or dotted/nested keys overriding the recipe's",
     )
     checkpoint_dir: pathlib.Path | None = Field(None, description="where checkpoints go")
+    data_root: pathlib.Path | None = Field(
+        None,
+        description="the directory that relative paths of the run (dataset splits, a tokenizer "
+        "or model directory) resolve against; default: the working directory",
+    )
     # Wiring, not the run: what this start does with what it finds in checkpoint_dir (the same
     # recipe resumed or not is the same run; a restarted pod or container resumes).
     resume: bool = Field(True, description="continue from <checkpoint_dir>/latest if present")

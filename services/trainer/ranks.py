@@ -76,11 +76,12 @@ def run_follower(s: TrainerSettings) -> None:
     from services.trainer.app import build_model
     from services.trainer.remote import QuantCacheRecords
     from trace_common.clients import QuantCacheClient
+    from trace_common.data.recipe import resolve_run_paths
     from trace_common.service import Backoff
     from trace_common.tasks import load_tokenizer
 
     torch.set_num_threads(s.torch_threads)
-    run = s.run
+    run = resolve_run_paths(s.run, s.data_root)
     torch.manual_seed(run.seed)
     tok = load_tokenizer(run.task.tokenizer)
     model = build_model(run, tok.vocab_size)

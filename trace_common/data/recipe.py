@@ -5,6 +5,8 @@ recipe key and its value)."""
 
 from __future__ import annotations
 
+import dataclasses
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +19,34 @@ from trace_common.tasks import Prompt, PromptStream, Tokenizer, make_task
 
 EVAL_SEED_OFFSET = 7_777_777  # a synthetic task's held-out prompts: a stream of their own
 PROBE_ROWS = 16  # rows rendered at start-up to catch a format that does not fit
+
+
+def resolve_run_paths(run: RunConfig, root: pathlib.Path | None = None) -> RunConfig:
+    """The run with its relative file paths (dataset splits, a tokenizer or model directory)
+    made absolute against `root` (default: the working directory). A named tokenizer ("char")
+    or model shape stays a name."""
+    root = (root or pathlib.Path.cwd()).resolve()
+
+    def absolute(p: pathlib.Path) -> pathlib.Path:
+        return p if p.is_absolute() else root / p
+
+    def dir_or_name(value: str) -> str:
+        candidate = absolute(pathlib.Path(value))
+        return str(candidate) if candidate.is_dir() else value
+
+    run = dataclasses.replace(run)
+    d = run.dataset
+    run.dataset = dataclasses.replace(
+        d, train=absolute(d.train) if d.train is not None else None,
+        eval=absolute(d.eval) if d.eval is not None else None,
+    )  # fmt: skip
+    if not run.task.tokenizer.startswith("char"):
+        run.task = dataclasses.replace(run.task, tokenizer=dir_or_name(run.task.tokenizer))
+    run.model = dataclasses.replace(
+        run.model, name=dir_or_name(run.model.name),
+        init_weights=absolute(run.model.init_weights) if run.model.init_weights else None,
+    )  # fmt: skip
+    return run
 
 
 def is_dataset(run: RunConfig) -> bool:

@@ -306,24 +306,14 @@ def warm_start_phase(
 def trainer_run(cfg: DemoConfig, init: str | None) -> RunConfig:
     """The run the trainer plays: the recipe's, starting from the warm start `init` (if any),
     its files named by absolute paths (the trainer runs in another directory)."""
-    run = dataclasses.replace(cfg.run)
+    from trace_common.data.recipe import resolve_run_paths
+
+    run = cfg.run
     if init is not None:
         run = dataclasses.replace(
             run, model=dataclasses.replace(run.model, init_weights=pathlib.Path(init))
         )
-    d = run.dataset
-    run.dataset = dataclasses.replace(
-        d,
-        train=d.train.resolve() if d.train is not None else None,
-        eval=d.eval.resolve() if d.eval is not None else None,
-    )
-    for section, key in (("task", "tokenizer"), ("model", "name")):
-        value = getattr(getattr(run, section), key)
-        if pathlib.Path(value).is_dir():
-            setattr(run, section, dataclasses.replace(
-                getattr(run, section), **{key: str(pathlib.Path(value).resolve())}
-            ))  # fmt: skip
-    return run
+    return resolve_run_paths(run)
 
 
 def trainer_env(cfg: DemoConfig, out: pathlib.Path) -> dict[str, str]:
