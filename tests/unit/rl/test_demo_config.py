@@ -100,7 +100,7 @@ def test_every_process_gets_the_run_device_and_engine(tmp_path: pathlib.Path) ->
         return load_run_config(recipe)
 
     run = played(cfg, "w.safetensors")
-    assert run.model.init_weights == pathlib.Path("w.safetensors")
+    assert run.model.init_weights == pathlib.Path("w.safetensors").resolve()  # absolute
     assert (run.model.name, run.task.name, run.checkpoint.every) == ("mid-1b", "sort", 100)
     assert run.guidance.mode == "compact"  # what the CUDA engine records
     assert run.sampling == cfg.run.sampling and run.objective == cfg.run.objective
