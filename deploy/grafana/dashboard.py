@@ -319,6 +319,45 @@ ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "Held-out evaluation and rewards",
+        (
+            Panel(
+                "Held-out reward, pass@1, pass@k",
+                "The last held-out evaluation on the rollout replicas (FP4 rollout path): "
+                "mean reward, fraction of completions that pass, fraction of prompts with a "
+                "passing completion among k (the recipe's eval.every; 0 until the first).",
+                "percentunit",
+                (
+                    q("max(trace_trainer_eval_reward_mean)", "mean reward"),
+                    q("max(trace_trainer_eval_pass_at_1)", "pass@1"),
+                    q("max(trace_trainer_eval_pass_at_k)", "pass@k"),
+                ),
+                width=12,
+            ),
+            Panel(
+                "Reward failures, truncated completions, skipped prompts",
+                "Per second: reward calls that raised or timed out (scored 0), completions cut "
+                "off at max_new_tokens, dataset rows skipped (prompt too long or malformed).",
+                "short",
+                (
+                    q(
+                        f"sum by (reason) (rate(trace_trainer_reward_failures_total[{RATE}]))",
+                        "reward {{reason}}",
+                    ),
+                    q(
+                        f"sum(rate(trace_trainer_completions_truncated_total[{RATE}]))",
+                        "truncated",
+                    ),
+                    q(
+                        f"sum by (reason) (rate(trace_trainer_prompts_skipped_total[{RATE}]))",
+                        "skipped {{reason}}",
+                    ),
+                ),
+                width=12,
+            ),
+        ),
+    ),
+    Row(
         "Train / rollout discrepancy",
         (
             Panel(
