@@ -194,6 +194,9 @@ hardened security context, the token Secret, writable /tmp and /data.
     {{- end }}
     {{- if eq $name "trainer" }}
     - {name: recipe, mountPath: {{ include "trace.recipeDir" $root }}, readOnly: true}
+    {{- if $root.Values.trainer.datasets.existingClaim }}
+    - {name: datasets, mountPath: /opt/trace/data, readOnly: true}
+    {{- end }}
     {{- end }}
 {{- end -}}
 
@@ -304,6 +307,10 @@ PersistentVolumeClaim (/data). */}}
   value: /data/checkpoints
 - name: TRACE_METRICS_FILE
   value: /data/metrics.jsonl
+# A recipe's relative dataset / tokenizer / model paths ("data/math-word/train.jsonl") resolve
+# here: the image's example data, or trainer.datasets.existingClaim mounted over it.
+- name: TRACE_DATA_ROOT
+  value: /opt/trace
 {{- end -}}
 
 {{/*
