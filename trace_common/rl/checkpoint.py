@@ -38,7 +38,7 @@ class Checkpoint:
     version: int
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
-    prompt_state: dict[str, int]
+    prompt_state: dict[str, Any]  # the prompt stream's state_dict (JSON)
     extra: dict[str, Any]
     rng: dict[str, Any] | None = None
 
