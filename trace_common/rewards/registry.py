@@ -23,7 +23,7 @@ from typing import Any
 BUILTIN_REWARDS: dict[str, str] = {
     "exact_match": "trace_common.rewards.answers:exact_match",
     "math": "trace_common.rewards.answers:math_equivalent",
-    "code": "trace_common.rewards.code:code_reward",
+    "code": "trace_common.rewards.programs:code_reward",
 }
 
 RewardFn = Callable[..., float]
