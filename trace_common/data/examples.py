@@ -103,7 +103,14 @@ def _price(rng: random.Random) -> tuple[str, str, int]:
 
 
 MATH_FAMILIES: tuple[Callable[[random.Random], tuple[str, str, int]], ...] = (
-    _add, _add, _sub, _sub, _mul, _div, _two_step, _price,
+    _add,
+    _add,
+    _sub,
+    _sub,
+    _mul,
+    _div,
+    _two_step,
+    _price,
 )  # addition and subtraction twice as often: the easiest steps for a tiny model
 
 
