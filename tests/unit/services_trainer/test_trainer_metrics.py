@@ -39,3 +39,34 @@ def test_truncate_keeps_a_file_with_nothing_after_the_step(tmp_path: pathlib.Pat
     assert m.truncate_after(2) == 0 and path.stat().st_mtime_ns == before
     assert TrainerMetrics(Metrics("trainer"), tmp_path / "none.jsonl").truncate_after(0) == 0
     assert TrainerMetrics(Metrics("trainer"), None).truncate_after(0) == 0
+
+
+def test_reward_failures_skips_and_evaluations_reach_prometheus_and_the_jsonl(
+    tmp_path: pathlib.Path,
+) -> None:
+    from prometheus_client import generate_latest
+
+    from trace_common.rl.plots import read_evals
+
+    path = tmp_path / "metrics.jsonl"
+    metrics = Metrics("trainer")
+    m = TrainerMetrics(metrics, path)
+    m.record({**_row(1), "reward_errors": 2, "reward_timeouts": 1, "completions_truncated": 3,
+              "prompts_skipped_too_long": 4, "prompts_skipped_malformed": 1})  # fmt: skip
+    m.record({**_row(2), "reward_errors": 1})
+    m.record_eval({"step": 2, "policy_version": 2, "eval_reward_mean": 0.25,
+                   "eval_pass_at_1": 0.25, "eval_pass_at_k": 0.5, "eval_reward_timeouts": 2})  # fmt: skip
+    text = generate_latest(metrics.registry).decode()
+    for line in (
+        'trace_trainer_reward_failures_total{reason="error"} 3.0',
+        'trace_trainer_reward_failures_total{reason="timeout"} 3.0',
+        "trace_trainer_completions_truncated_total 3.0",
+        'trace_trainer_prompts_skipped_total{reason="too_long"} 4.0',
+        "trace_trainer_eval_reward_mean 0.25",
+        "trace_trainer_eval_pass_at_k 0.5",
+        "trace_trainer_eval_step 2.0",
+    ):
+        assert line in text, line
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]  # eval lines are not steps
+    (e,) = read_evals(path)
+    assert (e["event"], e["eval_pass_at_k"]) == ("eval", 0.5)
