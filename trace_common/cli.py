@@ -58,18 +58,24 @@ def demo(
 ) -> None:
     """Run TRACE end to end on this machine: warm start, then RL of an MoE with a local
     Redis, quant-cache, weight-sync, the trainer and rollout replicas as processes."""
-    from trace_common.rl.demo import DemoConfig, run_demo
     from trace_common.rl.types import TRAIN_MODES
 
     if mode is not None and mode not in TRAIN_MODES:
         raise typer.BadParameter(f"unknown mode {mode!r}; choose from {TRAIN_MODES}")
+    _play(
+        config, "demo", device=device, out=out, mode=mode, steps=steps, task=task,
+        difficulty=difficulty, replicas=replicas, prompts_per_step=prompts_per_step,
+        group_size=group_size, lr=lr, warmstart_target=warmstart_target, seed=seed,
+        shape=shape, rollout_engine=rollout_engine, rollout_dtype=rollout_dtype,
+    )  # fmt: skip
+
+
+def _play(recipe: Path | None, table: str, **options: object) -> None:
+    """Load the recipe for the driver `table` (a bad key is a usage error) and run it."""
+    from trace_common.rl.demo import DemoConfig, run_demo
+
     try:
-        cfg = DemoConfig.load(
-            config, device=device, out=out, mode=mode, steps=steps, task=task,
-            difficulty=difficulty, replicas=replicas, prompts_per_step=prompts_per_step,
-            group_size=group_size, lr=lr, warmstart_target=warmstart_target, seed=seed,
-            shape=shape, rollout_engine=rollout_engine, rollout_dtype=rollout_dtype,
-        )  # fmt: skip
+        cfg = DemoConfig.load(recipe, table=table, **options)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     run_demo(cfg)
@@ -91,18 +97,9 @@ def train(
     """Train on a recipe with the user's model, tokenizer, dataset and reward: the local
     cluster of `demo` (Redis, quant-cache, weight-sync, trainer, replicas as processes), a
     warm start only when the recipe's [train] table asks for one."""
-    from trace_common.rl.demo import DemoConfig, run_demo
-
     if not config.is_file():
         raise typer.BadParameter(f"--config {config}: not a file")
-    try:
-        cfg = DemoConfig.load(
-            config, table="train", device=device, out=out, steps=steps, replicas=replicas,
-            seed=seed,
-        )  # fmt: skip
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    run_demo(cfg)
+    _play(config, "train", device=device, out=out, steps=steps, replicas=replicas, seed=seed)
 
 
 @app.command()
