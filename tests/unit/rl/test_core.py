@@ -8,7 +8,7 @@ import threading
 import pytest
 from fakes import EventLog, FakeLearner, FakePublisher, FakeRecordStore, FakeReplica
 
-from trace_common.rl.core import TrainerConfig, TrainerCore
+from trace_common.rl.core import FunctionScorer, TrainerConfig, TrainerCore, as_scorer
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher, StaticDirectory
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks import CharTokenizer, PromptStream, exact_match_reward, make_task
@@ -455,3 +455,50 @@ def test_lost_records_are_regenerated_when_the_learner_ranks_pull_them() -> None
     assert all(ts.records is None for ts in seen)  # the ranks attach them
     again = [ts.rollout.sample_id for ts in seen if ts.rollout.prompt_id == 1]
     assert again == ["s0-u4-a0-0-0", "s0-u4-a0-0-1"]
+
+
+def test_rewards_that_fail_score_zero_and_the_step_trains_every_sample() -> None:
+    """A reward that raises on some samples: they score 0 and are counted; the step trains
+    all of them, the others scored as usual."""
+    log, store = EventLog(), {}
+    core, learner, _ = make_core([FakeReplica("a", store=store)], log, store, units=2)
+
+    def flaky(sample, problem) -> float:
+        if sample.group_index == 0:
+            raise RuntimeError("the verifier crashed")
+        return 1.0
+
+    core.scorer = as_scorer(flaky)
+    core.publish()
+    m = core.step()
+    assert m["samples_trained"] == 8 and m["reward_errors"] == 4 and m["reward_timeouts"] == 0
+    rewards = {(ts.rollout.prompt_id, ts.rollout.group_index): ts.reward for ts in learner.seen[0]}
+    assert all(r == (0.0 if gi == 0 else 1.0) for (_, gi), r in rewards.items())
+
+
+def test_each_unit_is_scored_as_it_arrives_while_others_are_generated() -> None:
+    """Scores are submitted from the dispatcher's accept callback, unit by unit, before the
+    rollout phase ends."""
+    log, store = EventLog(), {}
+    core, _, _ = make_core([FakeReplica("a", store=store)], log, store, units=1)
+    order: list[str] = []
+
+    class Recording:
+        def submit(self, sample, problem):
+            order.append(f"score p{sample.prompt_id}")
+            return FunctionScorer(scorer).submit(sample, problem)
+
+    core.scorer = Recording()
+    original = core.dispatcher._on_event
+
+    def on_event(e: str) -> None:
+        if e.startswith("done unit="):
+            order.append(e.split()[1])
+        original(e)
+
+    core.dispatcher._on_event = on_event
+    core.publish()
+    core.step()
+    first_score = order.index("score p0")
+    assert order[:first_score] == ["unit=0"], order  # unit 0 scored before unit 1 finished
+    assert order.count("unit=3") == 1 and order.index("unit=3") > first_score
