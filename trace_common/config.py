@@ -186,7 +186,10 @@ class ModelSection:
             self.config(vocab_size=None)  # unknown shape / bad override: ValueError now
 
     def is_checkpoint(self) -> bool:
-        return pathlib.Path(self.name).is_dir()
+        """A checkpoint directory: one that exists, or a name written as a path (the
+        directory of a cluster recipe need not exist where the recipe is checked; the trainer
+        refuses a missing one at start-up). Named shapes have no "/"."""
+        return pathlib.Path(self.name).is_dir() or "/" in self.name
 
     def config(self, vocab_size: int | None) -> ModelConfig:
         """The named shape with the overrides (vocab sized to the tokenizer when given)."""

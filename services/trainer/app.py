@@ -20,7 +20,7 @@ from services.trainer.remote import (
     WeightSyncPublisher,
 )
 from trace_common.clients import QuantCacheClient, WeightSyncClient
-from trace_common.config import RunConfig
+from trace_common.config import ConfigError, RunConfig
 from trace_common.data.recipe import (
     check_inputs,
     eval_prompts,
@@ -55,6 +55,9 @@ def build_model(run: RunConfig, vocab_size: int) -> MoECausalLM:
     """A named shape (vocab sized to the tokenizer) or a Hugging Face checkpoint directory."""
     if run.model.is_checkpoint():
         from trace_common.model import load_hf_checkpoint
+
+        if not pathlib.Path(run.model.name).is_dir():
+            raise ConfigError(f"model.name = {run.model.name!r}: no such checkpoint directory")
 
         model = load_hf_checkpoint(pathlib.Path(run.model.name))
         if vocab_size > model.cfg.vocab_size:
@@ -102,7 +105,10 @@ class TrainerApp:
         torch.set_num_threads(s.torch_threads)
         torch.manual_seed(run.seed)
         token = s.token()
-        self.tokenizer = tok = load_tokenizer(run.task.tokenizer)
+        try:
+            self.tokenizer = tok = load_tokenizer(run.task.tokenizer)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"task.tokenizer = {run.task.tokenizer!r}: {e}") from None
         model = build_model(run, tok.vocab_size)
         # The dataset, the reward and the model fit together, or start-up stops naming the key.
         self.inputs = check_inputs(run, tok, model.cfg.max_position_embeddings)

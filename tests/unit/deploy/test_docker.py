@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 DOCKER = ROOT / "deploy/docker"
 LOCK = DOCKER / "requirements.lock"
-IMAGE_EXTRAS = ("hf",)  # what deploy/docker/lock_requirements.py locks by default
+IMAGE_EXTRAS = ("hf", "data")  # what deploy/docker/lock_requirements.py locks by default
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
 
 
