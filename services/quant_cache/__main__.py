@@ -35,7 +35,8 @@ def main() -> None:
         rt.after_stop.append(local.stop)
         url = local.url
         log.info(
-            "started a local redis-server", extra={"redis_url": url, "maxmemory_bytes": maxmemory}
+            "started a local redis-server",
+            extra={"redis_url": redact_url(url), "maxmemory_bytes": maxmemory},
         )
     store = RecordStore(
         redis.Redis.from_url(url, socket_timeout=30, socket_read_size=SOCKET_READ_BYTES),

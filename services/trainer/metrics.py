@@ -44,7 +44,7 @@ from typing import Any
 from trace_common.service import Metrics
 
 SCALAR_SERIES = {
-    "reward_mean": "mean exact-match reward of the step's samples",
+    "reward_mean": "mean reward of the step's samples",
     "logp_abs_diff_mean": "mean |logp_train - logp_rollout| per completion token",
     "logp_abs_diff_max": "max |logp_train - logp_rollout| over the step's tokens",
     "k3_kl": "k3 estimate of KL(rollout || trainer)",
