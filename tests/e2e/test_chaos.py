@@ -114,10 +114,11 @@ def _assert_every_sample_trained(tmp_path: pathlib.Path, steps: int) -> dict[str
         assert r["samples"] == SAMPLES_PER_STEP, r
         assert r["samples_trained"] == SAMPLES_PER_STEP, r
         assert r["samples_dropped_records"] == 0 and r["samples_dropped_stale"] == 0, r
-    audit = tmp_path / "trainer-audit.jsonl"
-    if audit.exists():  # the blobs trained on: each sample id once
+    # The blobs each trainer process trained on (a resumed trainer writes its own file): each
+    # sample id once per process.
+    for audit in sorted(tmp_path.glob("trainer-audit*.jsonl")):
         ids = collections.Counter((a["version"], a["sample_id"]) for a in read_audit(audit))
-        assert not [k for k, n in ids.items() if n > 1], "a record trained twice"
+        assert not [k for k, n in ids.items() if n > 1], f"a record trained twice ({audit.name})"
     return {k: sum(r[k] for r in rows) for k in ("samples_regenerated", "samples_unguided")}
 
 
@@ -378,8 +379,16 @@ def test_trainer_killed_mid_run_resumes_with_one_row_per_step(
     assert cluster.trainer is not None
     cluster.trainer.kill()
     rows_at_kill = len(read_metrics(metrics))
-    _start_run(cluster, tmp_path, "chaos-trainer", steps, stop=False, run=run, env=env)
+    resumed_audit = tmp_path / "trainer-audit-resumed.jsonl"
+    _start_run(cluster, tmp_path, "chaos-trainer", steps, stop=False, run=run,
+               env={**env, "TRACE_RECORD_AUDIT_FILE": str(resumed_audit)})  # fmt: skip
     final = _wait(cluster, lambda st: st["state"] == "finished", "the end of the run")
     assert final["resumed_from"] and final["resumed_from"].endswith("step-000003"), final
     assert rows_at_kill > 3, rows_at_kill  # rows past the checkpoint existed: they were removed
     _assert_every_sample_trained(tmp_path, steps)
+    # The resumed trainer trained only the steps after the checkpoint (sample ids s3-*, s4-*,
+    # ...). Those may carry the same (version, id) as the killed trainer's when it died before
+    # its next version reached weight-sync: the checkpoint's version is then kept, and the
+    # step runs again with the same seeds. Steps up to the checkpoint never run twice.
+    again = {a["sample_id"] for a in read_audit(resumed_audit)}
+    assert again and all(int(sid.split("-")[0][1:]) >= 3 for sid in again), sorted(again)[:4]
