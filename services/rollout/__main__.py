@@ -37,7 +37,10 @@ def main() -> None:
         settings.quant_cache_address, token, data_path=settings.quant_cache_data_path
     )
     weight_sync = WeightSyncClient(
-        settings.weight_sync_address, token, data_path=settings.weight_sync_data_path
+        settings.weight_sync_address,
+        token,
+        data_path=settings.weight_sync_data_path,
+        deltas=settings.weight_deltas,
     )
     holder = EngineHolder()
     audit = RecordAudit(settings.record_audit_file) if settings.record_audit_file else None

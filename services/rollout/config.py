@@ -31,6 +31,11 @@ class RolloutSettings(ServiceSettings):
         "bytes over TCP/TLS) or its PullVersion stream (grpc); auto = direct when offered and "
         "reachable",
     )
+    weight_deltas: bool = Field(
+        True,
+        description="keep the version last pulled (one host copy of the policy) and pull the "
+        "next one as a delta against it: only the changed codes, scales and values travel",
+    )
     replica_id: str = Field(
         default_factory=lambda: f"rollout-{socket.gethostname()}-{os.getpid()}",
         description="this replica's id in weight-sync's registry",

@@ -123,7 +123,7 @@ class TrainerApp:
 
             check_nvfp4_exportable(quant, model.cfg)  # an inexpressible policy stops start-up
         self.quant = quant
-        self.weight_sync = WeightSyncClient(s.weight_sync_address, token)
+        self.weight_sync = WeightSyncClient(s.weight_sync_address, token, deltas=s.weight_deltas)
         self.quant_cache = QuantCacheClient(
             s.quant_cache_address, token, data_path=s.quant_cache_data_path
         )
@@ -288,6 +288,7 @@ class TrainerApp:
             m["weight_pull_seconds_per_replica"] = self.directory.pull_seconds()
             pulls = list(m["weight_pull_seconds_per_replica"].values())
             m["weight_pull_seconds"] = sum(pulls) / len(pulls) if pulls else 0.0
+            m.update(self.publisher.last_push)  # the last finished push: bytes sent, changes
             m["wall_time"] = time.time()
             self.metrics.record(m)
             self.last_metrics = m

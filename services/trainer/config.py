@@ -39,6 +39,11 @@ class TrainerSettings(ServiceSettings):
         description="record bytes straight to/from Redis (direct, coordinates from quant-cache) "
         "or through quant-cache (grpc); auto = direct when Redis is reachable",
     )
+    weight_deltas: bool = Field(
+        True,
+        description="push each policy version as a delta against the one pushed before it "
+        "(keeps one host copy of the policy); the full version when weight-sync lacks that one",
+    )
 
     recipe: pathlib.Path | None = Field(
         None,

@@ -15,7 +15,10 @@ Documented series (all gauges unless noted; every one is set on every step where
   (records lost: generated again / trained without records, the recipe's stores.lost_records),
   ``trace_trainer_redispatched_units_total`` (counters)
 - ``trace_trainer_rollout_tokens_per_second{replica_id}``
-- ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica_id}``
+- ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica_id}``,
+  ``trace_trainer_weight_push_bytes``, ``trace_trainer_weight_push_full_bytes`` (a delta push
+  sends the first, a full one both the same; metrics.jsonl also has
+  ``weight_changed_fraction`` by dtype for a delta)
   (``replica_id``: the label every TRACE series naming a replica uses, as weight-sync's)
 - ``trace_trainer_run_info{run_id}`` (1; the dashboard's run selector)
 - ``trace_trainer_record_bytes_per_token``
@@ -58,6 +61,8 @@ SCALAR_SERIES = {
     "clip_frac": "fraction of tokens with the clipped ratio branch active",
     "tis_mean": "mean truncated importance weight",
     "weight_push_seconds": "seconds to quantize + push the last version whose push finished",
+    "weight_push_bytes": "bytes the last finished push sent (a delta's payloads, or the version)",
+    "weight_push_full_bytes": "bytes of the last pushed version in full",
 }
 PHASES = ("rollout", "records", "train", "push")
 EVENT_KEY = "event"  # metrics.jsonl lines that are not a step's carry this key

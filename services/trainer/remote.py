@@ -184,6 +184,7 @@ class WeightSyncPublisher:
         self.client = client
         self.backoff = backoff or Backoff()
         self.last_push_seconds = 0.0
+        self.last_push: dict[str, Any] = {}  # bytes sent, changed fractions (weight_deltas.push_stats)
 
     def publish(
         self, version: int, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]
@@ -201,6 +202,7 @@ class WeightSyncPublisher:
 
         retry_transient(push, f"push of version {version} to weight-sync", self.backoff)
         self.last_push_seconds = time.perf_counter() - t0
+        self.last_push = dict(self.client.last_push)
 
     def _latest(self) -> int:
         return max((v.version for v in self.client.versions()), default=-1)

@@ -1,5 +1,5 @@
 """weight-sync's bulk data plane: a plain TCP (or TLS) listener that sends a version's
-stored bytes to a replica holding a ticket from `GetPullTicket` (framing and protocol:
+stored bytes (or its stored delta against the replica's base) to a replica holding a ticket from `GetPullTicket` (framing and protocol:
 trace_common/ws_data_plane.py).
 
 The bytes go from the version's stored chunks to the socket with `sendall` of memoryviews:
@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.weight_sync.versions import StoredVersion
+from services.weight_sync.versions import StoredDelta, StoredVersion
 from trace_common import ws_data_plane as wire
 from trace_common.service import Metrics, exhausted
 
@@ -42,14 +42,14 @@ def parse_advertise(advertise: str, port: int) -> tuple[str, int]:
 
 @dataclass(slots=True)
 class _Ticket:
-    stored: StoredVersion
+    stored: StoredVersion | StoredDelta
     replica_id: str
     expires_at: float  # time.monotonic()
 
 
 class DataPlane:
     """Listens on `host:port` (0 = any free port); `issue` hands out tickets, each good for
-    one connection within `ticket_seconds`. `on_pull(replica_id, nbytes, seconds)` is
+    one connection within `ticket_seconds`. `on_pull(replica_id, sent, seconds)` is
     called after each complete send (the servicer counts it like a gRPC pull).
 
     `advertise` is the address handed to replicas: "" (the host they reach gRPC by, this
@@ -60,7 +60,7 @@ class DataPlane:
         host: str,
         port: int,
         metrics: Metrics,
-        on_pull: Callable[[str, int, float], None],
+        on_pull: Callable[[str, StoredVersion | StoredDelta, float], None],
         *,
         ticket_seconds: float,
         max_tickets: int,
@@ -99,7 +99,7 @@ class DataPlane:
         self.advertise_host, self.advertise_port = parse_advertise(advertise, self.port)
         threading.Thread(target=self._accept, name="ws-data-plane", daemon=True).start()
 
-    def issue(self, stored: StoredVersion, replica_id: str) -> bytes:
+    def issue(self, stored: StoredVersion | StoredDelta, replica_id: str) -> bytes:
         """A new ticket for one pull of `stored` (RESOURCE_EXHAUSTED when too many are
         outstanding, in all or for this replica_id: clients then pull with PullVersion).
         The ticket holds the version: a pull started before the version is dropped still
@@ -190,13 +190,13 @@ class DataPlane:
             self._refuse(conn, wire.Status.BAD_TICKET, why, text, peer)
             return
         stored = found.stored
-        nbytes = stored.header.total_bytes
+        nbytes = stored.wire_bytes
         conn.settimeout(SEND_TIMEOUT_S)
         start = time.perf_counter()
         conn.sendall(wire.encode_reply(wire.Status.OK, nbytes))
         for view in stored.data_views():
             conn.sendall(view)
-        self._on_pull(found.replica_id, nbytes, time.perf_counter() - start)
+        self._on_pull(found.replica_id, stored, time.perf_counter() - start)
 
     def _refuse(
         self, conn: socket.socket, status: wire.Status, reason: str, text: str, peer: tuple

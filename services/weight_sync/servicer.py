@@ -12,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from services.weight_sync.data_plane import DataPlane
 from services.weight_sync.registry import ReplicaRegistry
-from services.weight_sync.versions import PendingVersion, StoredVersion, VersionStore
+from services.weight_sync.versions import PendingVersion, StoredDelta, StoredVersion, VersionStore
 from trace_common.chunk_wire import ChunkView, chunk_codec
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
@@ -88,6 +88,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self.push_failed = m.counter("pushes_failed", "pushes rejected or abandoned before publish")
         self.push_bytes = m.counter("push_bytes", "bytes received in published pushes")
         self.pull_bytes = m.counter("pull_bytes", "bytes sent to pullers", ("replica_id",))
+        self.pushes = m.counter("pushes", "versions published, by what the push sent", ("kind",))
+        self.pulls = m.counter("pulls", "complete pulls, by what they sent", ("kind",))
         self.push_seconds = m.histogram("push_seconds", "time from push start to publish")
         self.pull_seconds = m.histogram("pull_seconds", "time to stream one version")
         m.registry.register(_ReplicaCollector(metrics, registry, versions))
@@ -108,7 +110,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             self.push_failed.inc()
             raise invalid("the first PushVersion message must be a header (manifest)")
         header = first.header
-        pending = PendingVersion(header, self.max_version_bytes)  # validates the manifest
+        base = self._push_base(header)
+        # Validates the manifest (and a delta's entries against its base).
+        pending = PendingVersion(header, self.max_version_bytes, base, self.chunk_bytes)
         self.versions.begin_push(header.version)
         try:
             for msg in messages:
@@ -125,41 +129,76 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             self.push_failed.inc()
             raise
         self.published.inc()
-        self.push_bytes.inc(header.total_bytes)
+        self.push_bytes.inc(pending.wire_bytes)
+        self.pushes.labels("delta" if pending.is_delta else "full").inc()
         self.push_seconds.observe(time.perf_counter() - start)
         log.info(
             "published version",
             extra={
                 "version": header.version,
                 "bytes": header.total_bytes,
+                "wire_bytes": pending.wire_bytes,
+                "base_version": header.base_version if pending.is_delta else None,
                 "tensors": len(header.tensors),
                 "dropped": dropped,
             },
         )
         return pb.PushVersionResponse(published=stored.info(), dropped_versions=dropped)
 
-    def _pulled(self, request: pb.PullVersionRequest | pb.PullTicketRequest) -> StoredVersion:
-        """The version a pull asks for (INVALID_ARGUMENT, NOT_FOUND)."""
+    def _push_base(self, header: pb.VersionHeader) -> StoredVersion | None:
+        """The stored base of a delta push (None for a full push); FAILED_PRECONDITION when
+        it is not kept (the pusher then sends the full version)."""
+        if not header.HasField("base_version"):
+            return None
+        base_version = header.base_version
+        if not 0 <= base_version < header.version:
+            raise invalid(
+                f"base_version={base_version} must be >= 0 and older than version={header.version}"
+            )
+        base = self.versions.find(base_version)
+        if base is None:
+            kept = [v.version for v in self.versions.all()]
+            raise failed_precondition(
+                f"base_version={base_version} is not held (kept: {kept}): push the full version"
+            )
+        return base
+
+    def _pulled(
+        self, request: pb.PullVersionRequest | pb.PullTicketRequest
+    ) -> StoredVersion | StoredDelta:
+        """What a pull asks for (INVALID_ARGUMENT, NOT_FOUND): the version, or its delta
+        against `base_version` when that is kept and the delta is worth sending."""
         if request.replica_id:
             check_id("replica_id", request.replica_id)
         version = request.version if request.HasField("version") else None
         if version is not None and version < 0:
             raise invalid(f"version={version} must be >= 0 (leave it unset for the latest)")
-        return self.versions.get(version)  # NOT_FOUND if unknown or none yet
+        base_version = request.base_version if request.HasField("base_version") else None
+        if base_version is not None and base_version < 0:
+            raise invalid(f"base_version={base_version} must be >= 0 (leave it unset: a full pull)")
+        stored = self.versions.get(version)  # NOT_FOUND if unknown or none yet
+        if base_version is None or base_version >= stored.version:
+            return stored
+        base = self.versions.find(base_version)
+        sent = None if base is None else stored.delta_against(base, self.chunk_bytes)
+        return stored if sent is None else sent
 
-    def count_pull(self, replica_id: str, nbytes: int, seconds: float) -> None:
+    def count_pull(
+        self, replica_id: str, sent: StoredVersion | StoredDelta, seconds: float
+    ) -> None:
         """One complete pull, on either path."""
-        self.pull_bytes.labels(replica_id or "-").inc(nbytes)
+        self.pull_bytes.labels(replica_id or "-").inc(sent.wire_bytes)
+        self.pulls.labels("delta" if isinstance(sent, StoredDelta) else "full").inc()
         self.pull_seconds.observe(seconds)
 
     def PullVersion(
         self, request: pb.PullVersionRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullChunk | bytes]:
-        stored = self._pulled(request)
+        sent = self._pulled(request)
         start = time.perf_counter()
-        yield pb.PullChunk(header=stored.header)
-        yield from stored.chunks
-        self.count_pull(request.replica_id, stored.header.total_bytes, time.perf_counter() - start)
+        yield pb.PullChunk(header=sent.header)
+        yield from sent.chunks
+        self.count_pull(request.replica_id, sent, time.perf_counter() - start)
 
     def GetPullTicket(
         self, request: pb.PullTicketRequest, context: grpc.ServicerContext

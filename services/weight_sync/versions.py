@@ -14,7 +14,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
+from trace_common import weight_delta as delta
 from trace_common.checksum import crc32
 from trace_common.chunk_wire import ChunkView, chunk_codec, encode_chunk
 from trace_common.protos_gen.trace.common.v1 import common_pb2
@@ -32,6 +34,57 @@ from trace_common.tensor_wire import expected_nbytes
 _PULL_DECODE, _ = chunk_codec(pb.PullChunk)
 
 
+# A pull gets a delta only when it is at most this fraction of the full version's bytes:
+# rebuilding costs the puller a pass over its base, which a near-full delta does not repay.
+DELTA_WORTH = 0.8
+DELTAS_KEPT = 2  # deltas a version keeps, against its most recently asked-for bases
+
+
+def _views_by_tensor(chunks: list[bytes], count: int) -> list[list[memoryview]]:
+    """Each tensor's data views, in order, from PullChunk wire bytes (no copies)."""
+    out: list[list[memoryview]] = [[] for _ in range(count)]
+    for raw in chunks:
+        view = _PULL_DECODE(raw)
+        out[view.tensor_index].append(view.data)
+    return out
+
+
+def _joined(views: list[memoryview]) -> np.ndarray:
+    """One tensor's bytes as a uint8 array: a view when they sit in one chunk, else a copy."""
+    if len(views) == 1:
+        return np.frombuffer(views[0], dtype=np.uint8)
+    if not views:
+        return np.empty(0, dtype=np.uint8)
+    return np.concatenate([np.frombuffer(v, dtype=np.uint8) for v in views])
+
+
+def _chunked(index: int, data: np.ndarray | memoryview, chunk_bytes: int) -> list[bytes]:
+    view = memoryview(data).cast("B")
+    return [
+        encode_chunk(index, off, view[off : off + chunk_bytes])
+        for off in range(0, len(view), chunk_bytes)
+    ]
+
+
+@dataclass(slots=True)
+class StoredDelta:
+    """A version as a delta against `base`: the header (with its deltas) and the payloads
+    as PullChunk wire bytes, sent as they are on either pull path."""
+
+    header: pb.VersionHeader
+    chunks: list[bytes]
+    _views: list[memoryview] | None = field(default=None, repr=False)
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.header.delta_bytes
+
+    def data_views(self) -> list[memoryview]:
+        if self._views is None:
+            self._views = [_PULL_DECODE(raw).data for raw in self.chunks]
+        return self._views
+
+
 @dataclass(slots=True)
 class StoredVersion:
     header: pb.VersionHeader
@@ -40,11 +93,19 @@ class StoredVersion:
     # hold the only copy of the bytes.
     chunks: list[bytes]
     published_at: float = field(default_factory=time.time)
+    # Deltas of this version against others (base version -> delta), the newest last.
+    deltas: OrderedDict[int, StoredDelta] = field(default_factory=OrderedDict)
     _views: list[memoryview] | None = field(default=None, repr=False)
+    _by_tensor: list[list[memoryview]] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def version(self) -> int:
         return self.header.version
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.header.total_bytes
 
     def data_views(self) -> list[memoryview]:
         """The tensor bytes of every chunk, in manifest order (views into `chunks`, no
@@ -52,6 +113,53 @@ class StoredVersion:
         if self._views is None:
             self._views = [_PULL_DECODE(raw).data for raw in self.chunks]
         return self._views
+
+    def tensor_bytes(self, index: int) -> np.ndarray:
+        """Tensor `index`'s raw bytes (uint8; a view into the chunks where it fits one)."""
+        if self._by_tensor is None:
+            self._by_tensor = _views_by_tensor(self.chunks, len(self.header.tensors))
+        return _joined(self._by_tensor[index])
+
+    def delta_against(self, base: StoredVersion, chunk_bytes: int) -> StoredDelta | None:
+        """This version as a delta against `base` (computed at the first ask, then kept), or
+        None when the delta would not be worth sending (DELTA_WORTH)."""
+        with self._lock:
+            if base.version in self.deltas:
+                self.deltas.move_to_end(base.version)
+                return self.deltas[base.version]
+            base_index = {spec.name: i for i, spec in enumerate(base.header.tensors)}
+            header = pb.VersionHeader()
+            header.CopyFrom(self.header)
+            header.base_version = base.version
+            chunks: list[bytes] = []
+            for i, spec in enumerate(self.header.tensors):
+                j = base_index.get(spec.name)
+                new = self.tensor_bytes(i)
+                old_spec = None if j is None else base.header.tensors[j]
+                if old_spec is None or (old_spec.dtype, old_spec.shape) != (spec.dtype, spec.shape):
+                    info = delta.TensorDeltaInfo(delta.DeltaKind.DENSE, new.nbytes, 0, 0)
+                    pieces = [new]
+                else:
+                    info, pieces = delta.encode(
+                        base.tensor_bytes(j), new, spec.dtype, old_spec.crc32
+                    )
+                header.deltas.append(_delta_message(info))
+                header.delta_bytes += info.payload_bytes
+                payload = (
+                    pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else None
+                )
+                if payload is not None and payload.nbytes:
+                    chunks.extend(_chunked(i, payload, chunk_bytes))
+            if header.delta_bytes > DELTA_WORTH * self.header.total_bytes:
+                return None
+            stored = StoredDelta(header, chunks)
+            self.keep_delta(base.version, stored)
+            return stored
+
+    def keep_delta(self, base_version: int, stored: StoredDelta) -> None:
+        self.deltas[base_version] = stored
+        while len(self.deltas) > DELTAS_KEPT:
+            self.deltas.popitem(last=False)
 
     def info(self) -> common_pb2.PolicyVersionInfo:
         h = self.header
@@ -64,10 +172,71 @@ class StoredVersion:
         )
 
 
-class PendingVersion:
-    """A version being pushed: validates the manifest, then each chunk, in order."""
+def _delta_message(info: delta.TensorDeltaInfo) -> pb.TensorDelta:
+    return pb.TensorDelta(
+        kind=int(info.kind),
+        payload_bytes=info.payload_bytes,
+        changed=info.changed,
+        base_crc32=info.base_crc32,
+    )
 
-    def __init__(self, header: pb.VersionHeader, max_version_bytes: int) -> None:
+
+def _delta_info(msg: pb.TensorDelta) -> delta.TensorDeltaInfo:
+    return delta.TensorDeltaInfo(
+        delta.DeltaKind(msg.kind), msg.payload_bytes, msg.changed, msg.base_crc32
+    )
+
+
+def check_delta_manifest(header: pb.VersionHeader, base: pb.VersionHeader | None) -> None:
+    """INVALID_ARGUMENT naming what is wrong with a delta header's deltas (the tensors are
+    checked as in a full version); `base` is the base's header, when it is held."""
+    if len(header.deltas) != len(header.tensors):
+        raise invalid(
+            f"version {header.version}: {len(header.deltas)} deltas for {len(header.tensors)} tensors"
+        )
+    by_name = {} if base is None else {t.name: t for t in base.tensors}
+    total = 0
+    for spec, d in zip(header.tensors, header.deltas, strict=True):
+        if d.kind not in delta.DeltaKind._value2member_map_:
+            raise invalid(f"tensor {spec.name!r}: unknown delta kind {d.kind}")
+        kind = delta.DeltaKind(d.kind)
+        width = delta.element_width(spec.dtype, spec.nbytes)
+        elements = spec.nbytes // width
+        if d.changed > elements:
+            raise invalid(f"tensor {spec.name!r}: changed={d.changed} > its {elements} elements")
+        size = delta.payload_size(kind, elements, d.changed, width)
+        if d.payload_bytes != size:
+            raise invalid(
+                f"tensor {spec.name!r}: a {kind.name} delta of {d.changed} of {elements} "
+                f"elements is {size} bytes, payload_bytes={d.payload_bytes}"
+            )
+        if kind != delta.DeltaKind.DENSE and base is not None:
+            old = by_name.get(spec.name)
+            if old is None or (old.dtype, list(old.shape)) != (spec.dtype, list(spec.shape)):
+                raise invalid(
+                    f"tensor {spec.name!r}: a {kind.name} delta, but base version "
+                    f"{base.version} has no {spec.dtype}{list(spec.shape)} tensor of that name"
+                )
+        total += d.payload_bytes
+    if total != header.delta_bytes:
+        raise invalid(f"delta_bytes={header.delta_bytes} but the deltas sum to {total}")
+
+
+class PendingVersion:
+    """A version being pushed: validates the manifest, then each chunk, in order.
+
+    A push whose header sets `base_version` carries each tensor's delta payload against
+    `base` (the stored base version); each tensor is rebuilt from it as its payload completes
+    and checked against the manifest's CRC-32 (DATA_LOSS otherwise), and the delta is kept
+    for pulls from replicas that hold the base."""
+
+    def __init__(
+        self,
+        header: pb.VersionHeader,
+        max_version_bytes: int,
+        base: StoredVersion | None = None,
+        chunk_bytes: int = 1 << 20,
+    ) -> None:
         check_non_negative("version", header.version)
         if not header.tensors:
             raise invalid(f"version {header.version}: the manifest lists no tensors")
@@ -100,40 +269,81 @@ class PendingVersion:
             raise exhausted(
                 f"version {header.version} is {total} bytes, over max_version_bytes={max_version_bytes}"
             )
+        self.is_delta = header.HasField("base_version")
+        if self.is_delta:
+            check_delta_manifest(header, None if base is None else base.header)
+            if base is None or base.version != header.base_version:
+                raise ValueError("a delta push needs its base version")
+            if header.delta_bytes > max_version_bytes:
+                raise exhausted(
+                    f"version {header.version}'s delta is {header.delta_bytes} bytes, over max_version_bytes={max_version_bytes}"
+                )
+            self._lengths = [d.payload_bytes for d in header.deltas]
+            self._base = base
+            self._base_index = {t.name: i for i, t in enumerate(base.header.tensors)}
+        else:
+            if header.deltas or header.delta_bytes:
+                raise invalid("deltas are set but base_version is not")
+            self._lengths = [spec.nbytes for spec in header.tensors]
         self.header = header
+        self.chunk_bytes = chunk_bytes
         # Received chunks become the PullVersion messages as they are (a pushed chunk's wire
-        # bytes are a valid PullChunk: chunk_wire); the CRC-32 of each tensor runs over its chunks.
+        # bytes are a valid PullChunk: chunk_wire); the CRC-32 of each tensor runs over its
+        # chunks. A delta push's chunks are its payloads; the rebuilt tensors are re-chunked.
         self.chunks: list[bytes] = []
+        self.delta_chunks: list[bytes] = []
+        self._payload: list[memoryview] = []
         self._index = 0
         self._received = 0
         self._crc = 0
         self._skip_empty()
 
+    @property
+    def wire_bytes(self) -> int:
+        return self.header.delta_bytes if self.is_delta else self.header.total_bytes
+
     def _skip_empty(self) -> None:
-        specs = self.header.tensors
-        while self._index < len(specs) and self._received == specs[self._index].nbytes:
-            self._verify(self._index)
+        while self._index < len(self._lengths) and self._received == self._lengths[self._index]:
+            self._complete(self._index)
             self._index += 1
             self._received = 0
             self._crc = 0
+            self._payload = []
 
-    def _verify(self, index: int) -> None:
+    def _complete(self, index: int) -> None:
         spec = self.header.tensors[index]
-        if self._crc != spec.crc32:
+        if not self.is_delta:
+            if self._crc != spec.crc32:
+                raise ServiceError(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"tensor {spec.name!r}: crc32 {self._crc:#010x} of received bytes != declared {spec.crc32:#010x}",
+                )
+            return
+        info = _delta_info(self.header.deltas[index])
+        base_i = self._base_index.get(spec.name)
+        base = None if base_i is None else self._base.tensor_bytes(base_i)
+        try:
+            rebuilt = delta.apply(
+                base, info, _joined(self._payload),
+                dtype=spec.dtype, nbytes=spec.nbytes, crc=spec.crc32, name=spec.name,
+            )  # fmt: skip
+        except delta.DeltaError as exc:
             raise ServiceError(
                 grpc.StatusCode.DATA_LOSS,
-                f"tensor {spec.name!r}: crc32 {self._crc:#010x} of received bytes != declared {spec.crc32:#010x}",
-            )
+                f"delta against version {self._base.version}: {exc}; push the full version",
+            ) from exc
+        if rebuilt.nbytes:
+            self.chunks.extend(_chunked(index, rebuilt, self.chunk_bytes))
 
     def add(self, chunk: pb.TensorChunk | ChunkView, chunk_bytes: int) -> None:
         """Check and keep one chunk (re-cut to at most `chunk_bytes` for pulls).
 
         A ChunkView (chunk_wire's PushVersion deserializer) of at most `chunk_bytes` is
         kept as the bytes it arrived in, without a copy."""
-        specs = self.header.tensors
-        if self._index >= len(specs):
+        lengths = self._lengths
+        if self._index >= len(lengths):
             raise invalid(
-                f"chunk for tensor {chunk.tensor_index} after all {len(specs)} tensors are complete"
+                f"chunk for tensor {chunk.tensor_index} after all {len(lengths)} tensors are complete"
             )
         if chunk.tensor_index != self._index or chunk.offset != self._received:
             raise invalid(
@@ -141,16 +351,21 @@ class PendingVersion:
             )
         data = chunk.data
         n = len(data)
-        spec = specs[self._index]
-        if self._received + n > spec.nbytes:
-            raise invalid(f"tensor {spec.name!r}: chunk overruns nbytes={spec.nbytes}")
-        self._crc = crc32(data, self._crc)
+        spec = self.header.tensors[self._index]
+        if self._received + n > lengths[self._index]:
+            what = "payload_bytes" if self.is_delta else "nbytes"
+            raise invalid(f"tensor {spec.name!r}: chunk overruns {what}={lengths[self._index]}")
+        kept = self.delta_chunks if self.is_delta else self.chunks
+        if self.is_delta:
+            self._payload.append(memoryview(data))
+        else:
+            self._crc = crc32(data, self._crc)
         if n and n <= chunk_bytes and isinstance(chunk, ChunkView):
-            self.chunks.append(chunk.raw)
+            kept.append(chunk.raw)
         elif n:
             for off in range(0, n, chunk_bytes):
                 piece = data if n <= chunk_bytes else data[off : off + chunk_bytes]
-                self.chunks.append(encode_chunk(self._index, self._received + off, piece))
+                kept.append(encode_chunk(self._index, self._received + off, piece))
         self._received += n
         self._skip_empty()
 
@@ -160,9 +375,18 @@ class PendingVersion:
         if self._index < len(specs):
             spec = specs[self._index]
             raise invalid(
-                f"version {self.header.version}: stream ended in tensor {self._index} of {len(specs)} ({spec.name!r}, {self._received} of {spec.nbytes} bytes); not published"
+                f"version {self.header.version}: stream ended in tensor {self._index} of {len(specs)} ({spec.name!r}, {self._received} of {self._lengths[self._index]} bytes); not published"
             )
-        return StoredVersion(self.header, self.chunks)
+        if not self.is_delta:
+            return StoredVersion(self.header, self.chunks)
+        full = pb.VersionHeader()
+        full.CopyFrom(self.header)
+        full.ClearField("base_version")
+        full.ClearField("deltas")
+        full.ClearField("delta_bytes")
+        stored = StoredVersion(full, self.chunks)
+        stored.keep_delta(self._base.version, StoredDelta(self.header, self.delta_chunks))
+        return stored
 
 
 class VersionStore:
@@ -194,6 +418,11 @@ class VersionStore:
             if version not in self._versions:
                 raise not_found(f"version {version} is not available; kept: {list(self._versions)}")
             return self._versions[version]
+
+    def find(self, version: int) -> StoredVersion | None:
+        """The stored `version`, or None when it is not kept."""
+        with self._cond:
+            return self._versions.get(version)
 
     def all(self) -> list[StoredVersion]:
         with self._cond:

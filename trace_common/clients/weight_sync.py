@@ -40,12 +40,20 @@ import torch
 from trace_common import ws_data_plane as wire
 from trace_common.chunk_wire import ChunkView, chunk_codec, encode_chunk
 from trace_common.clients.data_path import DataPath, DirectPathError, check_data_path, offered
-from trace_common.clients.tensors import TensorAssembler, tensor_to_wire
+from trace_common.clients.tensors import BytesAssembler
+from trace_common.clients.weight_deltas import (
+    DeltaBase,
+    assemblers,
+    encode_version,
+    push_stats,
+    rebuild,
+)
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from trace_common.service.errors import is_not_registered
 from trace_common.service.grpc_client import ClientTLS, GrpcClient
+from trace_common.weight_delta import DeltaError
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ class WeightSyncClient(GrpcClient):
         transfer_timeout: float = TRANSFER_TIMEOUT_S,
         data_path: DataPath = "auto",
         tls: ClientTLS | None = None,
+        deltas: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(address, token, tls=tls, **kwargs)
@@ -87,6 +96,11 @@ class WeightSyncClient(GrpcClient):
         # The data plane speaks TLS exactly when gRPC does, with the same trust.
         self._ssl = None if tls is None else tls.ssl_context()
         self._direct_off = data_path == "grpc"  # auto: set when the plane is not usable
+        # With `deltas`, the last version pulled (or pushed) whole: pulls ask for a delta
+        # against it and pushes send one (module docstring).
+        self.deltas = deltas
+        self.base: DeltaBase | None = None
+        self.last_push: dict[str, Any] = {}  # weight_deltas.push_stats of the last push
         self._stub = pb_grpc.WeightSyncStub(self.channel)
         self._registered: dict[str, str] = {}  # replica_id -> address, to register again
         self._register_lock = threading.Lock()
@@ -112,21 +126,50 @@ class WeightSyncClient(GrpcClient):
         tensors: Mapping[str, torch.Tensor],
         metadata: Mapping[str, Any] | None = None,
     ) -> common_pb2.PolicyVersionInfo:
-        """Push every tensor (any dtype, raw bytes + CRC-32); returns once published."""
+        """Push every tensor (any dtype, raw bytes + CRC-32); returns once published.
+
+        With `deltas`, a push after an earlier one of this client sends only what changed
+        against it; where weight-sync no longer holds that version (FAILED_PRECONDITION), or
+        refuses the delta, the full version follows at once."""
         if not tensors:
             raise ValueError("tensors is empty")
-        wire = [tensor_to_wire(name, t) for name, t in tensors.items()]
-        header = pb.VersionHeader(
-            version=version,
-            metadata_json=json.dumps(dict(metadata or {}), sort_keys=True),
-            tensors=[spec for spec, _ in wire],
-            total_bytes=sum(spec.nbytes for spec, _ in wire),
+        meta = json.dumps(dict(metadata or {}), sort_keys=True)
+        base = (
+            self.base
+            if self.deltas and self.base is not None and self.base.version < version
+            else None
         )
+        header, payloads, pushed = encode_version(version, tensors, meta, base, keep=self.deltas)
+        try:
+            published = self._push_stream(header, payloads)
+        except grpc.RpcError as err:
+            if base is None or err.code() not in (
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS
+            ):  # fmt: skip
+                raise
+            log.warning(
+                "weight-sync refused version %d as a delta against %d (%s): pushing it whole",
+                version, base.version, err.details(),
+            )  # fmt: skip
+            self.base = None
+            header, payloads, pushed = encode_version(
+                version, tensors, meta, None, keep=self.deltas
+            )
+            published = self._push_stream(header, payloads)
+        if self.deltas:
+            self.base = pushed
+        self.last_push = push_stats(header)
+        return published
+
+    def _push_stream(
+        self, header: pb.VersionHeader, payloads: list[Any]
+    ) -> common_pb2.PolicyVersionInfo:
         step = self.chunk_bytes
 
         def messages() -> Iterator[pb.PushChunk | bytes]:
             yield pb.PushChunk(header=header)
-            for index, (_, view) in enumerate(wire):
+            for index, data in enumerate(payloads):
+                view = memoryview(data).cast("B")
                 for offset in range(0, len(view), step):
                     yield encode_chunk(index, offset, view[offset : offset + step])
 
@@ -141,12 +184,33 @@ class WeightSyncClient(GrpcClient):
         over the data path in use (module docstring).
 
         Every tensor is checked against its CRC-32 (ValueError on a mismatch); a transfer
-        that ends early raises (DATA_LOSS on the direct path)."""
+        that ends early raises (DATA_LOSS on the direct path). With `deltas` the pull asks for
+        a delta against the version last pulled; one that does not rebuild (a base that is
+        not weight-sync's, a corrupted payload) is refused by its CRC-32s and the version is
+        pulled whole."""
+        base = self.base if self.deltas else None
+        if base is not None and version is not None and version <= base.version:
+            base = None
+        try:
+            got = self._pull_once(version, replica_id, base)
+        except DeltaError as exc:
+            log.warning("weight-sync: a delta did not rebuild (%s): pulling the version whole", exc)
+            self.base = None
+            got = self._pull_once(version, replica_id, None)
+        return got
+
+    def _pull_once(
+        self, version: int | None, replica_id: str, base: DeltaBase | None
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        pulled = None
         if not self._direct_off:
-            pulled = self._pull_direct(version, replica_id)
-            if pulled is not None:
-                return pulled
-        return self._pull_grpc(version, replica_id)
+            pulled = self._pull_direct(version, replica_id, base)
+        if pulled is None:
+            pulled = self._pull_grpc(version, replica_id, base)
+        header, tensors = pulled
+        if self.deltas:
+            self.base = DeltaBase.shared(header.version, tensors, list(header.tensors))
+        return header.version, tensors, json.loads(header.metadata_json or "{}")
 
     @property
     def path(self) -> str:
@@ -154,13 +218,15 @@ class WeightSyncClient(GrpcClient):
         return "grpc" if self._direct_off else "direct"
 
     def _pull_direct(
-        self, version: int | None, replica_id: str
-    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
+        self, version: int | None, replica_id: str, base: DeltaBase | None
+    ) -> tuple[pb.VersionHeader, dict[str, torch.Tensor]] | None:
         """A pull over the data plane; None when "auto" should use gRPC instead."""
         strict = self.data_path == "direct"
         request = pb.PullTicketRequest(replica_id=replica_id)
         if version is not None:
             request.version = version
+        if base is not None:
+            request.base_version = base.version
         try:
             ticket = offered(
                 lambda: self._stub.GetPullTicket(
@@ -200,19 +266,20 @@ class WeightSyncClient(GrpcClient):
             return None
         with sock:
             sock.settimeout(self.timeout)  # per send/recv: a stalled transfer ends
-            tensors = receive_version(sock, ticket.ticket, ticket.header, where)
-        header = ticket.header
-        return header.version, tensors, json.loads(header.metadata_json or "{}")
+            tensors = receive_version(sock, ticket.ticket, ticket.header, where, base)
+        return ticket.header, tensors
 
     def _pull_grpc(
-        self, version: int | None, replica_id: str
-    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        self, version: int | None, replica_id: str, base: DeltaBase | None
+    ) -> tuple[pb.VersionHeader, dict[str, torch.Tensor]]:
         request = pb.PullVersionRequest(replica_id=replica_id)
         if version is not None:
             request.version = version
+        if base is not None:
+            request.base_version = base.version
         stream = self._pull(request, metadata=self.metadata, timeout=self.transfer_timeout)
         header: pb.VersionHeader | None = None
-        parts: list[TensorAssembler] = []
+        parts: list[BytesAssembler] = []
         for msg in stream:
             if isinstance(msg, ChunkView):
                 if header is None:
@@ -224,15 +291,14 @@ class WeightSyncClient(GrpcClient):
                 parts[msg.tensor_index].add(msg.offset, msg.data)
             elif msg.WhichOneof("kind") == "header":
                 header = msg.header
-                parts = [TensorAssembler(spec) for spec in header.tensors]
+                parts = assemblers(header)
             else:
                 raise ValueError(
                     "PullVersion stream sent a message that is neither header nor chunk"
                 )
         if header is None:
             raise ValueError("PullVersion stream ended without a header")
-        tensors = {p.spec.name: p.tensor() for p in parts}
-        return header.version, tensors, json.loads(header.metadata_json or "{}")
+        return header, rebuild(header, parts, base)
 
     def register(self, replica_id: str, address: str) -> pb.RegisterResponse:
         """Register (or re-register) a replica; the address is remembered so that a
@@ -347,13 +413,18 @@ class Subscription:
 
 
 def receive_version(
-    sock: socket.socket, ticket: bytes, header: pb.VersionHeader, where: str
+    sock: socket.socket,
+    ticket: bytes,
+    header: pb.VersionHeader,
+    where: str,
+    base: DeltaBase | None = None,
 ) -> dict[str, torch.Tensor]:
     """Present `ticket` on a connected data-plane socket and receive the version `header`
-    describes, each tensor straight into its buffer, CRC-32 checked (ValueError, as on the
-    gRPC path). A refusal raises DirectPathError with the reply's code and reason; a
+    describes, each tensor (or its delta payload, rebuilt from `base`) straight into its
+    buffer, CRC-32 checked (ValueError, as on the gRPC path; DeltaError for a delta). A refusal raises DirectPathError with the reply's code and reason; a
     connection that breaks or ends early, DirectPathError(DATA_LOSS / UNAVAILABLE)."""
-    parts = [TensorAssembler(spec) for spec in header.tensors]
+    parts = assemblers(header)
+    expected = header.delta_bytes if header.HasField("base_version") else header.total_bytes
     try:
         sock.sendall(wire.encode_request(ticket))
         head = wire.recv_exact(sock, wire.REPLY_BYTES)
@@ -374,11 +445,11 @@ def receive_version(
                 status.grpc_code,
                 f"weight-sync data plane at {where} refused the pull: {reason.decode(errors='replace')}",
             )
-        if length != header.total_bytes:
+        if length != expected:
             raise DirectPathError(
                 grpc.StatusCode.DATA_LOSS,
                 f"weight-sync data plane at {where} sends {length} bytes for version "
-                f"{header.version}, whose manifest says {header.total_bytes}",
+                f"{header.version}, whose manifest says {expected}",
             )
         for part in parts:
             part.fill(sock.recv_into)
@@ -392,4 +463,4 @@ def receive_version(
             grpc.StatusCode.UNAVAILABLE,
             f"weight-sync data plane at {where} failed mid-transfer: {exc}",
         ) from exc
-    return {p.spec.name: p.tensor() for p in parts}
+    return rebuild(header, parts, base)

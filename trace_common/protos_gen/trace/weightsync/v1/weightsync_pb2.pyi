@@ -8,16 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VersionHeader(_message.Message):
-    __slots__ = ("version", "metadata_json", "tensors", "total_bytes")
+    __slots__ = ("version", "metadata_json", "tensors", "total_bytes", "base_version", "deltas", "delta_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     metadata_json: str
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., metadata_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    base_version: int
+    deltas: _containers.RepeatedCompositeFieldContainer[TensorDelta]
+    delta_bytes: int
+    def __init__(self, version: _Optional[int] = ..., metadata_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., base_version: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[TensorDelta, _Mapping]]] = ..., delta_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorDelta(_message.Message):
+    __slots__ = ("kind", "payload_bytes", "changed", "base_crc32")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    BASE_CRC32_FIELD_NUMBER: _ClassVar[int]
+    kind: int
+    payload_bytes: int
+    changed: int
+    base_crc32: int
+    def __init__(self, kind: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., changed: _Optional[int] = ..., base_crc32: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tensor_index", "offset", "data")
@@ -46,12 +64,14 @@ class PushVersionResponse(_message.Message):
     def __init__(self, published: _Optional[_Union[_common_pb2.PolicyVersionInfo, _Mapping]] = ..., dropped_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullVersionRequest(_message.Message):
-    __slots__ = ("version", "replica_id")
+    __slots__ = ("version", "replica_id", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     replica_id: str
-    def __init__(self, version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., replica_id: _Optional[str] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "chunk")
@@ -62,12 +82,14 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PullTicketRequest(_message.Message):
-    __slots__ = ("version", "replica_id")
+    __slots__ = ("version", "replica_id", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     replica_id: str
-    def __init__(self, version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., replica_id: _Optional[str] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class PullTicketResponse(_message.Message):
     __slots__ = ("data_host", "data_port", "ticket", "expires_in_seconds", "header")
