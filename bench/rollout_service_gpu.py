@@ -53,14 +53,16 @@ EOS, PAD = 2, 0
 E4M3_ONE = 0x38  # bit pattern of 1.0 in float8_e4m3fn
 
 
-def random_policy(cfg: ModelConfig, fp4: bool, seed: int) -> tuple[dict, dict]:
+def random_policy(
+    cfg: ModelConfig, fp4: bool, seed: int, device: str = "cuda"
+) -> tuple[dict, dict]:
     """A pushed version (export_quantized_state_dict's layout) with random weights: experts
     as random NVFP4 codes with block scales near 1 and a per-expert scale_2 of 0.004 (weights
     of magnitude ~0.02), or BF16 normal(0, 0.02); everything else BF16 normal(0, 0.02)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+        return (torch.randn(*shape, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
 
     h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     t: dict[str, torch.Tensor] = {
@@ -82,10 +84,10 @@ def random_policy(cfg: ModelConfig, fp4: bool, seed: int) -> tuple[dict, dict]:
             t[p + name + ".weight"] = torch.ones(cfg.head_dim, dtype=torch.bfloat16)
         for proj, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
             if fp4:
-                codes = torch.randint(0, 256, (e, n, k // 2), generator=g, device="cuda",
+                codes = torch.randint(0, 256, (e, n, k // 2), generator=g, device=device,
                                       dtype=torch.uint8).cpu()  # fmt: skip
                 scales = (E4M3_ONE + torch.randint(-8, 8, (e, n, k // 16), generator=g,
-                                                   device="cuda")).to(torch.uint8).cpu()  # fmt: skip
+                                                   device=device)).to(torch.uint8).cpu()  # fmt: skip
                 for x in range(e):
                     base = f"{p}mlp.experts.{x}.{proj}"
                     t[base + ".weight"] = codes[x]

@@ -193,6 +193,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 "tokens_generated_total": self._tokens,
                 "last_weight_pull_seconds": getattr(self.follower, "last_pull_seconds", 0.0),
                 "weight_pulls_total": getattr(self.follower, "pulls", 0),
+                # the last pull's transfer alone (bytes in, rebuilt, checked) and what it sent
+                "last_weight_transfer_seconds": getattr(
+                    self.follower, "last_transfer_seconds", 0.0
+                ),
+                "last_weight_pull": getattr(self.follower, "last_pull", {}),
                 "engine_stats": self.engine_stats(),
             }
 

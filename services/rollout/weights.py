@@ -43,6 +43,8 @@ class WeightFollower:
         self.address = address
         self.heartbeat_interval_s = heartbeat_interval_s
         self.last_pull_seconds = 0.0
+        self.last_transfer_seconds = 0.0
+        self.last_pull: dict[str, object] = {}  # WeightSyncClient.last_pull of the last load
         self.pulls = 0
         self._stop = threading.Event()
         self._stream = None
@@ -88,6 +90,8 @@ class WeightFollower:
     def _load(self, version: int) -> None:
         t0 = time.perf_counter()
         got, tensors, meta = self.client.pull_version(version, replica_id=self.replica_id)
+        self.last_transfer_seconds = time.perf_counter() - t0
+        self.last_pull = dict(self.client.last_pull)
         str_meta = {k: v for k, v in meta.items() if isinstance(v, str)}
         engine = self.factory(tensors, str_meta, got)
         self.holder.swap(engine, got)
@@ -96,6 +100,9 @@ class WeightFollower:
         self.pulls += 1
         self._pull_s.observe(seconds)
         self._version.set(got)
-        log.info("serving policy version", extra={"version": got, "pull_seconds": seconds})
+        log.info(
+            "serving policy version",
+            extra={"version": got, "pull_seconds": seconds, **self.last_pull},
+        )
         with contextlib.suppress(grpc.RpcError):  # the periodic beat will retry
             self.client.heartbeat(self.replica_id, got)  # tell weight-sync at once

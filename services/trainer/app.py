@@ -288,7 +288,7 @@ class TrainerApp:
             m["weight_pull_seconds_per_replica"] = self.directory.pull_seconds()
             pulls = list(m["weight_pull_seconds_per_replica"].values())
             m["weight_pull_seconds"] = sum(pulls) / len(pulls) if pulls else 0.0
-            m.update(self.publisher.last_push)  # the last finished push: bytes sent, changes
+            m.update(getattr(self.publisher, "last_push", {}))  # bytes sent and changed, if known
             m["wall_time"] = time.time()
             self.metrics.record(m)
             self.last_metrics = m

@@ -184,7 +184,9 @@ class WeightSyncPublisher:
         self.client = client
         self.backoff = backoff or Backoff()
         self.last_push_seconds = 0.0
-        self.last_push: dict[str, Any] = {}  # bytes sent, changed fractions (weight_deltas.push_stats)
+        self.last_push: dict[
+            str, Any
+        ] = {}  # bytes sent, changed fractions (weight_deltas.push_stats)
 
     def publish(
         self, version: int, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]

@@ -142,7 +142,9 @@ def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
         assert r["record_bytes_per_token"] > 0 and r["weight_push_seconds"] > 0
     # versions after the first travel as deltas: pushed, and pulled by the replicas
     deltas = [r for r in rows if "weight_changed_fraction" in r]
-    assert deltas and all(r["weight_push_bytes"] < r["weight_push_full_bytes"] for r in deltas), rows
+    assert deltas and all(r["weight_push_bytes"] < r["weight_push_full_bytes"] for r in deltas), (
+        rows
+    )
     wtext = httpx.get(f"{cluster.weight_sync.http_url}/metrics", timeout=5).text
     assert 'trace_weight_sync_pulls_total{kind="delta"}' in wtext
     # the records the trainer used are byte-for-byte the ones the rollout wrote

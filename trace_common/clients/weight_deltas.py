@@ -3,7 +3,9 @@ keeps, encoding a push against it, and rebuilding a pulled version from it."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +21,8 @@ from trace_common.clients.tensors import (
 )
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
+
+WORKERS = min(8, os.cpu_count() or 1)  # threads encoding or rebuilding tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,38 +60,46 @@ def encode_version(
     against it (header.base_version and deltas set). With `keep`, also the base the next push
     can use: a copy of these tensors' bytes (the trainer may write into what it exported)."""
     header = pb.VersionHeader(version=version, metadata_json=metadata_json)
-    payloads: list[np.ndarray | memoryview] = []
-    kept: dict[str, np.ndarray] = {}
     if base is not None:
         header.base_version = base.version
-    for name, t in tensors.items():
+
+    def one(item: tuple[str, torch.Tensor]) -> tuple:
+        name, t = item
         spec, view = tensor_to_wire(name, t)
-        header.tensors.append(spec)
-        header.total_bytes += spec.nbytes
         new = np.frombuffer(view, dtype=np.uint8)
-        if keep:
-            kept[name] = new.copy()
+        kept = new.copy() if keep else None
         if base is None:
-            payloads.append(view)
-            continue
+            return spec, None, view, kept
         old = base.specs.get(name)
         if old is None or (old.dtype, list(old.shape)) != (spec.dtype, list(spec.shape)):
             info = delta.TensorDeltaInfo(delta.DeltaKind.DENSE, spec.nbytes, 0, 0)
             pieces: list[np.ndarray] = [new]
         else:
             info, pieces = delta.encode(base.raw[name], new, spec.dtype, old.crc32)
-        header.deltas.append(
-            pb.TensorDelta(
-                kind=int(info.kind),
-                payload_bytes=info.payload_bytes,
-                changed=info.changed,
-                base_crc32=info.base_crc32,
+        payload = pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else new[:0]
+        return spec, info, payload, kept
+
+    # numpy and the CRC release the GIL on large tensors: the tensors are encoded in parallel.
+    with ThreadPoolExecutor(WORKERS) as pool:
+        encoded = list(pool.map(one, tensors.items()))
+    payloads: list[np.ndarray | memoryview] = []
+    kept: dict[str, np.ndarray] = {}
+    for spec, info, payload, copy in encoded:
+        header.tensors.append(spec)
+        header.total_bytes += spec.nbytes
+        payloads.append(payload)
+        if copy is not None:
+            kept[spec.name] = copy
+        if info is not None:
+            header.deltas.append(
+                pb.TensorDelta(
+                    kind=int(info.kind),
+                    payload_bytes=info.payload_bytes,
+                    changed=info.changed,
+                    base_crc32=info.base_crc32,
+                )
             )
-        )
-        header.delta_bytes += info.payload_bytes
-        payloads.append(
-            pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else new[:0]
-        )
+            header.delta_bytes += info.payload_bytes
     if not keep:
         return header, payloads, None
     return header, payloads, DeltaBase(version, {s.name: s for s in header.tensors}, kept)
@@ -147,7 +159,11 @@ def push_stats(header: pb.VersionHeader) -> dict[str, object]:
         for spec, d in zip(header.tensors, header.deltas, strict=True):
             width = delta.element_width(spec.dtype, spec.nbytes)
             count = changed.setdefault(spec.dtype, [0, 0])
-            count[0] += spec.nbytes // width if d.kind == delta.DeltaKind.DENSE and not d.changed else d.changed
+            count[0] += (
+                spec.nbytes // width
+                if d.kind == delta.DeltaKind.DENSE and not d.changed
+                else d.changed
+            )
             count[1] += spec.nbytes // width
         out["weight_changed_fraction"] = {k: c / max(n, 1) for k, (c, n) in sorted(changed.items())}
     return out

@@ -101,6 +101,7 @@ class WeightSyncClient(GrpcClient):
         self.deltas = deltas
         self.base: DeltaBase | None = None
         self.last_push: dict[str, Any] = {}  # weight_deltas.push_stats of the last push
+        self.last_pull: dict[str, Any] = {}  # the last pull: "kind" (full/delta), "bytes" sent
         self._stub = pb_grpc.WeightSyncStub(self.channel)
         self._registered: dict[str, str] = {}  # replica_id -> address, to register again
         self._register_lock = threading.Lock()
@@ -208,6 +209,12 @@ class WeightSyncClient(GrpcClient):
         if pulled is None:
             pulled = self._pull_grpc(version, replica_id, base)
         header, tensors = pulled
+        is_delta = header.HasField("base_version")
+        self.last_pull = {
+            "kind": "delta" if is_delta else "full",
+            "bytes": header.delta_bytes if is_delta else header.total_bytes,
+            "full_bytes": header.total_bytes,
+        }
         if self.deltas:
             self.base = DeltaBase.shared(header.version, tensors, list(header.tensors))
         return header.version, tensors, json.loads(header.metadata_json or "{}")

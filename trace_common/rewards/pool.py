@@ -32,6 +32,8 @@ from trace_common.rewards.registry import RewardError, load_reward
 
 log = logging.getLogger(__name__)
 
+EXIT_WAIT_S = 1.0  # how long a worker whose pipe closed is given to exit, for its code
+
 STARTUP_TIMEOUT_S = 60.0  # a worker that does not import its reward in this long has failed
 
 
@@ -127,7 +129,11 @@ class _Worker:
                 raise TimeoutError
             chunk = os.read(self._out_fd, n - len(buf))
             if not chunk:
-                code = self.proc.poll()
+                # The pipe closes as the process exits, a moment before it can be reaped.
+                try:
+                    code = self.proc.wait(timeout=EXIT_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    code = None
                 raise _WorkerDied(f"reward worker exited (code {code})")
             buf += chunk
         return buf

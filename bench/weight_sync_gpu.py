@@ -1,0 +1,236 @@
+"""A new policy version from "exported" to "every replica serves it", full against delta (CUDA machine).
+
+Starts Redis, quant-cache and weight-sync, pushes a random FP4 policy of the shape, then for
+each mode (full: every version travels whole; delta: the trainer pushes and each replica
+pulls only what changed, TRACE_WEIGHT_DELTAS) and each replica count: starts that many
+rollout services on the GPU (the CUDA engine), waits until they serve, and times `--versions`
+new versions. Each new version changes, per dtype, the fraction of elements a real run's
+consecutive versions changed (`--fractions`, or read from a trainer's metrics.jsonl with
+`--fractions-from`): uniformly drawn elements get their lowest bit flipped, so every picked
+FP4 code byte, scale and BF16 value differs from the version before.
+
+Per version it reports: the push (client call to publish), the time from the push's start
+until every replica serves the version, each replica's pull transfer (bytes in, rebuilt and
+CRC-checked) and pull + engine load, and the bytes pushed and pulled.
+
+    python3 bench/weight_sync_gpu.py --shape qwen3-30b-a3b --layers 24 --replicas 1 2 \\
+        --fractions-from metrics.jsonl --out ws_gpu.json
+
+Prints a table; writes every figure to --out (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+
+import httpx
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from rollout_service_gpu import random_policy
+
+from trace_common.clients import WeightSyncClient
+from trace_common.model import get_config
+from trace_common.redis_local import LocalRedis, LocalRedisConfig
+from trace_common.service.process import LocalService
+
+# Changed fraction per dtype when no run's figures are given: placeholders the caller should
+# replace with a real run's (`--fractions-from`).
+DEFAULT_FRACTIONS = {"uint8": 0.01, "float8_e4m3fn": 0.001, "bfloat16": 0.05, "float32": 1.0}
+
+
+def run_fractions(path: pathlib.Path) -> dict[str, float]:
+    """The median over a trainer's metrics.jsonl steps of each dtype's changed fraction."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    per: dict[str, list[float]] = {}
+    for r in rows:
+        for dtype, f in (r.get("weight_changed_fraction") or {}).items():
+            per.setdefault(dtype, []).append(f)
+    if not per:
+        raise SystemExit(f"{path} has no weight_changed_fraction (no delta push was recorded)")
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def next_version(tensors: dict[str, torch.Tensor], fractions: dict[str, float],
+                 gen: torch.Generator) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A copy of `tensors` with `fractions[dtype]` of each tensor's elements' lowest bit flipped."""
+    out = {}
+    for name, t in tensors.items():
+        f = fractions.get(str(t.dtype).removeprefix("torch."), 0.0)
+        new = t.clone()
+        n = new.numel()
+        k = min(n, round(n * f))
+        if k:
+            width = new.element_size()
+            rows = new.reshape(-1).view(torch.uint8).view(n, width)
+            idx = torch.randint(0, n, (k,), generator=gen) if k < n else torch.arange(n)
+            rows[idx, 0] ^= 1
+        out[name] = new
+    return out
+
+
+def status(svc: LocalService) -> dict:
+    return httpx.get(f"{svc.http_url}/status", timeout=10).json()
+
+
+def wait_serving(replicas: list[LocalService], version: int, t0: float, limit: float) -> dict:
+    """Seconds from t0 until each replica serves `version`."""
+    served: dict[str, float] = {}
+    while len(served) < len(replicas):
+        for r in replicas:
+            if r.name not in served and status(r)["policy_version"] >= version:
+                served[r.name] = time.perf_counter() - t0
+        if time.perf_counter() - t0 > limit:
+            raise RuntimeError(f"replicas never served version {version}: {served}")
+        time.sleep(0.02)
+    return served
+
+
+def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token: str,
+            policy: dict, meta: dict, version: int, fractions: dict,
+            log_dir: pathlib.Path) -> tuple[list, dict, int]:  # fmt: skip
+    """Start the replicas, push `args.versions` new versions, time each; returns the rows,
+    the last version's tensors and its number."""
+    deltas = mode == "delta"
+    env = {**common, "TRACE_ROLLOUT_ENGINE": args.engine, "TRACE_DEVICE": args.device,
+           "TRACE_ROLLOUT_MAX_BATCH": "8", "TRACE_ROLLOUT_MAX_CONTEXT": "512",
+           "TRACE_WEIGHT_DELTAS": str(deltas).lower()}  # fmt: skip
+    replicas = [
+        LocalService(
+            f"rollout-{mode}-{i}",
+            "services.rollout",
+            {**env, "TRACE_REPLICA_ID": f"bench-{mode}-{i}"},
+            log_dir,
+        ).launch()
+        for i in range(n_replicas)
+    ]
+    trainer = WeightSyncClient(ws_addr, token, deltas=deltas)
+    rows = []
+    gen = torch.Generator().manual_seed(1000 + version)
+    try:
+        for r in replicas:
+            r.wait_ports(timeout=600).wait_serving(timeout=600)
+        wait_serving(replicas, version, time.perf_counter(), 600)
+        if deltas:  # the trainer's base: the version the replicas hold, as the trainer pushed it
+            trainer.push_version(version + 1, policy, meta)
+            version += 1
+            wait_serving(replicas, version, time.perf_counter(), 600)
+        for _ in range(args.versions):
+            policy = next_version(policy, fractions, gen)
+            version += 1
+            gc.collect()
+            t0 = time.perf_counter()
+            trainer.push_version(version, policy, meta)
+            push_s = time.perf_counter() - t0
+            served = wait_serving(replicas, version, t0, 600)
+            st = [status(r) for r in replicas]
+            row = {
+                "mode": mode, "replicas": n_replicas, "version": version,
+                "push_seconds": push_s,
+                "served_seconds": max(served.values()),
+                "push_bytes": trainer.last_push["weight_push_bytes"],
+                "full_bytes": trainer.last_push["weight_push_full_bytes"],
+                "changed_fraction": trainer.last_push.get("weight_changed_fraction"),
+                "pull_transfer_seconds": [s["last_weight_transfer_seconds"] for s in st],
+                "pull_load_seconds": [s["last_weight_pull_seconds"] for s in st],
+                "pulls": [s["last_weight_pull"] for s in st],
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for r in replicas:
+            r.stop()
+    return rows, policy, version
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=0, help="use this many of the shape's layers")
+    ap.add_argument("--replicas", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--modes", nargs="+", default=["full", "delta"], choices=["full", "delta"])
+    ap.add_argument("--versions", type=int, default=3, help="new versions timed per case")
+    ap.add_argument("--fractions", type=json.loads, default=None,
+                    help='changed fraction per dtype, JSON: {"uint8": 0.01, ...}')  # fmt: skip
+    ap.add_argument("--fractions-from", type=pathlib.Path, default=None,
+                    help="a trainer's metrics.jsonl: its delta pushes' median fractions")  # fmt: skip
+    ap.add_argument("--engine", default="cuda", help="the replicas' TRACE_ROLLOUT_ENGINE")
+    ap.add_argument(
+        "--device", default="cuda", help="the replicas' TRACE_DEVICE (cpu: a smoke run)"
+    )
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("weight_sync_gpu.json"))
+    args = ap.parse_args()
+    fractions = dict(DEFAULT_FRACTIONS)
+    if args.fractions_from is not None:
+        fractions.update(run_fractions(args.fractions_from))
+    if args.fractions:
+        fractions.update(args.fractions)
+    cfg = get_config(args.shape)
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers)
+    print(f"{args.shape} ({cfg.num_layers} layers); changed fractions {fractions}", flush=True)
+    token = secrets.token_hex(16)
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ws-bench-"))
+    redis = LocalRedis(LocalRedisConfig(maxmemory_bytes=1 << 30)).start()
+    qc = LocalService("quant-cache", "services.quant_cache",
+                      {"TRACE_AUTH_TOKEN": token, "TRACE_REDIS_URL": redis.url}, log_dir).launch()  # fmt: skip
+    wsvc = LocalService("weight-sync", "services.weight_sync",
+                        {"TRACE_AUTH_TOKEN": token, "TRACE_KEEP_VERSIONS": "2"}, log_dir).launch()  # fmt: skip
+    rows: list[dict] = []
+    try:
+        for svc in (qc, wsvc):
+            svc.wait_ports().wait_serving()
+        common = {"TRACE_AUTH_TOKEN": token, "TRACE_WEIGHT_SYNC_ADDRESS": wsvc.grpc_address,
+                  "TRACE_QUANT_CACHE_ADDRESS": qc.grpc_address}  # fmt: skip
+        policy, meta = random_policy(cfg, True, seed=0, device=args.device)
+        nbytes = sum(t.numel() * t.element_size() for t in policy.values())
+        version = 0
+        t0 = time.perf_counter()
+        WeightSyncClient(wsvc.grpc_address, token).push_version(version, policy, meta)
+        print(
+            f"first push: {nbytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True
+        )
+        for mode in args.modes:
+            for n in args.replicas:
+                got, policy, version = measure(args, mode, n, wsvc.grpc_address, common, token,
+                                               policy, meta, version, fractions, log_dir)  # fmt: skip
+                rows.extend(got)
+                args.out.write_text(json.dumps({"fractions": fractions, "rows": rows}, indent=1))
+    finally:
+        for svc in (wsvc, qc):
+            svc.stop()
+        redis.stop()
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "config": cfg.to_dict(), "fractions": fractions,
+                                        "rows": rows}, indent=1))  # fmt: skip
+    print(f"\n{args.shape} ({cfg.num_layers} layers), {nbytes / 2**30:.2f} GiB FP4 policy")
+    print(
+        "| mode | replicas | push s | exported -> all served s | pull transfer s | pull + load s | MiB pushed | MiB pulled (each) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for mode in args.modes:
+        for n in args.replicas:
+            rs = [r for r in rows if r["mode"] == mode and r["replicas"] == n]
+            if not rs:
+                continue
+            med = lambda xs: statistics.median(xs)  # noqa: E731
+            print(f"| {mode} | {n} | {med([r['push_seconds'] for r in rs]):.2f} "
+                  f"| {med([r['served_seconds'] for r in rs]):.2f} "
+                  f"| {med([max(r['pull_transfer_seconds']) for r in rs]):.2f} "
+                  f"| {med([max(r['pull_load_seconds']) for r in rs]):.2f} "
+                  f"| {med([r['push_bytes'] for r in rs]) / 2**20:,.1f} "
+                  f"| {med([max(p.get('bytes', 0) for p in r['pulls']) for r in rs]) / 2**20:,.1f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
