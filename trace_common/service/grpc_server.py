@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from trace_common.service.config import ServiceSettings
-from trace_common.service.errors import ServiceError, from_upstream
+from trace_common.service.errors import ServiceError, cut_details, from_upstream
 from trace_common.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,8 @@ class ServiceInterceptor(grpc.ServerInterceptor):
     """Checks the bearer token of every RPC (UNAUTHENTICATED otherwise), maps `ServiceError`
     to its status code, a malformed request message to INVALID_ARGUMENT, a failed call to
     another service (grpc.RpcError) to that call's code (`from_upstream`), and records
-    per-method request counts and latencies."""
+    per-method request counts and latencies. Status messages are cut to MAX_DETAILS_CHARS
+    (`cut_details`): a longer one could exceed the client's metadata limit."""
 
     def __init__(self, token: str, metrics: Metrics, exempt_health: bool = True) -> None:
         self._token = f"{BEARER}{token}".encode()
@@ -207,7 +208,7 @@ class ServiceInterceptor(grpc.ServerInterceptor):
     ) -> Callable:
         def _abort(context: grpc.ServicerContext, start: float, err: ServiceError) -> None:
             self._finish(method, start, err.code.name)
-            context.abort(err.code, err.message)
+            context.abort(err.code, cut_details(err.message))
 
         if streaming:
 
