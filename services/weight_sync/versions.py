@@ -30,6 +30,10 @@ from trace_common.service import (
 from trace_common.tensor_wire import expected_nbytes
 
 _PULL_DECODE, _ = chunk_codec(pb.PullChunk)
+# Largest version a push may publish, and so the largest a replica can hold: versions are
+# exported as Prometheus samples (float64, exact integers up to 2**53), and with this bound
+# `latest - version_held` (ListReplicas' version_lag) always fits its int64.
+MAX_POLICY_VERSION = 2**53 - 1
 
 
 @dataclass(slots=True)
@@ -69,6 +73,10 @@ class PendingVersion:
 
     def __init__(self, header: pb.VersionHeader, max_version_bytes: int) -> None:
         check_non_negative("version", header.version)
+        if header.version > MAX_POLICY_VERSION:
+            raise invalid(
+                f"version={header.version} is over the largest version {MAX_POLICY_VERSION}"
+            )
         if not header.tensors:
             raise invalid(f"version {header.version}: the manifest lists no tensors")
         try:

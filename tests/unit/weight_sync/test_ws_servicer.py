@@ -11,7 +11,7 @@ import pytest
 
 from services.weight_sync.registry import ReplicaRegistry
 from services.weight_sync.servicer import PULL_SERIALIZE, PUSH_DESERIALIZE, WeightSyncServicer
-from services.weight_sync.versions import VersionStore
+from services.weight_sync.versions import MAX_POLICY_VERSION, VersionStore
 from trace_common.chunk_wire import ChunkView
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
@@ -302,6 +302,41 @@ def test_registry_validation_and_liveness() -> None:
     time.sleep(0.3)
     (info,) = s.ListReplicas(pb.ListReplicasRequest(), Ctx()).replicas
     assert not info.alive and info.seconds_since_heartbeat >= 0.2
+
+
+def test_version_held_is_a_version_that_could_have_been_published() -> None:
+    """Versions live in memory: a restarted weight-sync knows none, so a replica's heartbeat
+    of an older version than any this one published (or of one it never saw) is accepted;
+    only numbers no push can publish are refused, naming the value and the bound."""
+    s = make()
+    s.Register(pb.RegisterRequest(replica_id="r", address="x:1"), Ctx())
+    # A fresh weight-sync (latest -1) and a replica still serving version 5 from before.
+    assert (
+        s.Heartbeat(pb.HeartbeatRequest(replica_id="r", version_held=5), Ctx()).latest_version == -1
+    )
+    assert s.Heartbeat(pb.HeartbeatRequest(replica_id="r", version_held=-1), Ctx())
+    for held in (MAX_POLICY_VERSION + 1, 2**63 - 1):
+        code, message = code_of(
+            lambda held=held: s.Heartbeat(
+                pb.HeartbeatRequest(replica_id="r", version_held=held), Ctx()
+            )
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, held
+        assert f"version_held={held}" in message and str(MAX_POLICY_VERSION) in message, message
+    s.Heartbeat(pb.HeartbeatRequest(replica_id="r", version_held=MAX_POLICY_VERSION), Ctx())
+    (info,) = s.ListReplicas(pb.ListReplicasRequest(), Ctx()).replicas
+    assert info.version_held == MAX_POLICY_VERSION
+
+
+def test_a_version_past_the_bound_is_not_published() -> None:
+    """A push of 2**63 - 1 would make ListReplicas' lag of a replica at -1 overflow int64."""
+    s = make()
+    code, message = code_of(lambda: s.PushVersion(iter(messages(2**63 - 1, TENSORS)), Ctx()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and str(MAX_POLICY_VERSION) in message
+    s.PushVersion(iter(messages(MAX_POLICY_VERSION, TENSORS)), Ctx())
+    s.Register(pb.RegisterRequest(replica_id="r", address="x:1"), Ctx())
+    (info,) = s.ListReplicas(pb.ListReplicasRequest(), Ctx()).replicas
+    assert info.version_lag == MAX_POLICY_VERSION + 1
 
 
 def test_subscribe_sends_latest_then_new_and_ends_on_shutdown() -> None:
