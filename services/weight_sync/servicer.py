@@ -139,9 +139,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         return pb.PushVersionResponse(published=stored.info(), dropped_versions=dropped)
 
     def _pulled(self, request: pb.PullVersionRequest | pb.PullTicketRequest) -> StoredVersion:
-        """The version a pull asks for (INVALID_ARGUMENT, NOT_FOUND)."""
-        if request.replica_id:
-            check_id("replica_id", request.replica_id)
+        """The version a pull asks for (INVALID_ARGUMENT, NOT_FOUND). Every pull names its
+        replica (pull_bytes and the data plane's tickets are counted per replica)."""
+        check_id("replica_id", request.replica_id)
         version = request.version if request.HasField("version") else None
         if version is not None and version < 0:
             raise invalid(f"version={version} must be >= 0 (leave it unset for the latest)")
@@ -149,7 +149,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
 
     def count_pull(self, replica_id: str, nbytes: int, seconds: float) -> None:
         """One complete pull, on either path."""
-        self.pull_bytes.labels(replica_id or "-").inc(nbytes)
+        self.pull_bytes.labels(replica_id).inc(nbytes)
         self.pull_seconds.observe(seconds)
 
     def PullVersion(

@@ -103,7 +103,7 @@ def test_pushed_chunk_views_are_kept_as_pull_messages() -> None:
     decoded = [PUSH_DESERIALIZE(r) for r in raw]
     assert isinstance(decoded[1], ChunkView) and bytes(decoded[1].data) == b"abc"
     s.PushVersion(iter(decoded), Ctx())
-    sent = list(s.PullVersion(pb.PullVersionRequest(), Ctx()))
+    sent = list(s.PullVersion(pb.PullVersionRequest(replica_id="r0"), Ctx()))
     assert sent[1] is raw[1] and sent[2] is raw[2]  # the received bytes, no copy
     assert [PULL_SERIALIZE(m) for m in sent[1:]] == raw[1:]
 
@@ -112,7 +112,7 @@ def test_push_then_pull_in_chunks() -> None:
     s = make()
     response = s.PushVersion(iter(messages(5, TENSORS)), Ctx())
     assert response.published.version == 5 and response.published.num_tensors == 3
-    pulled = pull(s, pb.PullVersionRequest())
+    pulled = pull(s, pb.PullVersionRequest(replica_id="r0"))
     assert pulled[0].header.version == 5
     data: dict[int, bytes] = {}
     for m in pulled[1:]:
@@ -126,7 +126,7 @@ def test_push_then_pull_in_chunks() -> None:
         pb.PushChunk(chunk=pb.TensorChunk(tensor_index=0, data=b"abcdefg")),
     ]
     s.PushVersion(iter(big), Ctx())
-    pulled = pull(s, pb.PullVersionRequest(version=6))[1:]
+    pulled = pull(s, pb.PullVersionRequest(replica_id="r0", version=6))[1:]
     assert [(m.chunk.offset, m.chunk.data) for m in pulled] == [(0, b"abc"), (3, b"def"), (6, b"g")]
 
 
@@ -255,21 +255,44 @@ def test_stale_and_concurrent_pushes_fail_precondition() -> None:
 
 def test_pull_validation_and_keep_last_k() -> None:
     s = make(keep=2)
-    code, message = code_of(lambda: list(s.PullVersion(pb.PullVersionRequest(), Ctx())))
+    code, message = code_of(
+        lambda: list(s.PullVersion(pb.PullVersionRequest(replica_id="r0"), Ctx()))
+    )
     assert code == grpc.StatusCode.NOT_FOUND and "no version has been published" in message
     for v in (1, 2, 3):
         s.PushVersion(iter(messages(v, TENSORS)), Ctx())
     assert [v.version for v in s.ListVersions(pb.ListVersionsRequest(), Ctx()).versions] == [2, 3]
-    code, message = code_of(lambda: list(s.PullVersion(pb.PullVersionRequest(version=1), Ctx())))
+    code, message = code_of(
+        lambda: list(s.PullVersion(pb.PullVersionRequest(replica_id="r0", version=1), Ctx()))
+    )
     assert code == grpc.StatusCode.NOT_FOUND and "kept: [2, 3]" in message
     assert (
-        code_of(lambda: list(s.PullVersion(pb.PullVersionRequest(version=-1), Ctx())))[0]
+        code_of(
+            lambda: list(s.PullVersion(pb.PullVersionRequest(replica_id="r0", version=-1), Ctx()))
+        )[0]
         == grpc.StatusCode.INVALID_ARGUMENT
     )
     assert (
         code_of(lambda: list(s.PullVersion(pb.PullVersionRequest(replica_id="bad id"), Ctx())))[0]
         == grpc.StatusCode.INVALID_ARGUMENT
     )
+
+
+def test_a_pull_names_its_replica() -> None:
+    """Pulls are counted per replica (pull_bytes, data-plane tickets): a pull without a
+    replica_id is INVALID_ARGUMENT on both paths."""
+    s = make()
+    s.PushVersion(iter(messages(1, TENSORS)), Ctx())
+    for call in (
+        lambda: list(s.PullVersion(pb.PullVersionRequest(), Ctx())),
+        lambda: list(s.PullVersion(pb.PullVersionRequest(version=1), Ctx())),
+        lambda: s.GetPullTicket(pb.PullTicketRequest(version=1), Ctx()),
+    ):
+        code, message = code_of(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("replica_id="), (
+            message
+        )
+    assert pull(s, pb.PullVersionRequest(replica_id="trainer"))[0].header.version == 1
 
 
 def test_registry_validation_and_liveness() -> None:
