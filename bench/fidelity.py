@@ -317,7 +317,7 @@ def arm(args: argparse.Namespace) -> None:
             time.sleep(1.0)
         assert cluster.weight_sync is not None
         client = WeightSyncClient(cluster.weight_sync.grpc_address, token=cluster.config.token)
-        version, tensors, meta = client.pull_version()
+        version, tensors, meta = client.pull_version(replica_id="fidelity-bench")
         client.close()
     result: dict[str, Any] = {
         "arm": args.arm,

@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from services.weight_sync.versions import MAX_POLICY_VERSION
 from trace_common.service import check_id, exhausted, invalid, not_registered
 
 MAX_ADDRESS_CHARS = 255
@@ -85,8 +86,14 @@ class ReplicaRegistry:
         return replica
 
     def heartbeat(self, replica_id: str, version_held: int) -> Replica:
-        if version_held < -1:
-            raise invalid(f"version_held={version_held} must be >= -1 (-1 = none)")
+        """Record a beat. `version_held` may be newer than any version this process knows:
+        versions live in memory, so after a restart replicas still hold earlier ones; only
+        numbers no push can publish are refused."""
+        if not -1 <= version_held <= MAX_POLICY_VERSION:
+            raise invalid(
+                f"version_held={version_held} must be in [-1, {MAX_POLICY_VERSION}] "
+                "(-1 = none; the largest version a push can publish)"
+            )
         replica = self.require(replica_id)
         with self._lock:
             replica.version_held = version_held

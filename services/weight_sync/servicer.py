@@ -167,9 +167,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self, request: pb.PullVersionRequest | pb.PullTicketRequest
     ) -> StoredVersion | StoredDelta:
         """What a pull asks for (INVALID_ARGUMENT, NOT_FOUND): the version, or its delta
-        against `base_version` when that is kept and the delta is worth sending."""
-        if request.replica_id:
-            check_id("replica_id", request.replica_id)
+        against `base_version` when that is kept and the delta is worth sending. Every pull
+        names its replica (pull_bytes and the data plane's tickets are counted per replica)."""
+        check_id("replica_id", request.replica_id)
         version = request.version if request.HasField("version") else None
         if version is not None and version < 0:
             raise invalid(f"version={version} must be >= 0 (leave it unset for the latest)")
@@ -187,7 +187,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self, replica_id: str, sent: StoredVersion | StoredDelta, seconds: float
     ) -> None:
         """One complete pull, on either path."""
-        self.pull_bytes.labels(replica_id or "-").inc(sent.wire_bytes)
+        self.pull_bytes.labels(replica_id).inc(sent.wire_bytes)
         self.pulls.labels("delta" if isinstance(sent, StoredDelta) else "full").inc()
         self.pull_seconds.observe(seconds)
 

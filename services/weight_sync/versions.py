@@ -32,6 +32,10 @@ from trace_common.service import (
 from trace_common.tensor_wire import expected_nbytes
 
 _PULL_DECODE, _ = chunk_codec(pb.PullChunk)
+# Largest version a push may publish, and so the largest a replica can hold: versions are
+# exported as Prometheus samples (float64, exact integers up to 2**53), and with this bound
+# `latest - version_held` (ListReplicas' version_lag) always fits its int64.
+MAX_POLICY_VERSION = 2**53 - 1
 
 
 # A pull gets a delta only when it is at most this fraction of the full version's bytes:
@@ -238,6 +242,10 @@ class PendingVersion:
         chunk_bytes: int = 1 << 20,
     ) -> None:
         check_non_negative("version", header.version)
+        if header.version > MAX_POLICY_VERSION:
+            raise invalid(
+                f"version={header.version} is over the largest version {MAX_POLICY_VERSION}"
+            )
         if not header.tensors:
             raise invalid(f"version {header.version}: the manifest lists no tensors")
         try:

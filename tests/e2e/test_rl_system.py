@@ -240,7 +240,7 @@ def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -
     assert st["policy_version"] == first["policy_version"]  # replicas already hold it
     # ... and the version the replicas serve is exactly the checkpoint's weights, quantized
     ws = WeightSyncClient(cluster.weight_sync.grpc_address, cluster.config.token)  # type: ignore[union-attr]
-    _, pushed, _ = ws.pull_version(st["policy_version"])
+    _, pushed, _ = ws.pull_version(st["policy_version"], replica_id="e2e-check")
     from trace_common.model import QuantConfig
     from trace_common.rl.demo import DemoConfig, demo_model
     from trace_common.rl.policy import LearnerConfig, ModelLearner

@@ -179,10 +179,11 @@ class WeightSyncClient(GrpcClient):
 
     # -- replica side -----------------------------------------------------------------------
     def pull_version(
-        self, version: int | None = None, *, replica_id: str = ""
+        self, version: int | None = None, *, replica_id: str
     ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
         """(version, tensors, metadata) of `version`, or of the latest complete one if None,
-        over the data path in use (module docstring).
+        over the data path in use (module docstring). `replica_id` names the puller (a
+        replica, or e.g. "trainer" checking what it pushed): weight-sync counts pulls by it.
 
         Every tensor is checked against its CRC-32 (ValueError on a mismatch); a transfer
         that ends early raises (DATA_LOSS on the direct path). With `deltas` the pull asks for

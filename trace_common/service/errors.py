@@ -13,6 +13,12 @@ import grpc
 
 ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 LONG_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
+# An invalid id is quoted up to this many characters: an id may be as large as a whole
+# message, and a status message over the client's metadata limit (8-16 KiB) reaches the
+# client as RESOURCE_EXHAUSTED instead of the code the service answered.
+QUOTE_CHARS = 32
+# Status messages are cut to this many characters for the same reason (`cut_details`).
+MAX_DETAILS_CHARS = 1024
 
 
 class ServiceError(Exception):
@@ -85,10 +91,23 @@ def from_upstream(err: grpc.RpcError, upstream: str = "an upstream service") -> 
     return ServiceError(mapped, f"{upstream} answered {name}: {details}")
 
 
+def quote(value: str, limit: int = QUOTE_CHARS) -> str:
+    """`repr(value)`, of its first `limit` characters only when longer (then `...` follows)."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}..."
+
+
+def cut_details(message: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """`message` cut to `limit` characters (marked `...`), small enough for any client."""
+    return message if len(message) <= limit else f"{message[: limit - 3]}..."
+
+
 def check_id(field: str, value: str, pattern: re.Pattern[str] = ID_RE) -> str:
-    """Validate an identifier used in keys and labels; INVALID_ARGUMENT names the value."""
+    """Validate an identifier used in keys and labels; INVALID_ARGUMENT names the field, its
+    rule (with the length limit) and the value, quoted by its first QUOTE_CHARS characters."""
     if not pattern.fullmatch(value):
-        raise invalid(f"{field}={value!r} must match {pattern.pattern}")
+        raise invalid(
+            f"{field}={quote(value)} ({len(value)} characters) must match {pattern.pattern}"
+        )
     return value
 
 

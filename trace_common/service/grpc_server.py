@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from trace_common.service.config import ServiceSettings
-from trace_common.service.errors import ServiceError, from_upstream
+from trace_common.service.errors import ServiceError, cut_details, from_upstream
 from trace_common.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -84,18 +84,33 @@ def _malformed(item: _Malformed) -> ServiceError:
     )
 
 
+class _Requests:
+    """A request stream whose messages are checked (`_checked`); `ended` once the stream
+    ran out, which is also how a cancelled client's stream looks at first."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = iter(request)
+        self.ended = False
+
+    def __iter__(self) -> _Requests:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            item = next(self._request)
+        except StopIteration:
+            self.ended = True
+            raise
+        if isinstance(item, _Malformed):
+            raise _malformed(item)
+        return item
+
+
 def _checked(request: Any, request_streaming: bool) -> Any:
     """The request, or ServiceError(INVALID_ARGUMENT) for a message that did not parse
     (for a request stream: when the iterator reaches it)."""
     if request_streaming:
-
-        def messages() -> Iterator[Any]:
-            for item in request:
-                if isinstance(item, _Malformed):
-                    raise _malformed(item)
-                yield item
-
-        return messages()
+        return _Requests(request)
     if isinstance(request, _Malformed):
         raise _malformed(request)
     return request
@@ -153,7 +168,10 @@ class ServiceInterceptor(grpc.ServerInterceptor):
     """Checks the bearer token of every RPC (UNAUTHENTICATED otherwise), maps `ServiceError`
     to its status code, a malformed request message to INVALID_ARGUMENT, a failed call to
     another service (grpc.RpcError) to that call's code (`from_upstream`), and records
-    per-method request counts and latencies."""
+    per-method request counts and latencies. Status messages are cut to MAX_DETAILS_CHARS
+    (`cut_details`): a longer one could exceed the client's metadata limit.
+    A call the client cancelled (or whose deadline passed) is counted as CANCELLED
+    (DEADLINE_EXCEEDED), whatever the handler did after."""
 
     def __init__(self, token: str, metrics: Metrics, exempt_health: bool = True) -> None:
         self._token = f"{BEARER}{token}".encode()
@@ -205,43 +223,88 @@ class ServiceInterceptor(grpc.ServerInterceptor):
     def _wrap(
         self, method: str, fn: Callable, streaming: bool, request_streaming: bool = False
     ) -> Callable:
-        def _abort(context: grpc.ServicerContext, start: float, err: ServiceError) -> None:
+        def _abort(
+            context: grpc.ServicerContext, start: float, err: ServiceError, request: Any
+        ) -> None:
+            ended = _ended_by_client(context, request)
+            if ended is not None:  # whatever the handler raised, the client had gone
+                err = ServiceError(ended, "the client ended the call")
             self._finish(method, start, err.code.name)
-            context.abort(err.code, err.message)
+            context.abort(err.code, cut_details(err.message))
+
+        def _failed(
+            context: grpc.ServicerContext, start: float, exc: Exception, request: Any
+        ) -> None:
+            ended = _ended_by_client(context, request)
+            self._finish(method, start, ended.name if ended else _code_of(context, exc))
+
+        def _done(context: grpc.ServicerContext, start: float) -> None:
+            # A handler that returns once the client has gone (Subscribe) did not succeed.
+            ended = _ended_by_client(context)
+            self._finish(method, start, ended.name if ended else "OK")
 
         if streaming:
 
             def stream_behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 start = time.perf_counter()
+                checked = None
                 try:
-                    yield from fn(_checked(request, request_streaming), context)
+                    checked = _checked(request, request_streaming)
+                    yield from fn(checked, context)
+                except GeneratorExit:  # gRPC dropped the stream: the client went away
+                    self._finish(method, start, grpc.StatusCode.CANCELLED.name)
+                    raise
                 except ServiceError as err:
-                    _abort(context, start, err)
+                    _abort(context, start, err, checked)
                 except grpc.RpcError as err:  # a call this service made failed
-                    _abort(context, start, from_upstream(err))
+                    _abort(context, start, from_upstream(err), checked)
                 except Exception as exc:
-                    self._finish(method, start, _code_of(context, exc))
+                    _failed(context, start, exc, checked)
                     raise
                 else:
-                    self._finish(method, start, "OK")
+                    _done(context, start)
 
             return stream_behavior
 
         def unary_behavior(request: Any, context: grpc.ServicerContext) -> Any:
             start = time.perf_counter()
+            checked = None
             try:
-                response = fn(_checked(request, request_streaming), context)
+                checked = _checked(request, request_streaming)
+                response = fn(checked, context)
             except ServiceError as err:
-                _abort(context, start, err)
-            except grpc.RpcError as err:  # a call this service made failed
-                _abort(context, start, from_upstream(err))
+                _abort(context, start, err, checked)
+            except grpc.RpcError as err:  # a call this service made failed, or the
+                _abort(context, start, from_upstream(err), checked)  # request stream's client
             except Exception as exc:
-                self._finish(method, start, _code_of(context, exc))
+                _failed(context, start, exc, checked)
                 raise
-            self._finish(method, start, "OK")
+            _done(context, start)
             return response
 
         return unary_behavior
+
+
+# How long a handler that failed after its request stream ended waits to learn whether the
+# client cancelled: gRPC ends a cancelled client's request stream first (as if the client
+# had finished sending) and marks the call cancelled just after.
+CANCEL_SETTLE_S = 0.05
+
+
+def _ended_by_client(context: grpc.ServicerContext, request: Any = None) -> grpc.StatusCode | None:
+    """CANCELLED (or DEADLINE_EXCEEDED) when the call ended on the client's side before the
+    handler finished; None while it is still active. `request`: the handler's request (a
+    `_Requests` that ended waits up to CANCEL_SETTLE_S for a cancel to show)."""
+    if isinstance(request, _Requests) and request.ended:
+        deadline = time.monotonic() + CANCEL_SETTLE_S
+        while context.is_active() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    if context.is_active():
+        return None
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 def _code_of(context: grpc.ServicerContext, exc: Exception) -> str:

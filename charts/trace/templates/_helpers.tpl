@@ -133,6 +133,12 @@ hardened security context, the token Secret, writable /tmp and /data.
   {{- end }}
   env:
     {{- include "trace.commonEnv" $root | nindent 4 }}
+    {{- /* Reached through its Service: every interface of the pod (gRPC, HTTP, and
+    weight-sync's data plane, which binds the gRPC host). */}}
+    - name: TRACE_GRPC_HOST
+      value: "0.0.0.0"
+    - name: TRACE_HTTP_HOST
+      value: "0.0.0.0"
     - name: TRACE_GRPC_PORT
       value: {{ $c.grpcPort | quote }}
     - name: TRACE_HTTP_PORT

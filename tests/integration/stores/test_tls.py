@@ -135,7 +135,9 @@ def test_data_plane_uses_the_same_mtls(tmp_path: pathlib.Path) -> None:
         assert version == 1 and ws.path == "direct"
         assert all(torch.equal(tensors[k], v) for k, v in policy.items())
         stub = pb_grpc.WeightSyncStub(ws.channel)
-        reply = stub.GetPullTicket(pb.PullTicketRequest(), metadata=ws.metadata, timeout=5)
+        reply = stub.GetPullTicket(
+            pb.PullTicketRequest(replica_id="r0"), metadata=ws.metadata, timeout=5
+        )
         # Cleartext: the ticket goes into a TLS handshake; no reply, only a close or reset.
         with socket.create_connection(("127.0.0.1", reply.data_port), 5) as sock:
             sock.sendall(wire.encode_request(reply.ticket))

@@ -107,12 +107,22 @@ def test_tickets_single_use_unforgeable_and_refusals_counted(service: ServicePro
 def test_ticket_rpc_status_codes(service: ServiceProcess) -> None:
     stub = pb_grpc.WeightSyncStub(grpc.insecure_channel(service.grpc_address))
     cases = [
-        (pb.PullTicketRequest(), MD, grpc.StatusCode.NOT_FOUND, "no version has been published"),
-        (pb.PullTicketRequest(version=-3), MD, grpc.StatusCode.INVALID_ARGUMENT, "version=-3"),
-        (pb.PullTicketRequest(replica_id="a/b"), MD, grpc.StatusCode.INVALID_ARGUMENT, "'a/b'"),
-        (pb.PullTicketRequest(), (), grpc.StatusCode.UNAUTHENTICATED, ""),
         (
-            pb.PullTicketRequest(),
+            pb.PullTicketRequest(replica_id="r0"),
+            MD,
+            grpc.StatusCode.NOT_FOUND,
+            "no version has been published",
+        ),
+        (
+            pb.PullTicketRequest(version=-3, replica_id="r0"),
+            MD,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "version=-3",
+        ),
+        (pb.PullTicketRequest(replica_id="a/b"), MD, grpc.StatusCode.INVALID_ARGUMENT, "'a/b'"),
+        (pb.PullTicketRequest(replica_id="r0"), (), grpc.StatusCode.UNAUTHENTICATED, ""),
+        (
+            pb.PullTicketRequest(replica_id="r0"),
             ((AUTH_HEADER, "Bearer no"),),
             grpc.StatusCode.UNAUTHENTICATED,
             "",
@@ -124,10 +134,12 @@ def test_ticket_rpc_status_codes(service: ServiceProcess) -> None:
         assert err.value.code() == code and text in err.value.details(), (request, md)
     WeightSyncClient(service.grpc_address, TOKEN).push_version(1, _policy(1), {})
     with pytest.raises(grpc.RpcError) as err:
-        stub.GetPullTicket(pb.PullTicketRequest(version=7), metadata=MD, timeout=5)
+        stub.GetPullTicket(pb.PullTicketRequest(version=7, replica_id="r0"), metadata=MD, timeout=5)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "version 7" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        WeightSyncClient(service.grpc_address, TOKEN, data_path="direct").pull_version(7)
+        WeightSyncClient(service.grpc_address, TOKEN, data_path="direct").pull_version(
+            7, replica_id="r0"
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -175,13 +187,13 @@ def test_truncated_or_corrupted_transfer_is_an_error_never_a_version() -> None:
                 client = WeightSyncClient(svc.grpc_address, TOKEN, data_path=data_path)
                 proxy.mode = "truncate"
                 with pytest.raises(DirectPathError, match="truncated transfer of version 1") as err:
-                    client.pull_version(1)
+                    client.pull_version(1, replica_id="r0")
                 assert err.value.code() == grpc.StatusCode.DATA_LOSS
                 proxy.mode = "flip"
                 with pytest.raises(ValueError, match=r"crc32 0x[0-9a-f]+ != expected"):
-                    client.pull_version(1)
+                    client.pull_version(1, replica_id="r0")
                 proxy.mode = "pass"
-                _, tensors, _ = client.pull_version(1)
+                _, tensors, _ = client.pull_version(1, replica_id="r0")
                 _assert_exact(tensors, policy)
                 assert client.path == "direct"
     finally:
@@ -195,10 +207,12 @@ def test_grpc_fallback_when_the_data_plane_is_off_or_unreachable() -> None:
         policy = _policy(3)
         WeightSyncClient(svc.grpc_address, TOKEN).push_version(1, policy, {})
         auto = WeightSyncClient(svc.grpc_address, TOKEN)
-        _assert_exact(auto.pull_version(1)[1], policy)
+        _assert_exact(auto.pull_version(1, replica_id="r0")[1], policy)
         assert auto.path == "grpc"
         with pytest.raises(grpc.RpcError) as err:
-            WeightSyncClient(svc.grpc_address, TOKEN, data_path="direct").pull_version(1)
+            WeightSyncClient(svc.grpc_address, TOKEN, data_path="direct").pull_version(
+                1, replica_id="r0"
+            )
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "TRACE_DATA_PLANE_ENABLED=false" in err.value.details()
 
@@ -209,8 +223,10 @@ def test_grpc_fallback_when_the_data_plane_is_off_or_unreachable() -> None:
     with ServiceProcess(WS, env) as svc:
         WeightSyncClient(svc.grpc_address, TOKEN).push_version(1, policy, {})
         auto = WeightSyncClient(svc.grpc_address, TOKEN)
-        _assert_exact(auto.pull_version(1)[1], policy)
+        _assert_exact(auto.pull_version(1, replica_id="r0")[1], policy)
         assert auto.path == "grpc"
         with pytest.raises(DirectPathError, match=f"data plane at 127.0.0.1:{dead_port}") as err:
-            WeightSyncClient(svc.grpc_address, TOKEN, data_path="direct").pull_version(1)
+            WeightSyncClient(svc.grpc_address, TOKEN, data_path="direct").pull_version(
+                1, replica_id="r0"
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

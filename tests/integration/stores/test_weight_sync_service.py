@@ -126,7 +126,7 @@ def test_push_reaches_two_subscribed_replicas_and_late_joiner(
     late.join(20)
     assert late.error is None and sorted(late.pulled) == [2], sorted(late.pulled)
     _assert_exact(late.pulled[2], policies[2])
-    version, tensors, meta = trainer.pull_version()
+    version, tensors, meta = trainer.pull_version(replica_id="trainer")
     assert version == 2 and meta == {"format": "nvfp4", "step": 20}
 
     listed = {r.replica_id: r for r in trainer.replicas()}
@@ -137,7 +137,7 @@ def test_push_reaches_two_subscribed_replicas_and_late_joiner(
     response = trainer.push_version(3, _policy(3), {})
     assert [v.version for v in trainer.versions()] == [2, 3] and response.version == 3
     with pytest.raises(grpc.RpcError) as err:
-        trainer.pull_version(1)
+        trainer.pull_version(1, replica_id="trainer")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "version 1" in err.value.details()
     metrics = httpx.get(f"{service.http_url}/metrics").text
     assert "trace_weight_sync_versions_published_total 3.0" in metrics
@@ -172,9 +172,9 @@ def test_half_pushed_version_is_never_visible(service: ServiceProcess) -> None:
 
     def check_invisible() -> None:
         assert [v.version for v in trainer.versions()] == [1]
-        assert trainer.pull_version()[0] == 1
+        assert trainer.pull_version(replica_id="trainer")[0] == 1
         with pytest.raises(grpc.RpcError) as err:
-            trainer.pull_version(2)
+            trainer.pull_version(2, replica_id="trainer")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
     # 1) A push in flight is invisible until its last byte is verified.
@@ -183,7 +183,7 @@ def test_half_pushed_version_is_never_visible(service: ServiceProcess) -> None:
     check_invisible()
     resume.set()
     assert future.result().published.version == 2
-    assert trainer.pull_version()[0] == 2
+    assert trainer.pull_version(replica_id="trainer")[0] == 2
 
     # 2) An abandoned push (client dies mid-stream) never becomes visible.
     halfway.clear()
@@ -247,8 +247,10 @@ def _all_rpcs(stub: pb_grpc.WeightSyncStub, md: tuple[tuple[str, str], ...]) -> 
         lambda: stub.Heartbeat(pb.HeartbeatRequest(replica_id="r"), metadata=md, timeout=5),
         lambda: stub.ListReplicas(pb.ListReplicasRequest(), metadata=md, timeout=5),
         lambda: stub.ListVersions(pb.ListVersionsRequest(), metadata=md, timeout=5),
-        lambda: list(stub.PullVersion(pb.PullVersionRequest(), metadata=md, timeout=5)),
-        lambda: stub.GetPullTicket(pb.PullTicketRequest(), metadata=md, timeout=5),
+        lambda: list(
+            stub.PullVersion(pb.PullVersionRequest(replica_id="r"), metadata=md, timeout=5)
+        ),
+        lambda: stub.GetPullTicket(pb.PullTicketRequest(replica_id="r"), metadata=md, timeout=5),
         lambda: list(stub.Subscribe(pb.SubscribeRequest(replica_id="r"), metadata=md, timeout=5)),
         lambda: stub.PushVersion(iter([pb.PushChunk()]), metadata=md, timeout=5),
     ]

@@ -169,6 +169,10 @@ def test_containers_run_real_services_with_real_settings(rendered: tuple[str, li
         )
         assert not unknown, f"{comp}: not settings of {settings.__name__}: {unknown}"
         assert {"TRACE_AUTH_TOKEN_FILE", "TRACE_GRPC_PORT", "TRACE_HTTP_PORT"} <= names
+        # Pods are reached through their Service: gRPC, HTTP and weight-sync's data plane
+        # (which binds the gRPC host) listen on every interface, set explicitly.
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env.get("TRACE_GRPC_HOST") == env.get("TRACE_HTTP_HOST") == "0.0.0.0", comp
 
 
 def test_pods_are_hardened(rendered: tuple[str, list[dict]]) -> None:

@@ -175,6 +175,16 @@ def test_ports_agree_with_prometheus_and_healthchecks(compose: dict) -> None:
     assert int(ws["environment"]["TRACE_DATA_PLANE_PORT"]) in {int(p) for p in ws["expose"]}
 
 
+def test_services_bind_every_interface_explicitly(compose: dict) -> None:
+    """Containers are reached by their service name, so each binds 0.0.0.0 for gRPC and
+    HTTP (weight-sync's data plane binds the gRPC host), set here rather than left to a
+    default: local launchers bind 127.0.0.1."""
+    for name in TRACE_SERVICES:
+        env = compose["services"][name]["environment"]
+        assert env.get("TRACE_GRPC_HOST") == "0.0.0.0", name
+        assert env.get("TRACE_HTTP_HOST") == "0.0.0.0", name
+
+
 def settings_class(name: str) -> type:
     """The pydantic-settings class of `trace-rl serve <name>` (services/<pkg>/config.py)."""
     from trace_common.service.config import ServiceSettings

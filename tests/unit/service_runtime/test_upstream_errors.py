@@ -15,7 +15,8 @@ from services.weight_sync.versions import VersionStore
 from trace_common.clients import WeightSyncClient
 from trace_common.clients.data_path import DirectPathError
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc
-from trace_common.service import Metrics, ServiceSettings, from_upstream
+from trace_common.service import Metrics, ServiceSettings, from_upstream, invalid
+from trace_common.service.errors import MAX_DETAILS_CHARS
 from trace_common.service.grpc_server import GrpcServer
 
 C = grpc.StatusCode
@@ -46,6 +47,9 @@ class _Failing(WeightSyncServicer):
     def ListVersions(self, request, context):
         raise DirectPathError(C.RESOURCE_EXHAUSTED, "Redis is at its memory bound")
 
+    def ListReplicas(self, request, context):
+        raise invalid("a long message " + "x" * 100_000)
+
 
 @pytest.fixture()
 def address() -> Iterator[str]:
@@ -67,3 +71,14 @@ def test_an_upstream_failure_reaches_the_caller_with_its_code(address: str) -> N
         client.versions()
     assert err.value.code() == C.RESOURCE_EXHAUSTED  # was UNKNOWN
     assert "RESOURCE_EXHAUSTED: Redis is at its memory bound" in err.value.details()
+
+
+def test_a_long_status_message_is_cut_and_keeps_its_code(address: str) -> None:
+    """A message over the client's metadata limit would reach it as RESOURCE_EXHAUSTED."""
+    client = WeightSyncClient(address, "t")
+    with pytest.raises(grpc.RpcError) as err:
+        client.replicas()
+    assert err.value.code() == C.INVALID_ARGUMENT
+    details = err.value.details()
+    assert details.startswith("a long message xxx") and details.endswith("...")
+    assert len(details) == MAX_DETAILS_CHARS

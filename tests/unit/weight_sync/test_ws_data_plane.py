@@ -201,7 +201,7 @@ def test_ticket_is_single_use_short_lived_and_unforgeable(
         _pull(forged)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and _refused(plane, "unknown") == 1
 
-    late = s.GetPullTicket(pb.PullTicketRequest(version=3), Ctx())
+    late = s.GetPullTicket(pb.PullTicketRequest(version=3, replica_id="r0"), Ctx())
     time.sleep(0.6)
     with pytest.raises(DirectPathError, match=r"ticket expired \(tickets last 0.5 s\)"):
         _pull(late)
@@ -226,28 +226,31 @@ def test_ticket_rpc_errors_and_outstanding_bound(
             s.GetPullTicket(request, Ctx())
         return err.value.code, err.value.message
 
-    assert code(pb.PullTicketRequest(version=9)) == (
+    assert code(pb.PullTicketRequest(version=9, replica_id="r0")) == (
         grpc.StatusCode.NOT_FOUND,
         "version 9 is not available; kept: [3]",
     )
-    assert code(pb.PullTicketRequest(version=-2))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        code(pb.PullTicketRequest(version=-2, replica_id="r0"))[0]
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
     assert "replica_id='a b'" in code(pb.PullTicketRequest(replica_id="a b"))[1]
-    s.GetPullTicket(pb.PullTicketRequest(), Ctx())
-    s.GetPullTicket(pb.PullTicketRequest(), Ctx())
-    status, message = code(pb.PullTicketRequest())
+    s.GetPullTicket(pb.PullTicketRequest(replica_id="r1"), Ctx())
+    s.GetPullTicket(pb.PullTicketRequest(replica_id="r2"), Ctx())
+    status, message = code(pb.PullTicketRequest(replica_id="r3"))
     assert status == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_tickets=2" in message
     time.sleep(0.6)  # expired tickets stop counting
-    assert s.GetPullTicket(pb.PullTicketRequest(), Ctx()).ticket
+    assert s.GetPullTicket(pb.PullTicketRequest(replica_id="r3"), Ctx()).ticket
 
     s.data_plane = None
-    status, message = code(pb.PullTicketRequest())
+    status, message = code(pb.PullTicketRequest(replica_id="r0"))
     assert status == grpc.StatusCode.FAILED_PRECONDITION and "PullVersion" in message
 
 
 def test_ticket_keeps_a_dropped_version(served: tuple[WeightSyncServicer, DataPlane]) -> None:
     """A version dropped (keep last K) after its ticket was issued is still sent whole."""
     s, _ = served
-    reply = s.GetPullTicket(pb.PullTicketRequest(version=3), Ctx())
+    reply = s.GetPullTicket(pb.PullTicketRequest(version=3, replica_id="r0"), Ctx())
     for v in (4, 5):
         s.PushVersion(iter(messages(v, TENSORS)), Ctx())
     assert [v.version for v in s.versions.all()] == [4, 5]

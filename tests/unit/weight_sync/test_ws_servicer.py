@@ -11,7 +11,7 @@ import pytest
 
 from services.weight_sync.registry import ReplicaRegistry
 from services.weight_sync.servicer import PULL_SERIALIZE, PUSH_DESERIALIZE, WeightSyncServicer
-from services.weight_sync.versions import VersionStore
+from services.weight_sync.versions import MAX_POLICY_VERSION, VersionStore
 from trace_common.chunk_wire import ChunkView
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
@@ -103,7 +103,7 @@ def test_pushed_chunk_views_are_kept_as_pull_messages() -> None:
     decoded = [PUSH_DESERIALIZE(r) for r in raw]
     assert isinstance(decoded[1], ChunkView) and bytes(decoded[1].data) == b"abc"
     s.PushVersion(iter(decoded), Ctx())
-    sent = list(s.PullVersion(pb.PullVersionRequest(), Ctx()))
+    sent = list(s.PullVersion(pb.PullVersionRequest(replica_id="r0"), Ctx()))
     assert sent[1] is raw[1] and sent[2] is raw[2]  # the received bytes, no copy
     assert [PULL_SERIALIZE(m) for m in sent[1:]] == raw[1:]
 
@@ -112,7 +112,7 @@ def test_push_then_pull_in_chunks() -> None:
     s = make()
     response = s.PushVersion(iter(messages(5, TENSORS)), Ctx())
     assert response.published.version == 5 and response.published.num_tensors == 3
-    pulled = pull(s, pb.PullVersionRequest())
+    pulled = pull(s, pb.PullVersionRequest(replica_id="r0"))
     assert pulled[0].header.version == 5
     data: dict[int, bytes] = {}
     for m in pulled[1:]:
@@ -126,7 +126,7 @@ def test_push_then_pull_in_chunks() -> None:
         pb.PushChunk(chunk=pb.TensorChunk(tensor_index=0, data=b"abcdefg")),
     ]
     s.PushVersion(iter(big), Ctx())
-    pulled = pull(s, pb.PullVersionRequest(version=6))[1:]
+    pulled = pull(s, pb.PullVersionRequest(replica_id="r0", version=6))[1:]
     assert [(m.chunk.offset, m.chunk.data) for m in pulled] == [(0, b"abc"), (3, b"def"), (6, b"g")]
 
 
@@ -255,21 +255,44 @@ def test_stale_and_concurrent_pushes_fail_precondition() -> None:
 
 def test_pull_validation_and_keep_last_k() -> None:
     s = make(keep=2)
-    code, message = code_of(lambda: list(s.PullVersion(pb.PullVersionRequest(), Ctx())))
+    code, message = code_of(
+        lambda: list(s.PullVersion(pb.PullVersionRequest(replica_id="r0"), Ctx()))
+    )
     assert code == grpc.StatusCode.NOT_FOUND and "no version has been published" in message
     for v in (1, 2, 3):
         s.PushVersion(iter(messages(v, TENSORS)), Ctx())
     assert [v.version for v in s.ListVersions(pb.ListVersionsRequest(), Ctx()).versions] == [2, 3]
-    code, message = code_of(lambda: list(s.PullVersion(pb.PullVersionRequest(version=1), Ctx())))
+    code, message = code_of(
+        lambda: list(s.PullVersion(pb.PullVersionRequest(replica_id="r0", version=1), Ctx()))
+    )
     assert code == grpc.StatusCode.NOT_FOUND and "kept: [2, 3]" in message
     assert (
-        code_of(lambda: list(s.PullVersion(pb.PullVersionRequest(version=-1), Ctx())))[0]
+        code_of(
+            lambda: list(s.PullVersion(pb.PullVersionRequest(replica_id="r0", version=-1), Ctx()))
+        )[0]
         == grpc.StatusCode.INVALID_ARGUMENT
     )
     assert (
         code_of(lambda: list(s.PullVersion(pb.PullVersionRequest(replica_id="bad id"), Ctx())))[0]
         == grpc.StatusCode.INVALID_ARGUMENT
     )
+
+
+def test_a_pull_names_its_replica() -> None:
+    """Pulls are counted per replica (pull_bytes, data-plane tickets): a pull without a
+    replica_id is INVALID_ARGUMENT on both paths."""
+    s = make()
+    s.PushVersion(iter(messages(1, TENSORS)), Ctx())
+    for call in (
+        lambda: list(s.PullVersion(pb.PullVersionRequest(), Ctx())),
+        lambda: list(s.PullVersion(pb.PullVersionRequest(version=1), Ctx())),
+        lambda: s.GetPullTicket(pb.PullTicketRequest(version=1), Ctx()),
+    ):
+        code, message = code_of(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("replica_id="), (
+            message
+        )
+    assert pull(s, pb.PullVersionRequest(replica_id="trainer"))[0].header.version == 1
 
 
 def test_registry_validation_and_liveness() -> None:
@@ -302,6 +325,41 @@ def test_registry_validation_and_liveness() -> None:
     time.sleep(0.3)
     (info,) = s.ListReplicas(pb.ListReplicasRequest(), Ctx()).replicas
     assert not info.alive and info.seconds_since_heartbeat >= 0.2
+
+
+def test_version_held_is_a_version_that_could_have_been_published() -> None:
+    """Versions live in memory: a restarted weight-sync knows none, so a replica's heartbeat
+    of an older version than any this one published (or of one it never saw) is accepted;
+    only numbers no push can publish are refused, naming the value and the bound."""
+    s = make()
+    s.Register(pb.RegisterRequest(replica_id="r", address="x:1"), Ctx())
+    # A fresh weight-sync (latest -1) and a replica still serving version 5 from before.
+    assert (
+        s.Heartbeat(pb.HeartbeatRequest(replica_id="r", version_held=5), Ctx()).latest_version == -1
+    )
+    assert s.Heartbeat(pb.HeartbeatRequest(replica_id="r", version_held=-1), Ctx())
+    for held in (MAX_POLICY_VERSION + 1, 2**63 - 1):
+        code, message = code_of(
+            lambda held=held: s.Heartbeat(
+                pb.HeartbeatRequest(replica_id="r", version_held=held), Ctx()
+            )
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, held
+        assert f"version_held={held}" in message and str(MAX_POLICY_VERSION) in message, message
+    s.Heartbeat(pb.HeartbeatRequest(replica_id="r", version_held=MAX_POLICY_VERSION), Ctx())
+    (info,) = s.ListReplicas(pb.ListReplicasRequest(), Ctx()).replicas
+    assert info.version_held == MAX_POLICY_VERSION
+
+
+def test_a_version_past_the_bound_is_not_published() -> None:
+    """A push of 2**63 - 1 would make ListReplicas' lag of a replica at -1 overflow int64."""
+    s = make()
+    code, message = code_of(lambda: s.PushVersion(iter(messages(2**63 - 1, TENSORS)), Ctx()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and str(MAX_POLICY_VERSION) in message
+    s.PushVersion(iter(messages(MAX_POLICY_VERSION, TENSORS)), Ctx())
+    s.Register(pb.RegisterRequest(replica_id="r", address="x:1"), Ctx())
+    (info,) = s.ListReplicas(pb.ListReplicasRequest(), Ctx()).replicas
+    assert info.version_lag == MAX_POLICY_VERSION + 1
 
 
 def test_subscribe_sends_latest_then_new_and_ends_on_shutdown() -> None:
