@@ -51,6 +51,7 @@ class FakeWeightSync:
         self.streams = streams  # each subscribe() yields one list, then the stream drops
         self.events: list[str] = []
         self.done = threading.Event()
+        self.last_pull = {"kind": "full", "bytes": 1, "full_bytes": 1}
 
     def register(self, replica_id: str, address: str) -> None:
         self.events.append(f"register {replica_id} {address}")
