@@ -200,8 +200,8 @@ def main() -> None:
         print(
             f"first push: {nbytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True
         )
-        for mode in args.modes:
-            for n in args.replicas:
+        for n in args.replicas:
+            for mode in args.modes:
                 got, policy, version = measure(args, mode, n, wsvc.grpc_address, common, token,
                                                policy, meta, version, fractions, log_dir)  # fmt: skip
                 rows.extend(got)

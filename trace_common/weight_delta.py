@@ -115,11 +115,17 @@ def apply(
     nbytes: int,
     crc: int,
     name: str,
+    base_crc: int | None = None,
+    in_place: bool = False,
 ) -> np.ndarray:
-    """The new tensor's raw bytes (a fresh uint8 array of `nbytes`) from `base` (None: the
-    base lacks the tensor, so only DENSE applies) and one tensor's delta payload, checked
-    against the full tensor's CRC-32 `crc`; DeltaError naming `name` when the base is not the
-    delta's, the payload is malformed, or the result fails its CRC."""
+    """The new tensor's raw bytes (an array of `nbytes`) from `base` (None: the base lacks
+    the tensor, so only DENSE applies) and one tensor's delta payload, checked against the
+    full tensor's CRC-32 `crc`; DeltaError naming `name` when the base is not the delta's,
+    the payload is malformed, or the result fails its CRC.
+
+    `base_crc` is the base's CRC-32 as the caller knows it (its manifest; computed from the
+    bytes when None). With `in_place` the changes are written into `base` itself (a buffer
+    the caller owns and gives up) instead of into a copy."""
     width = element_width(dtype, nbytes)
     n = nbytes // width
     if payload.nbytes != info.payload_bytes:
@@ -138,9 +144,10 @@ def apply(
         if base is None or base.nbytes != nbytes:
             held = "no such tensor" if base is None else f"{base.nbytes} bytes"
             raise DeltaError(f"tensor {name!r}: a {info.kind.name} delta, but the base has {held}")
-        if crc32(memoryview(base)) != info.base_crc32:
+        held = crc32(memoryview(base)) if base_crc is None else base_crc
+        if held != info.base_crc32:
             raise DeltaError(f"tensor {name!r}: the base held is not the delta's base (CRC-32)")
-        out = base.copy()
+        out = base if in_place else base.copy()
         elements = _elements(out, width)
         if info.kind == DeltaKind.SPARSE:
             split = info.changed * INDEX_DTYPE.itemsize

@@ -8,9 +8,11 @@ either the whole version or nothing.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -38,6 +40,10 @@ _PULL_DECODE, _ = chunk_codec(pb.PullChunk)
 MAX_POLICY_VERSION = 2**53 - 1
 
 
+# Rebuilds the tensors of delta pushes while the push streams in (numpy, CRC-32 and the
+# copies release the GIL on large tensors).
+_REBUILD_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="ws-rebuild")
+
 # A pull gets a delta only when it is at most this fraction of the full version's bytes:
 # rebuilding costs the puller a pass over its base, which a near-full delta does not repay.
 DELTA_WORTH = 0.8
@@ -53,13 +59,14 @@ def _views_by_tensor(chunks: list[bytes], count: int) -> list[list[memoryview]]:
     return out
 
 
-def _joined(views: list[memoryview]) -> np.ndarray:
-    """One tensor's bytes as a uint8 array: a view when they sit in one chunk, else a copy."""
+def _joined(views: list[memoryview]) -> tuple[np.ndarray, bool]:
+    """One tensor's bytes as a uint8 array, and whether it is a fresh one (a copy, joined from
+    several chunks) rather than a read-only view of the one chunk they sit in."""
     if len(views) == 1:
-        return np.frombuffer(views[0], dtype=np.uint8)
+        return np.frombuffer(views[0], dtype=np.uint8), False
     if not views:
-        return np.empty(0, dtype=np.uint8)
-    return np.concatenate([np.frombuffer(v, dtype=np.uint8) for v in views])
+        return np.empty(0, dtype=np.uint8), True
+    return np.concatenate([np.frombuffer(v, dtype=np.uint8) for v in views]), True
 
 
 def _chunked(index: int, data: np.ndarray | memoryview, chunk_bytes: int) -> list[bytes]:
@@ -101,7 +108,7 @@ class StoredVersion:
     deltas: OrderedDict[int, StoredDelta] = field(default_factory=OrderedDict)
     _views: list[memoryview] | None = field(default=None, repr=False)
     _by_tensor: list[list[memoryview]] | None = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def version(self) -> int:
@@ -118,11 +125,16 @@ class StoredVersion:
             self._views = [_PULL_DECODE(raw).data for raw in self.chunks]
         return self._views
 
-    def tensor_bytes(self, index: int) -> np.ndarray:
-        """Tensor `index`'s raw bytes (uint8; a view into the chunks where it fits one)."""
-        if self._by_tensor is None:
-            self._by_tensor = _views_by_tensor(self.chunks, len(self.header.tensors))
-        return _joined(self._by_tensor[index])
+    def tensor_bytes(
+        self, index: int, *, fresh: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, bool]:
+        """Tensor `index`'s raw bytes (uint8; a read-only view into the chunks where it fits
+        one); with `fresh`, also whether the array is a copy the caller may write into."""
+        with self._lock:
+            if self._by_tensor is None:
+                self._by_tensor = _views_by_tensor(self.chunks, len(self.header.tensors))
+        joined = _joined(self._by_tensor[index])
+        return joined if fresh else joined[0]
 
     def delta_against(self, base: StoredVersion, chunk_bytes: int) -> StoredDelta | None:
         """This version as a delta against `base` (computed at the first ask, then kept), or
@@ -301,6 +313,7 @@ class PendingVersion:
         self.chunks: list[bytes] = []
         self.delta_chunks: list[bytes] = []
         self._payload: list[memoryview] = []
+        self._rebuilt: list[Future[list[bytes]]] = []
         self._index = 0
         self._received = 0
         self._crc = 0
@@ -327,21 +340,29 @@ class PendingVersion:
                     f"tensor {spec.name!r}: crc32 {self._crc:#010x} of received bytes != declared {spec.crc32:#010x}",
                 )
             return
+        # Rebuilt on the pool while the next tensors arrive; finish() collects them in order.
+        self._rebuilt.append(_REBUILD_POOL.submit(self._rebuild, index, list(self._payload)))
+
+    def _rebuild(self, index: int, payload: list[memoryview]) -> list[bytes]:
+        spec = self.header.tensors[index]
         info = _delta_info(self.header.deltas[index])
         base_i = self._base_index.get(spec.name)
-        base = None if base_i is None else self._base.tensor_bytes(base_i)
+        base, fresh, base_crc = None, False, None
+        if base_i is not None:
+            base, fresh = self._base.tensor_bytes(base_i, fresh=True)
+            base_crc = self._base.header.tensors[base_i].crc32
         try:
             rebuilt = delta.apply(
-                base, info, _joined(self._payload),
+                base, info, _joined(payload)[0],
                 dtype=spec.dtype, nbytes=spec.nbytes, crc=spec.crc32, name=spec.name,
+                base_crc=base_crc, in_place=fresh,
             )  # fmt: skip
         except delta.DeltaError as exc:
             raise ServiceError(
                 grpc.StatusCode.DATA_LOSS,
                 f"delta against version {self._base.version}: {exc}; push the full version",
             ) from exc
-        if rebuilt.nbytes:
-            self.chunks.extend(_chunked(index, rebuilt, self.chunk_bytes))
+        return _chunked(index, rebuilt, self.chunk_bytes) if rebuilt.nbytes else []
 
     def add(self, chunk: pb.TensorChunk | ChunkView, chunk_bytes: int) -> None:
         """Check and keep one chunk (re-cut to at most `chunk_bytes` for pulls).
@@ -387,6 +408,8 @@ class PendingVersion:
             )
         if not self.is_delta:
             return StoredVersion(self.header, self.chunks)
+        for done in self._rebuilt:
+            self.chunks.extend(done.result())  # in manifest order; raises DATA_LOSS
         full = pb.VersionHeader()
         full.CopyFrom(self.header)
         full.ClearField("base_version")

@@ -137,9 +137,11 @@ def rebuild(
         info = delta.TensorDeltaInfo(
             delta.DeltaKind(d.kind), d.payload_bytes, d.changed, d.base_crc32
         )
+        held = base.specs.get(spec.name)
         raw = delta.apply(
             base.raw.get(spec.name), info, part.array(),
             dtype=spec.dtype, nbytes=spec.nbytes, crc=spec.crc32, name=spec.name,
+            base_crc=None if held is None else held.crc32,
         )  # fmt: skip
         out[spec.name] = from_raw(torch.from_numpy(raw), spec)
     return out
