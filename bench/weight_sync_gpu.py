@@ -46,7 +46,7 @@ from trace_common.service.process import LocalService
 
 # Changed fraction per dtype when no run's figures are given: placeholders the caller should
 # replace with a real run's (`--fractions-from`).
-DEFAULT_FRACTIONS = {"uint8": 0.01, "float8_e4m3fn": 0.001, "bfloat16": 0.05, "float32": 1.0}
+DEFAULT_FRACTIONS = {"uint8": 0.01, "float8_e4m3fn": 0.005, "bfloat16": 1.0, "float32": 1.0}
 
 
 def run_fractions(path: pathlib.Path) -> dict[str, float]:
