@@ -33,6 +33,11 @@ from trace_common.service.errors import LONG_ID_RE
 MAX_PROMPTS_PER_REQUEST = 4096
 MAX_GROUP_SIZE = 1024
 MAX_SEQUENCES_PER_REQUEST = 16384  # prompts x group_size
+# Prompt tokens the request's sequences hold together (each prompt's tokens x group_size):
+# an engine copies every prompt once per sequence, so a long prompt in a large group grows by
+# group_size before any engine can measure it against its context. 8x the largest recipe's
+# request (128 prompts x 8 x ~500 prompt tokens).
+MAX_PROMPT_TOKENS_PER_REQUEST = 1 << 22
 
 
 def record_writer(
@@ -96,6 +101,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if n_seq > MAX_SEQUENCES_PER_REQUEST:
             raise invalid(f"{len(request.prompts)} prompts x group_size {request.group_size} = "
                           f"{n_seq} sequences > max {MAX_SEQUENCES_PER_REQUEST} per request")  # fmt: skip
+        n_tok = sum(len(p.token_ids) for p in request.prompts)
+        if n_tok * request.group_size > MAX_PROMPT_TOKENS_PER_REQUEST:
+            raise invalid(f"prompts hold {n_tok} tokens x group_size {request.group_size} = "
+                          f"{n_tok * request.group_size} prompt tokens > max "
+                          f"{MAX_PROMPT_TOKENS_PER_REQUEST} per request")  # fmt: skip
         if request.min_policy_version < 0:
             raise invalid(f"min_policy_version={request.min_policy_version} must be >= 0")
         check_id("run_id", request.run_id)

@@ -6,7 +6,11 @@ import math
 from typing import Any, Protocol
 
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from trace_common.service import failed_precondition
+from trace_common.service import failed_precondition, invalid
+
+# A pause reason is kept as the trainer's status detail and sent with every status after it:
+# an operator's note, not a payload.
+MAX_PAUSE_REASON_CHARS = 1024
 
 STATE_TO_PROTO = {
     "starting": trainer_pb2.TRAINER_STATE_STARTING,
@@ -53,6 +57,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return status_to_proto(self.app.status())
 
     def Pause(self, request: trainer_pb2.PauseRequest, context: Any) -> trainer_pb2.TrainerStatus:
+        if len(request.reason) > MAX_PAUSE_REASON_CHARS:
+            raise invalid(
+                f"reason has {len(request.reason)} characters > max {MAX_PAUSE_REASON_CHARS}"
+            )
         try:
             self.app.pause(request.reason)
         except RuntimeError as exc:

@@ -28,6 +28,10 @@ FINISH_LENGTH = "length"  # hit max_new_tokens
 
 
 MAX_STOP_TOKENS = 64  # stop token ids one sampling config may name
+# Smallest sampling temperature above 0 (greedy): logits / temperature must stay finite in
+# float32 (max ~3.4e38), and a temperature near 0 is greedy in all but its overflow. vLLM
+# holds the same floor.
+MIN_TEMPERATURE = 1e-2
 DEFAULT_MAX_NEW_TOKENS = 64  # what generate() decodes when given no sampling config
 
 
@@ -48,6 +52,10 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}"
+            )
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

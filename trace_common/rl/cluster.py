@@ -37,6 +37,7 @@ class ClusterConfig:
     replicas: int = 2
     heartbeat_timeout_s: float = 3.0  # weight-sync reports a silent replica dead after this
     redis_maxmemory_bytes: int = 256 << 20
+    redis_password: str | None = None  # None: a random one (LocalRedisConfig.password)
     # The trainer's run: recipe keys, dotted or nested ({"steps": 3, "task.name": "reverse"}),
     # or a RunConfig; written as the trainer's recipe (TRACE_RECIPE). Empty: the defaults.
     run: Mapping[str, Any] | RunConfig = field(default_factory=dict)
@@ -85,7 +86,9 @@ class LocalCluster:
         cfg = self.config
         try:
             self.redis = LocalRedis(
-                LocalRedisConfig(maxmemory_bytes=cfg.redis_maxmemory_bytes)
+                LocalRedisConfig(
+                    maxmemory_bytes=cfg.redis_maxmemory_bytes, password=cfg.redis_password
+                )
             ).start()
             token = {"TRACE_AUTH_TOKEN": cfg.token}
             self.quant_cache = LocalService(

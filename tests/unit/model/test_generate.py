@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -141,3 +143,15 @@ def test_generate_rejects_bad_input(debug_model) -> None:
     cfg = get_config("debug")
     with pytest.raises(ValueError, match="max_position_embeddings"):
         generate(debug_model, [[1]], SamplingConfig(max_new_tokens=cfg.max_position_embeddings))
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-3])
+def test_a_temperature_whose_logits_would_overflow_is_refused(temperature: float) -> None:
+    # logits / 1e-45 is inf in float32: sampling would draw from NaN probabilities
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or >= 0.01"):
+        SamplingConfig(temperature=temperature)
+
+
+def test_the_smallest_temperature_samples_finite_logprobs(debug_model) -> None:
+    out = generate(debug_model, PROMPTS, SamplingConfig(max_new_tokens=4, temperature=1e-2))
+    assert all(math.isfinite(lp) for row in out.logprobs for lp in row)

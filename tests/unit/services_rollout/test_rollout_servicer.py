@@ -94,6 +94,14 @@ def test_version_swap_between_requests() -> None:
     [
         ({"prompts": []}, "prompts is empty"),
         ({"group_size": 0}, "group_size=0"),
+        (
+            {"prompts": [rollout_pb2.Prompt(token_ids=[1] * (1 << 13))], "group_size": 1024},
+            r"prompts hold 8192 tokens x group_size 1024 = 8388608 prompt tokens > max 4194304",
+        ),
+        (
+            {"sampling": rollout_pb2.SamplingParams(temperature=1e-30, max_new_tokens=2)},
+            r"temperature must be 0 \(greedy\) or >= 0.01",
+        ),
         ({"run_id": "bad id!"}, "run_id='bad id!'"),
         ({"sample_id_prefix": ""}, "sample_id_prefix=''"),
         ({"prompts": [rollout_pb2.Prompt(token_ids=[1, 99])]}, r"token ids \[99\] outside"),

@@ -62,3 +62,15 @@ def test_pause_after_finish_is_failed_precondition() -> None:
         with pytest.raises(ServiceError, match="finished") as err:
             call()
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_pause_reason_over_its_bound_is_invalid_argument() -> None:
+    # a 60 MiB reason used to become the status detail every later status carried
+    app = FakeApp()
+    s = TrainerServicer(app)
+    with pytest.raises(ServiceError, match="reason has 1025 characters > max 1024") as err:
+        s.Pause(trainer_pb2.PauseRequest(reason="x" * 1025), None)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert app.calls == [] and app.state == "running"
+    s.Pause(trainer_pb2.PauseRequest(reason="x" * 1024), None)
+    assert app.calls == ["pause:" + "x" * 1024]
