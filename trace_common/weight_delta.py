@@ -53,6 +53,19 @@ class TensorDeltaInfo:
     changed: int
     base_crc32: int
 
+    @classmethod
+    def from_message(cls, msg) -> TensorDeltaInfo:
+        return cls(DeltaKind(msg.kind), msg.payload_bytes, msg.changed, msg.base_crc32)
+
+    def fields(self) -> dict[str, int]:
+        """The TensorDelta message's fields: `pb.TensorDelta(**info.fields())`."""
+        return {
+            "kind": int(self.kind),
+            "payload_bytes": self.payload_bytes,
+            "changed": self.changed,
+            "base_crc32": self.base_crc32,
+        }
+
 
 def element_width(dtype: str, nbytes: int) -> int:
     """The width (bytes) elements of `dtype` compare at: the dtype's size, 8 for wider ones."""
@@ -104,6 +117,20 @@ def encode(
         pieces = [new]
     pieces = [p.view(np.uint8).reshape(-1) for p in pieces]
     return TensorDeltaInfo(kind, size, changed, base_crc), pieces
+
+
+def encode_tensor(
+    base: np.ndarray | None, new: np.ndarray, dtype: str, base_crc: int | None = None
+) -> tuple[TensorDeltaInfo, np.ndarray]:
+    """`encode` with the payload as one array; with no base (the receiver's base lacks the
+    tensor, or holds it with another dtype or shape) the tensor goes DENSE, every element new."""
+    if base is None:
+        n = new.nbytes // element_width(dtype, new.nbytes)
+        return TensorDeltaInfo(DeltaKind.DENSE, new.nbytes, n, 0), new
+    info, pieces = encode(base, new, dtype, base_crc)
+    if len(pieces) == 1:
+        return info, pieces[0]
+    return info, np.concatenate(pieces) if pieces else new[:0]
 
 
 def apply(

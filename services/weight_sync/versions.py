@@ -125,16 +125,13 @@ class StoredVersion:
             self._views = [_PULL_DECODE(raw).data for raw in self.chunks]
         return self._views
 
-    def tensor_bytes(
-        self, index: int, *, fresh: bool = False
-    ) -> np.ndarray | tuple[np.ndarray, bool]:
+    def tensor_bytes(self, index: int) -> tuple[np.ndarray, bool]:
         """Tensor `index`'s raw bytes (uint8; a read-only view into the chunks where it fits
-        one); with `fresh`, also whether the array is a copy the caller may write into."""
+        one), and whether the array is a copy the caller may write into."""
         with self._lock:
             if self._by_tensor is None:
                 self._by_tensor = _views_by_tensor(self.chunks, len(self.header.tensors))
-        joined = _joined(self._by_tensor[index])
-        return joined if fresh else joined[0]
+        return _joined(self._by_tensor[index])
 
     def delta_against(self, base: StoredVersion, chunk_bytes: int) -> StoredDelta | None:
         """This version as a delta against `base` (computed at the first ask, then kept), or
@@ -150,21 +147,17 @@ class StoredVersion:
             chunks: list[bytes] = []
             for i, spec in enumerate(self.header.tensors):
                 j = base_index.get(spec.name)
-                new = self.tensor_bytes(i)
+                new, _ = self.tensor_bytes(i)
                 old_spec = None if j is None else base.header.tensors[j]
-                if old_spec is None or (old_spec.dtype, old_spec.shape) != (spec.dtype, spec.shape):
-                    info = delta.TensorDeltaInfo(delta.DeltaKind.DENSE, new.nbytes, 0, 0)
-                    pieces = [new]
-                else:
-                    info, pieces = delta.encode(
-                        base.tensor_bytes(j), new, spec.dtype, old_spec.crc32
-                    )
-                header.deltas.append(_delta_message(info))
+                same_layout = old_spec is not None and (old_spec.dtype, old_spec.shape) == (
+                    spec.dtype, spec.shape)  # fmt: skip
+                info, payload = delta.encode_tensor(
+                    base.tensor_bytes(j)[0] if same_layout else None, new, spec.dtype,
+                    old_spec.crc32 if same_layout else None,
+                )  # fmt: skip
+                header.deltas.append(pb.TensorDelta(**info.fields()))
                 header.delta_bytes += info.payload_bytes
-                payload = (
-                    pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else None
-                )
-                if payload is not None and payload.nbytes:
+                if payload.nbytes:
                     chunks.extend(_chunked(i, payload, chunk_bytes))
             if header.delta_bytes > DELTA_WORTH * self.header.total_bytes:
                 return None
@@ -186,21 +179,6 @@ class StoredVersion:
             metadata_json=h.metadata_json,
             published_at=self.published_at,
         )
-
-
-def _delta_message(info: delta.TensorDeltaInfo) -> pb.TensorDelta:
-    return pb.TensorDelta(
-        kind=int(info.kind),
-        payload_bytes=info.payload_bytes,
-        changed=info.changed,
-        base_crc32=info.base_crc32,
-    )
-
-
-def _delta_info(msg: pb.TensorDelta) -> delta.TensorDeltaInfo:
-    return delta.TensorDeltaInfo(
-        delta.DeltaKind(msg.kind), msg.payload_bytes, msg.changed, msg.base_crc32
-    )
 
 
 def check_delta_manifest(header: pb.VersionHeader, base: pb.VersionHeader | None) -> None:
@@ -345,11 +323,11 @@ class PendingVersion:
 
     def _rebuild(self, index: int, payload: list[memoryview]) -> list[bytes]:
         spec = self.header.tensors[index]
-        info = _delta_info(self.header.deltas[index])
+        info = delta.TensorDeltaInfo.from_message(self.header.deltas[index])
         base_i = self._base_index.get(spec.name)
         base, fresh, base_crc = None, False, None
         if base_i is not None:
-            base, fresh = self._base.tensor_bytes(base_i, fresh=True)
+            base, fresh = self._base.tensor_bytes(base_i)
             base_crc = self._base.header.tensors[base_i].crc32
         try:
             rebuilt = delta.apply(

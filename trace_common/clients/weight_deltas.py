@@ -71,12 +71,14 @@ def encode_version(
         if base is None:
             return spec, None, view, kept
         old = base.specs.get(name)
-        if old is None or (old.dtype, list(old.shape)) != (spec.dtype, list(spec.shape)):
-            info = delta.TensorDeltaInfo(delta.DeltaKind.DENSE, spec.nbytes, 0, 0)
-            pieces: list[np.ndarray] = [new]
-        else:
-            info, pieces = delta.encode(base.raw[name], new, spec.dtype, old.crc32)
-        payload = pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else new[:0]
+        same_layout = old is not None and (old.dtype, list(old.shape)) == (
+            spec.dtype,
+            list(spec.shape),
+        )
+        info, payload = delta.encode_tensor(
+            base.raw[name] if same_layout else None, new, spec.dtype,
+            old.crc32 if same_layout else None,
+        )  # fmt: skip
         return spec, info, payload, kept
 
     # numpy and the CRC release the GIL on large tensors: the tensors are encoded in parallel.
@@ -91,14 +93,7 @@ def encode_version(
         if copy is not None:
             kept[spec.name] = copy
         if info is not None:
-            header.deltas.append(
-                pb.TensorDelta(
-                    kind=int(info.kind),
-                    payload_bytes=info.payload_bytes,
-                    changed=info.changed,
-                    base_crc32=info.base_crc32,
-                )
-            )
+            header.deltas.append(pb.TensorDelta(**info.fields()))
             header.delta_bytes += info.payload_bytes
     if not keep:
         return header, payloads, None
@@ -134,9 +129,7 @@ def rebuild(
         )
     out: dict[str, torch.Tensor] = {}
     for spec, d, part in zip(header.tensors, header.deltas, parts, strict=True):
-        info = delta.TensorDeltaInfo(
-            delta.DeltaKind(d.kind), d.payload_bytes, d.changed, d.base_crc32
-        )
+        info = delta.TensorDeltaInfo.from_message(d)
         held = base.specs.get(spec.name)
         raw = delta.apply(
             base.raw.get(spec.name), info, part.array(),
@@ -161,11 +154,7 @@ def push_stats(header: pb.VersionHeader) -> dict[str, object]:
         for spec, d in zip(header.tensors, header.deltas, strict=True):
             width = delta.element_width(spec.dtype, spec.nbytes)
             count = changed.setdefault(spec.dtype, [0, 0])
-            count[0] += (
-                spec.nbytes // width
-                if d.kind == delta.DeltaKind.DENSE and not d.changed
-                else d.changed
-            )
+            count[0] += d.changed
             count[1] += spec.nbytes // width
         out["weight_changed_fraction"] = {k: c / max(n, 1) for k, (c, n) in sorted(changed.items())}
     return out
