@@ -45,9 +45,8 @@ from trace_common.model import GuidanceConfig, QuantConfig, get_config
 from trace_common.model.config import ModelConfig
 from trace_common.model.quant import policy_metadata
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.rollout.meta import PolicyMeta
-from trace_common.service.process import LocalService
+from trace_common.service.process import LocalService, local_stores
 
 EOS, PAD = 2, 0
 E4M3_ONE = 0x38  # bit pattern of 1.0 in float8_e4m3fn
@@ -291,49 +290,38 @@ def main() -> None:
         cfg = cfg.replace(num_layers=args.layers)
     token = secrets.token_hex(16)
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="rollout-bench-"))
-    redis = LocalRedis(LocalRedisConfig(maxmemory_bytes=1 << 30)).start()
-    qc = LocalService("quant-cache", "services.quant_cache",
-                      {"TRACE_AUTH_TOKEN": token, "TRACE_REDIS_URL": redis.url}, log_dir).launch()  # fmt: skip
-    wsvc = LocalService("weight-sync", "services.weight_sync",
-                        {"TRACE_AUTH_TOKEN": token, "TRACE_KEEP_VERSIONS": "1"}, log_dir).launch()  # fmt: skip
     results: list[dict] = []
     try:
-        for svc in (qc, wsvc):
-            svc.wait_ports().wait_serving()
-        common = {"TRACE_AUTH_TOKEN": token, "TRACE_WEIGHT_SYNC_ADDRESS": wsvc.grpc_address,
-                  "TRACE_QUANT_CACHE_ADDRESS": qc.grpc_address}  # fmt: skip
-        ws = WeightSyncClient(wsvc.grpc_address, token)
-        version = 0
-        for engine in args.engines:
-            fp4 = engine == "fp4"
-            tensors, meta = random_policy(cfg, fp4, seed=version)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            t0 = time.perf_counter()
-            ws.push_version(version, tensors, meta)
-            push_s = time.perf_counter() - t0
-            del tensors
-            gc.collect()
-            print(f"{engine}: pushed {nbytes / 2**30:.1f} GiB in {push_s:.1f} s", flush=True)
-            for batch in args.batches:
-                r = measure_service(args, cfg, fp4, batch, common, ws, version, log_dir, token)
-                if fp4 and args.swap and batch == args.batches[0]:
-                    version += 1
-                r.update(engine=engine, policy_gib=nbytes / 2**30, first_push_seconds=push_s)
-                mixes = {"service": service_contexts(args, batch),
-                         "fixed": [args.raw_context] * batch}  # fmt: skip
-                raw = raw_decode(cfg, fp4, batch, mixes, args.raw_iters)
-                r["raw_tok_s"], r["raw_fixed_tok_s"] = raw["service"], raw["fixed"]
-                r["raw_mean_context"] = sum(mixes["service"]) / batch
-                r["service_over_raw"] = r["service_tok_s"] / r["raw_tok_s"]
-                results.append(r)
-                print(json.dumps(r), flush=True)
-                args.out.write_text(json.dumps({"config": cfg.to_dict(), "results": results},
-                                               indent=1))  # fmt: skip
-            version += 1
+        with local_stores(token, log_dir, keep_versions=1) as common:
+            ws = WeightSyncClient(common["TRACE_WEIGHT_SYNC_ADDRESS"], token)
+            version = 0
+            for engine in args.engines:
+                fp4 = engine == "fp4"
+                tensors, meta = random_policy(cfg, fp4, seed=version)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                t0 = time.perf_counter()
+                ws.push_version(version, tensors, meta)
+                push_s = time.perf_counter() - t0
+                del tensors
+                gc.collect()
+                print(f"{engine}: pushed {nbytes / 2**30:.1f} GiB in {push_s:.1f} s", flush=True)
+                for batch in args.batches:
+                    r = measure_service(args, cfg, fp4, batch, common, ws, version, log_dir, token)
+                    if fp4 and args.swap and batch == args.batches[0]:
+                        version += 1
+                    r.update(engine=engine, policy_gib=nbytes / 2**30, first_push_seconds=push_s)
+                    mixes = {"service": service_contexts(args, batch),
+                             "fixed": [args.raw_context] * batch}  # fmt: skip
+                    raw = raw_decode(cfg, fp4, batch, mixes, args.raw_iters)
+                    r["raw_tok_s"], r["raw_fixed_tok_s"] = raw["service"], raw["fixed"]
+                    r["raw_mean_context"] = sum(mixes["service"]) / batch
+                    r["service_over_raw"] = r["service_tok_s"] / r["raw_tok_s"]
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+                    args.out.write_text(json.dumps({"config": cfg.to_dict(), "results": results},
+                                                   indent=1))  # fmt: skip
+                version += 1
     finally:
-        for svc in (wsvc, qc):
-            svc.stop()
-        redis.stop()
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                         "config": cfg.to_dict(), "results": results},
                                        indent=1))  # fmt: skip

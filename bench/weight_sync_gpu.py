@@ -1,16 +1,20 @@
-"""A new policy version from "exported" to "every replica serves it", full against delta (CUDA machine).
+"""A new policy version from "exported" to "every replica serves it": CUDA IPC, full, delta (CUDA machine).
 
 Starts Redis, quant-cache and weight-sync, pushes a random FP4 policy of the shape, then for
-each mode (full: every version travels whole; delta: the trainer pushes and each replica
-pulls only what changed, TRACE_WEIGHT_DELTAS) and each replica count: starts that many
+each mode and each replica count:
+- ipc: the trainer's publisher (services/trainer/remote.py) offers each version over CUDA
+  IPC, then pushes it; replicas on this node copy it GPU to GPU (TRACE_CUDA_IPC);
+- full: every version travels whole over the network path (no offers);
+- delta: the trainer pushes and each replica pulls only what changed (TRACE_WEIGHT_DELTAS);
+starts that many
 rollout services on the GPU (the CUDA engine), waits until they serve, and times `--versions`
 new versions. Each new version changes, per dtype, the fraction of elements a real run's
 consecutive versions changed (`--fractions`, or read from a trainer's metrics.jsonl with
 `--fractions-from`): uniformly drawn elements get their lowest bit flipped, so every picked
 FP4 code byte, scale and BF16 value differs from the version before.
 
-Per version it reports: the push (client call to publish), the time from the push's start
-until every replica serves the version, each replica's pull transfer (bytes in, rebuilt and
+Per version it reports: the push (the publisher's call: offer, host copy and push), the time
+from its start until every replica serves the version, each replica's pull transfer (bytes in, rebuilt and
 CRC-checked) and pull + engine load, and the bytes pushed and pulled.
 
     python3 bench/weight_sync_gpu.py --shape qwen3-30b-a3b --layers 24 --replicas 1 2 \\
@@ -30,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import torch
@@ -39,10 +44,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from rollout_service_gpu import random_policy
 
+from services.trainer.remote import WeightSyncPublisher
 from trace_common.clients import WeightSyncClient
 from trace_common.model import get_config
-from trace_common.redis_local import LocalRedis, LocalRedisConfig
-from trace_common.service.process import LocalService
+from trace_common.service.process import LocalService, local_stores
 
 # Changed fraction per dtype when no run's figures are given: placeholders the caller should
 # replace with a real run's (`--fractions-from`).
@@ -83,10 +88,13 @@ def status(svc: LocalService) -> dict:
     return httpx.get(f"{svc.http_url}/status", timeout=10).json()
 
 
-def wait_serving(replicas: list[LocalService], version: int, t0: float, limit: float) -> dict:
-    """Seconds from t0 until each replica serves `version`."""
+def wait_serving(replicas: list[LocalService], version: int, t0: float, limit: float,
+                 push: Future | None = None) -> dict:  # fmt: skip
+    """Seconds from t0 until each replica serves `version` (raising what `push` raised)."""
     served: dict[str, float] = {}
     while len(served) < len(replicas):
+        if push is not None and push.done():
+            push.result()
         for r in replicas:
             if r.name not in served and status(r)["policy_version"] >= version:
                 served[r.name] = time.perf_counter() - t0
@@ -101,10 +109,11 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
             log_dir: pathlib.Path) -> tuple[list, dict, int]:  # fmt: skip
     """Start the replicas, push `args.versions` new versions, time each; returns the rows,
     the last version's tensors and its number."""
-    deltas = mode == "delta"
+    deltas, ipc = mode == "delta", mode == "ipc"
     env = {**common, "TRACE_ROLLOUT_ENGINE": args.engine, "TRACE_DEVICE": args.device,
            "TRACE_ROLLOUT_MAX_BATCH": "8", "TRACE_ROLLOUT_MAX_CONTEXT": "512",
-           "TRACE_WEIGHT_DELTAS": str(deltas).lower()}  # fmt: skip
+           "TRACE_WEIGHT_DELTAS": str(deltas).lower(),
+           "TRACE_CUDA_IPC": str(ipc).lower()}  # fmt: skip
     replicas = [
         LocalService(
             f"rollout-{mode}-{i}",
@@ -115,6 +124,10 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
         for i in range(n_replicas)
     ]
     trainer = WeightSyncClient(ws_addr, token, deltas=deltas)
+    publisher = WeightSyncPublisher(trainer, cuda_ipc=ipc)
+    pusher = ThreadPoolExecutor(1)
+    if ipc and not publisher.cuda_ipc:
+        raise SystemExit("mode ipc: this host has no boot id to offer CUDA IPC under")
     rows = []
     gen = torch.Generator().manual_seed(1000 + version)
     try:
@@ -122,7 +135,7 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
             r.wait_ports(timeout=600).wait_serving(timeout=600)
         wait_serving(replicas, version, time.perf_counter(), 600)
         if deltas:  # the trainer's base: the version the replicas hold, as the trainer pushed it
-            trainer.push_version(version + 1, policy, meta)
+            publisher.publish(version + 1, policy, meta)
             version += 1
             wait_serving(replicas, version, time.perf_counter(), 600)
         for _ in range(args.versions):
@@ -130,13 +143,16 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
             version += 1
             gc.collect()
             t0 = time.perf_counter()
-            trainer.push_version(version, policy, meta)
-            push_s = time.perf_counter() - t0
-            served = wait_serving(replicas, version, t0, 600)
+            # replicas may serve it before the push completes (ipc)
+            push = pusher.submit(publisher.publish, version, policy, meta)
+            served = wait_serving(replicas, version, t0, 600, push)
+            push.result()
+            push_s = publisher.last_push_seconds
             st = [status(r) for r in replicas]
             row = {
                 "mode": mode, "replicas": n_replicas, "version": version,
                 "push_seconds": push_s,
+                "offer_seconds": publisher.last_offer_seconds,
                 "served_seconds": max(served.values()),
                 "push_bytes": trainer.last_push["weight_push_bytes"],
                 "full_bytes": trainer.last_push["weight_push_full_bytes"],
@@ -144,10 +160,12 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
                 "pull_transfer_seconds": [s["last_weight_transfer_seconds"] for s in st],
                 "pull_load_seconds": [s["last_weight_pull_seconds"] for s in st],
                 "pulls": [s["last_weight_pull"] for s in st],
+                "ipc_failures": [s.get("weight_ipc_failures_total", 0) for s in st],
             }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
+        pusher.shutdown()
         for r in replicas:
             r.stop()
     return rows, policy, version
@@ -158,7 +176,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=0, help="use this many of the shape's layers")
     ap.add_argument("--replicas", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--modes", nargs="+", default=["full", "delta"], choices=["full", "delta"])
+    ap.add_argument("--modes", nargs="+", default=["ipc", "full", "delta"],
+                    choices=["ipc", "full", "delta"])  # fmt: skip
     ap.add_argument("--versions", type=int, default=3, help="new versions timed per case")
     ap.add_argument("--fractions", type=json.loads, default=None,
                     help='changed fraction per dtype, JSON: {"uint8": 0.01, ...}')  # fmt: skip
@@ -181,35 +200,28 @@ def main() -> None:
     print(f"{args.shape} ({cfg.num_layers} layers); changed fractions {fractions}", flush=True)
     token = secrets.token_hex(16)
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ws-bench-"))
-    redis = LocalRedis(LocalRedisConfig(maxmemory_bytes=1 << 30)).start()
-    qc = LocalService("quant-cache", "services.quant_cache",
-                      {"TRACE_AUTH_TOKEN": token, "TRACE_REDIS_URL": redis.url}, log_dir).launch()  # fmt: skip
-    wsvc = LocalService("weight-sync", "services.weight_sync",
-                        {"TRACE_AUTH_TOKEN": token, "TRACE_KEEP_VERSIONS": "2"}, log_dir).launch()  # fmt: skip
     rows: list[dict] = []
     try:
-        for svc in (qc, wsvc):
-            svc.wait_ports().wait_serving()
-        common = {"TRACE_AUTH_TOKEN": token, "TRACE_WEIGHT_SYNC_ADDRESS": wsvc.grpc_address,
-                  "TRACE_QUANT_CACHE_ADDRESS": qc.grpc_address}  # fmt: skip
-        policy, meta = random_policy(cfg, True, seed=0, device=args.device)
-        nbytes = sum(t.numel() * t.element_size() for t in policy.values())
-        version = 0
-        t0 = time.perf_counter()
-        WeightSyncClient(wsvc.grpc_address, token).push_version(version, policy, meta)
-        print(
-            f"first push: {nbytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True
-        )
-        for n in args.replicas:
-            for mode in args.modes:
-                got, policy, version = measure(args, mode, n, wsvc.grpc_address, common, token,
-                                               policy, meta, version, fractions, log_dir)  # fmt: skip
-                rows.extend(got)
-                args.out.write_text(json.dumps({"fractions": fractions, "rows": rows}, indent=1))
+        with local_stores(token, log_dir, keep_versions=2) as common:
+            ws_addr = common["TRACE_WEIGHT_SYNC_ADDRESS"]
+            policy, meta = random_policy(cfg, True, seed=0, device=args.device)
+            nbytes = sum(t.numel() * t.element_size() for t in policy.values())
+            version = 0
+            t0 = time.perf_counter()
+            WeightSyncClient(ws_addr, token).push_version(version, policy, meta)
+            # On the device from here, as a trainer's export is: each version's push
+            # includes its copy to the host.
+            policy = {k: v.to(args.device) for k, v in policy.items()}
+            print(f"first push: {nbytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s",
+                  flush=True)  # fmt: skip
+            for n in args.replicas:
+                for mode in args.modes:
+                    got, policy, version = measure(args, mode, n, ws_addr, common, token, policy,
+                                                   meta, version, fractions, log_dir)  # fmt: skip
+                    rows.extend(got)
+                    args.out.write_text(json.dumps({"fractions": fractions, "rows": rows},
+                                                   indent=1))  # fmt: skip
     finally:
-        for svc in (wsvc, qc):
-            svc.stop()
-        redis.stop()
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                         "config": cfg.to_dict(), "fractions": fractions,
                                         "rows": rows}, indent=1))  # fmt: skip

@@ -58,3 +58,27 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for dev in {t.device for _, t in on_gpu}:
         torch.cuda.synchronize(dev)
     return out
+
+
+DEVICE_ALIGN = 256  # bytes: each tensor's offset in a packed GPU buffer (CUDA's alignment)
+
+
+def pack_on_device(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of `tensors` (all on one CUDA device) as views of one new buffer there, in
+    order, each at a DEVICE_ALIGN-aligned offset: one allocation that another process can
+    map whole (CUDA IPC), and that later writes to the originals leave alone."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(
+            f"pack_on_device takes tensors on one CUDA device, got {sorted(map(str, devices))}"
+        )
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    aligned = [-(-n // DEVICE_ALIGN) * DEVICE_ALIGN for n in sizes]
+    buf = torch.empty(max(1, sum(aligned)), dtype=torch.uint8, device=devices.pop())
+    out, off = {}, 0
+    for (name, t), n, step in zip(tensors.items(), sizes, aligned, strict=True):
+        dst = buf[off : off + n].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        out[name] = dst
+        off += step
+    return out

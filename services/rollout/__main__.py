@@ -64,6 +64,7 @@ def main() -> None:
         address=lambda: f"{settings.advertise_host}:{rt.grpc.port}",
         heartbeat_interval_s=settings.heartbeat_interval_seconds,
         metrics=rt.metrics,
+        cuda_ipc=settings.cuda_ipc and engine_settings.device.type == "cuda",
     )
     servicer.follower = follower
     servicer.engine_stats = lambda: getattr(factory.engine, "stats", dict)()

@@ -36,6 +36,11 @@ class RolloutSettings(ServiceSettings):
         description="keep the version last pulled (one host copy of the policy) and pull the "
         "next one as a delta against it: only the changed codes, scales and values travel",
     )
+    cuda_ipc: bool = Field(
+        True,
+        description="on a CUDA replica, load a version the trainer offers over CUDA IPC on "
+        "this node GPU to GPU (else, or when that fails, pull it over the network)",
+    )
     replica_id: str = Field(
         default_factory=lambda: f"rollout-{socket.gethostname()}-{os.getpid()}",
         description="this replica's id in weight-sync's registry",

@@ -208,6 +208,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     self.follower, "last_transfer_seconds", 0.0
                 ),
                 "last_weight_pull": getattr(self.follower, "last_pull", {}),
+                "weight_ipc_failures_total": getattr(self.follower, "ipc_failures", 0),
                 "engine_stats": self.engine_stats(),
             }
 

@@ -1,7 +1,13 @@
 """Keeps a replica on the latest policy: register with weight-sync, follow its version
 notices, pull each new version, hand it to the engine factory (codes as pushed, no
 re-quantization: a new PyTorch engine, or the CUDA engine loading it in place) and swap it in
-between requests; heartbeat the version held."""
+between requests; heartbeat the version held.
+
+A CUDA replica on the trainer's node (`cuda_ipc`) loads a version the trainer offers over
+CUDA IPC as soon as the offer's notice comes, GPU to GPU (trace_common/clients/cuda_ipc.py),
+without waiting for its push. An offer that cannot be opened (the trainer released it or
+restarted, another IPC namespace) is logged and counted; the replica then pulls that version
+once its push completes. Either way the engine swaps to a whole version or keeps its old one."""
 
 from __future__ import annotations
 
@@ -14,12 +20,15 @@ from collections.abc import Callable
 import grpc
 
 from trace_common.clients import WeightSyncClient
+from trace_common.clients.cuda_ipc import node_id
+from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.rollout.engine import EngineFactory, EngineHolder
 from trace_common.service import Metrics
 
 log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.5  # wait before re-subscribing after weight-sync went away
+IPC_FAILED_KEPT = 16  # versions remembered as failed over CUDA IPC
 
 
 class WeightFollower:
@@ -35,8 +44,12 @@ class WeightFollower:
         address: Callable[[], str],
         heartbeat_interval_s: float,
         metrics: Metrics,
+        cuda_ipc: bool = False,
     ) -> None:
         self.client = client
+        self.cuda_ipc = cuda_ipc and bool(node_id())
+        self.ipc_failures = 0
+        self._ipc_failed: set[int] = set()  # versions whose offer failed here: pull them
         self.holder = holder
         self.factory = factory
         self.replica_id = replica_id
@@ -76,7 +89,11 @@ class WeightFollower:
                         )
                 self._stream = self.client.subscribe(self.replica_id)
                 for notice in self._stream:
-                    if notice.version > self.holder.version:
+                    if notice.version <= self.holder.version:
+                        continue
+                    if self._takes_offer(notice) and self._load_offer(notice.version):
+                        continue
+                    if not notice.offer_only:
                         self._load(notice.version)
             except grpc.RpcError as exc:
                 if self._stop.is_set():
@@ -87,9 +104,38 @@ class WeightFollower:
                 log.exception("loading a policy version failed; retrying")
             self._stop.wait(RECONNECT_S)
 
+    def _takes_offer(self, notice: common_pb2.PolicyVersionInfo) -> bool:
+        return (
+            self.cuda_ipc
+            and notice.cuda_ipc_node == node_id()
+            and notice.version not in self._ipc_failed
+        )
+
+    def _load_offer(self, version: int) -> bool:
+        """Load `version` from its CUDA IPC offer; False (logged, counted) when that fails."""
+        t0 = time.perf_counter()
+        try:
+            got, tensors, meta = self.client.open_offer(version, replica_id=self.replica_id)
+            self._serve(got, tensors, meta, t0)
+        except Exception as exc:
+            self.ipc_failures += 1
+            self._ipc_failed.add(version)
+            if len(self._ipc_failed) > IPC_FAILED_KEPT:
+                self._ipc_failed.discard(min(self._ipc_failed))
+            log.warning(
+                "loading version %d over CUDA IPC failed (%s: %s): pulling it over the network",
+                version, type(exc).__name__, exc,
+            )  # fmt: skip
+            return False
+        return True
+
     def _load(self, version: int) -> None:
         t0 = time.perf_counter()
         got, tensors, meta = self.client.pull_version(version, replica_id=self.replica_id)
+        self._serve(got, tensors, meta, t0)
+
+    def _serve(self, got: int, tensors: dict, meta: dict, t0: float) -> None:
+        """Build and swap in version `got` (pulled or opened since `t0`)."""
         self.last_transfer_seconds = time.perf_counter() - t0
         self.last_pull = dict(self.client.last_pull)
         str_meta = {k: v for k, v in meta.items() if isinstance(v, str)}

@@ -43,6 +43,7 @@ from trace_common.rl.checkpoint import (
 from trace_common.rl.core import RewardScorer, TrainerConfig, TrainerCore
 from trace_common.rl.dispatch import Dispatcher
 from trace_common.rl.distributed import LeaderLearner
+from trace_common.rl.policy import ModelLearner
 from trace_common.service import Backoff, Metrics
 from trace_common.tasks import load_tokenizer
 
@@ -131,7 +132,7 @@ class TrainerApp:
             self.weight_sync, token, generate_timeout=s.generate_timeout_seconds
         )
         backoff = Backoff(budget_s=run.stores.retry_seconds)
-        self.publisher = WeightSyncPublisher(self.weight_sync, backoff)
+        self.publisher = WeightSyncPublisher(self.weight_sync, backoff, cuda_ipc=s.cuda_ipc)
         records = QuantCacheRecords(
             self.quant_cache,
             RecordAudit(s.record_audit_file) if s.record_audit_file else None,
@@ -142,6 +143,13 @@ class TrainerApp:
             s, model, quant=quant, guidance=guidance, eos_id=tok.eos_id, pad_id=tok.pad_id,
             records=records,
         )  # fmt: skip
+        if isinstance(self.learner, ModelLearner):
+            on_cuda = self.learner.device.type == "cuda"
+            self.learner.export_on_device = on_cuda and self.publisher.cuda_ipc  # offers share it
+            hp = {"auto": "bfloat16" if on_cuda else "float32"}.get(
+                s.export_hp_dtype, s.export_hp_dtype
+            )
+            self.learner.export_hp_dtype = None if hp == "float32" else getattr(torch, hp)
         if run.checkpoint.export and isinstance(self.learner, LeaderLearner):
             raise ValueError(
                 "checkpoint.export needs an unsharded trainer: sharded (torchrun) "

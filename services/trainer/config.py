@@ -44,6 +44,17 @@ class TrainerSettings(ServiceSettings):
         description="push each policy version as a delta against the one pushed before it "
         "(keeps one host copy of the policy); the full version when weight-sync lacks that one",
     )
+    export_hp_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of the policy's high-precision weights in each pushed version; "
+        "auto: bfloat16 on a CUDA trainer (what the CUDA rollout engines compute in: the same "
+        "bits in half the bytes), float32 on the CPU",
+    )
+    cuda_ipc: bool = Field(
+        True,
+        description="on a CUDA trainer, offer each version over CUDA IPC before pushing it: "
+        "replicas on this node copy it GPU to GPU (two more policy copies stay on the GPU)",
+    )
 
     recipe: pathlib.Path | None = Field(
         None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,8 @@ import grpc
 import torch
 
 from trace_common.clients import CorruptRecordError, QuantCacheClient, WeightSyncClient
+from trace_common.clients import cuda_ipc as ipc
+from trace_common.device import to_host
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.rl.audit import RecordAudit
 from trace_common.rl.dispatch import GenerateCall, ReplicaBehind, ReplicaUnavailable
@@ -178,11 +181,23 @@ class QuantCacheRecords:
 
 class WeightSyncPublisher:
     """Pushes a version to weight-sync (published atomically once complete). A weight-sync
-    that is unavailable (restarting) is retried within `backoff`'s budget."""
+    that is unavailable (restarting) is retried within `backoff`'s budget.
 
-    def __init__(self, client: WeightSyncClient, backoff: Backoff | None = None) -> None:
+    With `cuda_ipc`, a version exported on a CUDA device is first offered over CUDA IPC
+    (trace_common/clients/cuda_ipc.py): replicas on this node copy it GPU to GPU at once,
+    while the push that follows serves the others, late joiners and CPU replicas. The last
+    OFFERS_HELD offered buffers stay allocated here (GPU memory: that many policy copies)."""
+
+    OFFERS_HELD = 2
+
+    def __init__(
+        self, client: WeightSyncClient, backoff: Backoff | None = None, *, cuda_ipc: bool = False
+    ) -> None:
         self.client = client
         self.backoff = backoff or Backoff()
+        self.cuda_ipc = cuda_ipc and bool(ipc.node_id())
+        self._offered: deque[ipc.Shared] = deque(maxlen=self.OFFERS_HELD)
+        self.last_offer_seconds = 0.0
         self.last_push_seconds = 0.0
         self.last_push: dict[
             str, Any
@@ -192,6 +207,11 @@ class WeightSyncPublisher:
         self, version: int, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]
     ) -> None:
         t0 = time.perf_counter()
+        on_gpu = all(t.device.type == "cuda" for t in tensors.values())
+        if on_gpu and self.cuda_ipc:
+            tensors = self._offer(version, tensors, metadata)
+        self.last_offer_seconds = time.perf_counter() - t0
+        tensors = to_host(tensors)
 
         def push() -> None:
             try:
@@ -205,6 +225,28 @@ class WeightSyncPublisher:
         retry_transient(push, f"push of version {version} to weight-sync", self.backoff)
         self.last_push_seconds = time.perf_counter() - t0
         self.last_push = dict(self.client.last_push)
+
+    def _offer(
+        self, version: int, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]
+    ) -> Mapping[str, torch.Tensor]:
+        """Offer `version` over CUDA IPC; returns the tensors as shared (packed into one
+        buffer unless they already were). A failed offer is logged and the push goes on;
+        a weight-sync without offers (UNIMPLEMENTED) turns them off."""
+        try:
+            shared = ipc.share(tensors)
+        except ValueError:  # not one packed buffer yet
+            tensors = ipc.pack(tensors)
+            shared = ipc.share(tensors)
+        try:
+            self.client.offer_version(version, shared, ipc.manifest(tensors), metadata)
+        except grpc.RpcError as err:
+            log.warning("CUDA IPC offer of version %d failed (%s: %s); pushing only",
+                        version, err.code().name, err.details())  # fmt: skip
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.cuda_ipc = False
+            return tensors
+        self._offered.append(shared)
+        return tensors
 
     def _latest(self) -> int:
         return max((v.version for v in self.client.versions()), default=-1)

@@ -12,16 +12,54 @@ from prometheus_client.core import GaugeMetricFamily
 
 from services.weight_sync.data_plane import DataPlane
 from services.weight_sync.registry import ReplicaRegistry
-from services.weight_sync.versions import PendingVersion, StoredDelta, StoredVersion, VersionStore
+from services.weight_sync.versions import (
+    IpcOffer,
+    PendingVersion,
+    StoredDelta,
+    StoredVersion,
+    VersionStore,
+    check_manifest,
+    notice_rank,
+)
 from trace_common.chunk_wire import ChunkView, chunk_codec
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
-from trace_common.service import Metrics, check_id, failed_precondition, invalid
+from trace_common.service import (
+    Metrics,
+    check_id,
+    check_non_negative,
+    failed_precondition,
+    invalid,
+    not_found,
+)
 
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_POLL_S = 0.5  # how often a waiting subscriber checks for cancellation/shutdown
+IPC_HANDLE_MAX_BYTES = 256  # a CUDA IPC handle is 64 bytes, PyTorch's ref-counter name ~30
+
+
+def check_ipc_buffer(buffer: pb.CudaIpcBuffer, header: pb.VersionHeader) -> None:
+    """An offer's buffer description (INVALID_ARGUMENT naming the field): ids, bounded
+    handles, and one offset per tensor that keeps the tensor inside the buffer."""
+    check_id("buffer.node_id", buffer.node_id)
+    check_id("buffer.device_uuid", buffer.device_uuid)
+    for name in ("memory_handle", "ref_counter_handle", "event_handle"):
+        n = len(getattr(buffer, name))
+        if n > IPC_HANDLE_MAX_BYTES or (n == 0 and name != "event_handle"):
+            raise invalid(f"buffer.{name} is {n} bytes: expected 1 to {IPC_HANDLE_MAX_BYTES}")
+    if len(buffer.tensor_offsets) != len(header.tensors):
+        raise invalid(
+            f"buffer.tensor_offsets has {len(buffer.tensor_offsets)} entries for "
+            f"{len(header.tensors)} tensors"
+        )
+    for spec, off in zip(header.tensors, buffer.tensor_offsets, strict=True):
+        if off + spec.nbytes > buffer.buffer_bytes:
+            raise invalid(
+                f"tensor {spec.name!r} at buffer offset {off} ({spec.nbytes} bytes) ends past "
+                f"buffer.buffer_bytes={buffer.buffer_bytes}"
+            )
 
 
 class _ReplicaCollector:
@@ -88,6 +126,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self.push_failed = m.counter("pushes_failed", "pushes rejected or abandoned before publish")
         self.push_bytes = m.counter("push_bytes", "bytes received in published pushes")
         self.pull_bytes = m.counter("pull_bytes", "bytes sent to pullers", ("replica_id",))
+        self.offers = m.counter("offers", "versions offered over CUDA IPC")
         self.pushes = m.counter("pushes", "versions published, by what the push sent", ("kind",))
         self.pulls = m.counter("pulls", "complete pulls, by what they sent", ("kind",))
         self.push_seconds = m.histogram("push_seconds", "time from push start to publish")
@@ -144,6 +183,33 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             },
         )
         return pb.PushVersionResponse(published=stored.info(), dropped_versions=dropped)
+
+    def OfferVersion(
+        self, request: pb.OfferVersionRequest, context: grpc.ServicerContext
+    ) -> pb.OfferVersionResponse:
+        header = request.header
+        check_manifest(header, self.max_version_bytes)
+        if header.HasField("base_version") or header.deltas:
+            raise invalid("an offer describes a whole version: base_version/deltas must be unset")
+        check_ipc_buffer(request.buffer, header)
+        self.versions.offer(IpcOffer(header, request.buffer))
+        self.offers.inc()
+        log.info(
+            "version offered over CUDA IPC",
+            extra={"version": header.version, "bytes": header.total_bytes,
+                   "node_id": request.buffer.node_id},
+        )  # fmt: skip
+        return pb.OfferVersionResponse()
+
+    def GetOffer(
+        self, request: pb.GetOfferRequest, context: grpc.ServicerContext
+    ) -> pb.GetOfferResponse:
+        check_id("replica_id", request.replica_id)
+        check_non_negative("version", request.version)
+        offer = self.versions.offer_for(request.version)
+        if offer is None:
+            raise not_found(f"version {request.version} has no CUDA IPC offer")
+        return pb.GetOfferResponse(header=offer.header, buffer=offer.buffer)
 
     def _push_base(self, header: pb.VersionHeader) -> StoredVersion | None:
         """The stored base of a delta push (None for a full push); FAILED_PRECONDITION when
@@ -243,10 +309,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self.registry.require(request.replica_id)  # FAILED_PRECONDITION if not registered
         sent = -1
         while not self._stopping.is_set() and context.is_active():
-            stored: StoredVersion | None = self.versions.wait_newer(sent, SUBSCRIBE_POLL_S)
-            if stored is not None:
-                sent = stored.version
-                yield stored.info()
+            notice = self.versions.wait_notice(sent, SUBSCRIBE_POLL_S)
+            if notice is not None:
+                sent = notice_rank(notice)
+                yield notice
 
     def ListReplicas(
         self, request: pb.ListReplicasRequest, context: grpc.ServicerContext

@@ -216,6 +216,46 @@ def check_delta_manifest(header: pb.VersionHeader, base: pb.VersionHeader | None
         raise invalid(f"delta_bytes={header.delta_bytes} but the deltas sum to {total}")
 
 
+def check_manifest(header: pb.VersionHeader, max_version_bytes: int) -> None:
+    """A push's or an offer's manifest: version in range, metadata a JSON object, tensors
+    named once each with sizes that match their dtype and shape (INVALID_ARGUMENT), and the
+    whole within `max_version_bytes` (RESOURCE_EXHAUSTED)."""
+    check_non_negative("version", header.version)
+    if header.version > MAX_POLICY_VERSION:
+        raise invalid(f"version={header.version} is over the largest version {MAX_POLICY_VERSION}")
+    if not header.tensors:
+        raise invalid(f"version {header.version}: the manifest lists no tensors")
+    try:
+        meta = json.loads(header.metadata_json or "{}")
+    except json.JSONDecodeError as exc:
+        raise invalid(f"metadata_json is not valid JSON: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise invalid(f"metadata_json must be a JSON object, got {type(meta).__name__}")
+    names: set[str] = set()
+    total = 0
+    for spec in header.tensors:
+        if not spec.name:
+            raise invalid("a tensor has an empty name")
+        if spec.name in names:
+            raise invalid(f"tensor name {spec.name!r} appears twice")
+        names.add(spec.name)
+        try:
+            nbytes = expected_nbytes(spec.dtype, spec.shape)
+        except ValueError as exc:
+            raise invalid(f"tensor {spec.name!r}: {exc}") from exc
+        if nbytes != spec.nbytes:
+            raise invalid(
+                f"tensor {spec.name!r}: nbytes={spec.nbytes} but {spec.dtype}{list(spec.shape)} is {nbytes} bytes"
+            )
+        total += nbytes
+    if total != header.total_bytes:
+        raise invalid(f"total_bytes={header.total_bytes} but the tensors sum to {total}")
+    if total > max_version_bytes:
+        raise exhausted(
+            f"version {header.version} is {total} bytes, over max_version_bytes={max_version_bytes}"
+        )
+
+
 class PendingVersion:
     """A version being pushed: validates the manifest, then each chunk, in order.
 
@@ -231,42 +271,7 @@ class PendingVersion:
         base: StoredVersion | None = None,
         chunk_bytes: int = 1 << 20,
     ) -> None:
-        check_non_negative("version", header.version)
-        if header.version > MAX_POLICY_VERSION:
-            raise invalid(
-                f"version={header.version} is over the largest version {MAX_POLICY_VERSION}"
-            )
-        if not header.tensors:
-            raise invalid(f"version {header.version}: the manifest lists no tensors")
-        try:
-            meta = json.loads(header.metadata_json or "{}")
-        except json.JSONDecodeError as exc:
-            raise invalid(f"metadata_json is not valid JSON: {exc}") from exc
-        if not isinstance(meta, dict):
-            raise invalid(f"metadata_json must be a JSON object, got {type(meta).__name__}")
-        names: set[str] = set()
-        total = 0
-        for spec in header.tensors:
-            if not spec.name:
-                raise invalid("a tensor has an empty name")
-            if spec.name in names:
-                raise invalid(f"tensor name {spec.name!r} appears twice")
-            names.add(spec.name)
-            try:
-                nbytes = expected_nbytes(spec.dtype, spec.shape)
-            except ValueError as exc:
-                raise invalid(f"tensor {spec.name!r}: {exc}") from exc
-            if nbytes != spec.nbytes:
-                raise invalid(
-                    f"tensor {spec.name!r}: nbytes={spec.nbytes} but {spec.dtype}{list(spec.shape)} is {nbytes} bytes"
-                )
-            total += nbytes
-        if total != header.total_bytes:
-            raise invalid(f"total_bytes={header.total_bytes} but the tensors sum to {total}")
-        if total > max_version_bytes:
-            raise exhausted(
-                f"version {header.version} is {total} bytes, over max_version_bytes={max_version_bytes}"
-            )
+        check_manifest(header, max_version_bytes)
         self.is_delta = header.HasField("base_version")
         if self.is_delta:
             check_delta_manifest(header, None if base is None else base.header)
@@ -398,8 +403,35 @@ class PendingVersion:
         return stored
 
 
+@dataclass(slots=True)
+class IpcOffer:
+    """A version's bytes offered in GPU memory (CUDA IPC) by the trainer, for replicas on
+    its node: the manifest and where the buffer is. weight-sync never opens it."""
+
+    header: pb.VersionHeader
+    buffer: pb.CudaIpcBuffer
+
+    def info(self, *, offer_only: bool) -> common_pb2.PolicyVersionInfo:
+        h = self.header
+        return common_pb2.PolicyVersionInfo(
+            version=h.version, total_bytes=h.total_bytes, num_tensors=len(h.tensors),
+            metadata_json=h.metadata_json, cuda_ipc_node=self.buffer.node_id,
+            offer_only=offer_only,
+        )  # fmt: skip
+
+
+# Offers kept beyond the complete versions kept: the versions being pushed behind them.
+OFFERS_AHEAD = 2
+
+
+def notice_rank(info: common_pb2.PolicyVersionInfo) -> int:
+    """Order of Subscribe's notices: by version, an offer before the complete version."""
+    return 2 * info.version + (0 if info.offer_only else 1)
+
+
 class VersionStore:
-    """The last `keep` complete versions; `publish` is atomic and notifies waiters."""
+    """The last `keep` complete versions; `publish` is atomic and notifies waiters. Also the
+    CUDA IPC offers of the kept versions and of the few being pushed behind them."""
 
     def __init__(self, keep: int) -> None:
         if keep < 1:
@@ -407,6 +439,7 @@ class VersionStore:
         self.keep = keep
         self._versions: OrderedDict[int, StoredVersion] = OrderedDict()
         self._pushing: set[int] = set()
+        self._offers: OrderedDict[int, IpcOffer] = OrderedDict()
         self._cond = threading.Condition()
         self.closed = False
 
@@ -467,17 +500,64 @@ class VersionStore:
             dropped = []
             while len(self._versions) > self.keep:
                 dropped.append(self._versions.popitem(last=False)[0])
+            self._trim_offers()
             self._cond.notify_all()
             return dropped
 
-    def wait_newer(self, than: int, timeout: float) -> StoredVersion | None:
-        """The latest version if newer than `than`, waiting up to `timeout` seconds."""
+    def offer(self, offer: IpcOffer) -> None:
+        """Hold `offer` (replacing one of the same version); FAILED_PRECONDITION when its
+        version is older than the latest complete one (a republish offers that one again)."""
+        version = offer.header.version
         with self._cond:
-            self._cond.wait_for(
-                lambda: self.closed or next(reversed(self._versions), -1) > than, timeout
-            )
-            latest = next(reversed(self._versions.values()), None)
-            return latest if latest is not None and latest.version > than else None
+            latest = next(reversed(self._versions), -1)
+            if version < latest:
+                raise failed_precondition(
+                    f"version {version} is older than the latest published version {latest}"
+                )
+            self._offers.pop(version, None)
+            self._offers[version] = offer
+            self._offers = OrderedDict(sorted(self._offers.items()))
+            self._trim_offers()
+            self._cond.notify_all()
+
+    def _trim_offers(self) -> None:
+        oldest = next(iter(self._versions), -1)
+        for v in [v for v in self._offers if v < oldest]:
+            del self._offers[v]
+        while len(self._offers) > self.keep + OFFERS_AHEAD:
+            self._offers.popitem(last=False)
+
+    def offer_for(self, version: int) -> IpcOffer | None:
+        with self._cond:
+            return self._offers.get(version)
+
+    def _notice(self) -> common_pb2.PolicyVersionInfo | None:
+        """What a subscriber should hear of now: the latest complete version (with its
+        offer's node), or a newer version only offered so far."""
+        latest = next(reversed(self._versions.values()), None)
+        offer = next(reversed(self._offers.values()), None)
+        if offer is not None and (latest is None or offer.header.version > latest.version):
+            return offer.info(offer_only=True)
+        if latest is None:
+            return None
+        info = latest.info()
+        held = self._offers.get(latest.version)
+        if held is not None:
+            info.cuda_ipc_node = held.buffer.node_id
+        return info
+
+    def wait_notice(self, than_rank: int, timeout: float) -> common_pb2.PolicyVersionInfo | None:
+        """The current notice if it ranks after `than_rank` (notice_rank), waiting up to
+        `timeout` seconds."""
+
+        def newer() -> bool:
+            n = self._notice()
+            return n is not None and notice_rank(n) > than_rank
+
+        with self._cond:
+            self._cond.wait_for(lambda: self.closed or newer(), timeout)
+            n = self._notice()
+            return n if n is not None and notice_rank(n) > than_rank else None
 
     def close(self) -> None:
         """Wake every waiter (shutdown)."""

@@ -39,6 +39,7 @@ import torch
 
 from trace_common import ws_data_plane as wire
 from trace_common.chunk_wire import ChunkView, chunk_codec, encode_chunk
+from trace_common.clients import cuda_ipc
 from trace_common.clients.data_path import DataPath, DirectPathError, check_data_path, offered
 from trace_common.clients.tensors import BytesAssembler
 from trace_common.clients.weight_deltas import (
@@ -73,6 +74,8 @@ class WeightSyncClient(GrpcClient):
         "ListReplicas",
         "ListVersions",
         "GetPullTicket",
+        "OfferVersion",
+        "GetOffer",
     )
 
     def __init__(
@@ -177,7 +180,45 @@ class WeightSyncClient(GrpcClient):
         response = self._push(messages(), metadata=self.metadata, timeout=self.transfer_timeout)
         return response.published
 
+    def offer_version(
+        self,
+        version: int,
+        shared: cuda_ipc.Shared,
+        specs: list[common_pb2.TensorSpec],
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Offer `version` over CUDA IPC (`shared`: cuda_ipc.share of its packed tensors,
+        `specs`: their manifest); replicas on this node may load it before its push
+        completes. The caller keeps `shared` alive while the offer should be usable."""
+        header = pb.VersionHeader(
+            version=version,
+            metadata_json=json.dumps(dict(metadata or {}), sort_keys=True),
+            tensors=specs,
+            total_bytes=sum(s.nbytes for s in specs),
+        )
+        self._stub.OfferVersion(
+            pb.OfferVersionRequest(header=header, buffer=shared.buffer),
+            metadata=self.metadata,
+            timeout=self.timeout,
+        )
+
     # -- replica side -----------------------------------------------------------------------
+    def open_offer(
+        self, version: int, *, replica_id: str
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        """(version, tensors, metadata) of `version`'s CUDA IPC offer: the tensors are views
+        of the trainer's GPU buffer, mapped into this process (cuda_ipc.open_shared); copy
+        them before dropping them. NOT_FOUND (grpc.RpcError) when there is no offer,
+        cuda_ipc.IpcError when this process cannot open it."""
+        reply = self._stub.GetOffer(
+            pb.GetOfferRequest(version=version, replica_id=replica_id),
+            metadata=self.metadata,
+            timeout=self.timeout,
+        )
+        tensors = cuda_ipc.open_shared(reply.buffer, list(reply.header.tensors))
+        self.last_pull = {"kind": "cuda_ipc", "bytes": 0, "full_bytes": reply.header.total_bytes}
+        return reply.header.version, tensors, json.loads(reply.header.metadata_json or "{}")
+
     def pull_version(
         self, version: int | None = None, *, replica_id: str
     ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from trace_common.device import to_host
+from trace_common.device import pack_on_device, to_host
 from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,
@@ -108,9 +108,21 @@ def compute_context(device: torch.device, dtype: torch.dtype | None) -> Any:
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def cast_hp_weight(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An exported tensor in `dtype` if it is a high-precision weight (fp32 `*.weight`), else
+    as it is: FP4 codes, block scales and the fp32 per-tensor scale_2 keep their dtype."""
+    return t.to(dtype) if t.dtype == torch.float32 and name.endswith(".weight") else t
+
+
 class ModelLearner:
     """Master weights + AdamW on ``device``; ``train_step`` is one RL update,
     ``export_weights`` the quantized policy pushed to the replicas (on the CPU)."""
+
+    export_on_device = False  # export_weights keeps the copies on the GPU (CUDA IPC offers)
+    # The dtype export_weights gives the high-precision weights (None: fp32, as trained).
+    # A CUDA rollout engine runs them in bf16, so a bf16 export serves it the same bits in
+    # half the bytes, and a small step leaves most of them unchanged (cheap deltas).
+    export_hp_dtype: torch.dtype | None = None
 
     def __init__(
         self,
@@ -150,11 +162,15 @@ class ModelLearner:
     # ------------------------------------------------------------------ weights
 
     def export_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Quantize the master weights once and export them (ModelOpt layout + HP tensors)."""
+        """Quantize the master weights once and export them (ModelOpt layout + HP tensors):
+        copies on the host, or with `export_on_device` packed into one new buffer on this
+        learner's GPU (trace_common/clients/cuda_ipc.py: what a CUDA IPC offer shares)."""
         quantize_policy(self.model, self.quant)
         tensors, meta = export_quantized_state_dict(self.model)
-        if self.device.type != "cpu":  # what goes on the wire (and into the engines) is CPU
-            tensors = to_host(tensors)
+        if self.export_hp_dtype is not None:
+            tensors = {k: cast_hp_weight(k, t, self.export_hp_dtype) for k, t in tensors.items()}
+        if self.device.type != "cpu":  # copies: training goes on while they are pushed
+            tensors = pack_on_device(tensors) if self.export_on_device else to_host(tensors)
         meta = dict(meta)
         meta.update(
             PolicyMeta(guidance=self.guidance, eos_id=self.eos_id, pad_id=self.pad_id).to_metadata()

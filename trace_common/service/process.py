@@ -8,6 +8,7 @@ ports are known and, if asked, once grpc.health.v1 reports SERVING. Output goes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -168,3 +169,32 @@ class LocalService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def local_stores(
+    token: str, log_dir: pathlib.Path, *, keep_versions: int = 2, redis_bytes: int = 1 << 30
+) -> Iterator[dict[str, str]]:
+    """A local Redis, quant-cache and weight-sync for as long as the block runs (benchmarks,
+    GPU tests). Yields the settings a rollout or trainer needs to reach them (token and
+    both addresses, as TRACE_* variables); everything is stopped at the end."""
+    from trace_common.redis_local import LocalRedis, LocalRedisConfig
+
+    redis = LocalRedis(LocalRedisConfig(maxmemory_bytes=redis_bytes)).start()
+    qc = LocalService("quant-cache", "services.quant_cache",
+                      {"TRACE_AUTH_TOKEN": token, "TRACE_REDIS_URL": redis.url}, log_dir)  # fmt: skip
+    ws = LocalService("weight-sync", "services.weight_sync",
+                      {"TRACE_AUTH_TOKEN": token, "TRACE_KEEP_VERSIONS": str(keep_versions)},
+                      log_dir)  # fmt: skip
+    try:
+        for svc in (qc.launch(), ws.launch()):
+            svc.wait_ports().wait_serving()
+        yield {
+            "TRACE_AUTH_TOKEN": token,
+            "TRACE_WEIGHT_SYNC_ADDRESS": ws.grpc_address,
+            "TRACE_QUANT_CACHE_ADDRESS": qc.grpc_address,
+        }
+    finally:
+        for svc in (ws, qc):
+            svc.stop()
+        redis.stop()

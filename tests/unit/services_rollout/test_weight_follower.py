@@ -6,16 +6,18 @@ from __future__ import annotations
 import threading
 
 import grpc
+import pytest
 import torch
 
 from services.rollout.weights import WeightFollower
+from trace_common.clients.cuda_ipc import IpcError, node_id
+from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.rollout.engine import EngineHolder
 from trace_common.service import Metrics
 
 
-class Notice:
-    def __init__(self, version: int) -> None:
-        self.version = version
+def Notice(version: int, *, node: str = "", offer_only: bool = False):
+    return common_pb2.PolicyVersionInfo(version=version, cuda_ipc_node=node, offer_only=offer_only)
 
 
 class Dropped(grpc.RpcError):
@@ -34,9 +36,10 @@ class Stream:
     def __iter__(self):
         return self
 
-    def __next__(self) -> Notice:
+    def __next__(self) -> common_pb2.PolicyVersionInfo:
         if self.versions:
-            return Notice(self.versions.pop(0))
+            v = self.versions.pop(0)
+            return v if isinstance(v, common_pb2.PolicyVersionInfo) else Notice(v)
         if self.idle:
             self.cancelled.wait(10)
             raise StopIteration
@@ -98,3 +101,66 @@ def test_follows_versions_and_reconnects() -> None:
     assert [e for e in ws.events if e.startswith(("pull", "heartbeat "))] == [
         "pull 0", "heartbeat 0", "pull 1", "heartbeat 1", "pull 2", "heartbeat 2",
     ]  # fmt: skip
+
+
+class FakeOffers(FakeWeightSync):
+    """Offers of the versions in `opens` open; the others fail as a stale handle does."""
+
+    def __init__(self, streams, opens: set[int]) -> None:
+        super().__init__(streams)
+        self.opens = opens
+
+    def open_offer(self, version, *, replica_id):
+        self.events.append(f"offer {version}")
+        if version not in self.opens:
+            raise IpcError("cannot open the CUDA IPC buffer: invalid resource handle")
+        self.last_pull = {"kind": "cuda_ipc", "bytes": 0, "full_bytes": 8}
+        return version, {"w": torch.full((2,), float(version))}, {"m": "x"}
+
+
+def follow(ws, *, cuda_ipc: bool) -> tuple[WeightFollower, EngineHolder, list[float]]:
+    holder, built = EngineHolder(), []
+
+    def factory(tensors, meta, version):
+        built.append(float(tensors["w"][0]))
+        return object()
+
+    f = WeightFollower(
+        ws, holder, factory, replica_id="r0", address=lambda: "127.0.0.1:9",
+        heartbeat_interval_s=1.0, metrics=Metrics("rollout"), cuda_ipc=cuda_ipc,
+    )  # fmt: skip
+    f.start()
+    assert ws.done.wait(10)
+    f.stop()
+    return f, holder, built
+
+
+@pytest.mark.skipif(not node_id(), reason="this kernel has no boot id (no CUDA IPC offers)")
+def test_offers_on_this_node_load_before_the_push_and_a_failed_one_falls_back() -> None:
+    """Version 1's offer opens: served from it, its complete notice pulls nothing. Version
+    2's fails: counted, and the version is pulled once its push completes. An offer from
+    another node is never opened."""
+    here = node_id()
+    ws = FakeOffers(
+        [[
+            Notice(0),
+            Notice(1, node=here, offer_only=True), Notice(1, node=here),
+            Notice(2, node=here, offer_only=True), Notice(2, node=here),
+            Notice(3, node="another-host", offer_only=True), Notice(3, node="another-host"),
+        ]],
+        opens={1},
+    )  # fmt: skip
+    f, holder, built = follow(ws, cuda_ipc=True)
+    assert holder.version == 3 and built == [0.0, 1.0, 2.0, 3.0]
+    loads = [e for e in ws.events if e.startswith(("pull", "offer"))]
+    assert loads == ["pull 0", "offer 1", "offer 2", "pull 2", "pull 3"]
+    assert f.ipc_failures == 1
+
+
+def test_a_replica_without_cuda_ipc_waits_for_the_push() -> None:
+    here = node_id() or "h"
+    ws = FakeOffers([[Notice(0), Notice(1, node=here, offer_only=True), Notice(1, node=here)]],
+                    opens={1})  # fmt: skip
+    _, holder, built = follow(ws, cuda_ipc=False)
+    assert holder.version == 1 and built == [0.0, 1.0]
+    assert [e for e in ws.events if e.startswith(("pull", "offer"))] == ["pull 0", "pull 1"]

@@ -21,15 +21,19 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PolicyVersionInfo(_message.Message):
-    __slots__ = ("version", "total_bytes", "num_tensors", "metadata_json", "published_at")
+    __slots__ = ("version", "total_bytes", "num_tensors", "metadata_json", "published_at", "cuda_ipc_node", "offer_only")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_NODE_FIELD_NUMBER: _ClassVar[int]
+    OFFER_ONLY_FIELD_NUMBER: _ClassVar[int]
     version: int
     total_bytes: int
     num_tensors: int
     metadata_json: str
     published_at: float
-    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata_json: _Optional[str] = ..., published_at: _Optional[float] = ...) -> None: ...
+    cuda_ipc_node: str
+    offer_only: bool
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata_json: _Optional[str] = ..., published_at: _Optional[float] = ..., cuda_ipc_node: _Optional[str] = ..., offer_only: _Optional[bool] = ...) -> None: ...

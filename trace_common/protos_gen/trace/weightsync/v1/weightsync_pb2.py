@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from trace_common.protos_gen.trace.common.v1 import common_pb2 as trace_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$trace/weightsync/v1/weightsync.proto\x12\x13trace.weightsync.v1\x1a\x1ctrace/common/v1/common.proto\"\xed\x01\n\rVersionHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rmetadata_json\x18\x02 \x01(\t\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.trace.common.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x19\n\x0c\x62\x61se_version\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x30\n\x06\x64\x65ltas\x18\x06 \x03(\x0b\x32 .trace.weightsync.v1.TensorDelta\x12\x13\n\x0b\x64\x65lta_bytes\x18\x07 \x01(\x04\x42\x0f\n\r_base_version\"W\n\x0bTensorDelta\x12\x0c\n\x04kind\x18\x01 \x01(\r\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x04\x12\x12\n\nbase_crc32\x18\x04 \x01(\r\"A\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"|\n\tPushChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeaderH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .trace.weightsync.v1.TensorChunkH\x00\x42\x06\n\x04kind\"f\n\x13PushVersionResponse\x12\x35\n\tpublished\x18\x01 \x01(\x0b\x32\".trace.common.v1.PolicyVersionInfo\x12\x18\n\x10\x64ropped_versions\x18\x02 \x03(\x03\"v\n\x12PullVersionRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x19\n\x0c\x62\x61se_version\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\n\n\x08_versionB\x0f\n\r_base_version\"|\n\tPullChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeaderH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .trace.weightsync.v1.TensorChunkH\x00\x42\x06\n\x04kind\"u\n\x11PullTicketRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x19\n\x0c\x62\x61se_version\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\n\n\x08_versionB\x0f\n\r_base_version\"\x9a\x01\n\x12PullTicketResponse\x12\x11\n\tdata_host\x18\x01 \x01(\t\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x1a\n\x12\x65xpires_in_seconds\x18\x04 \x01(\x01\x12\x32\n\x06header\x18\x05 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeader\"6\n\x0fRegisterRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"M\n\x10RegisterResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12!\n\x19heartbeat_timeout_seconds\x18\x02 \x01(\x01\"<\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0cversion_held\x18\x02 \x01(\x03\"+\n\x11HeartbeatResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\"&\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x15\n\x13ListReplicasRequest\"\x8d\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cversion_held\x18\x03 \x01(\x03\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\x12\x13\n\x0bversion_lag\x18\x06 \x01(\x03\"b\n\x14ListReplicasResponse\x12\x32\n\x08replicas\x18\x01 \x03(\x0b\x32 .trace.weightsync.v1.ReplicaInfo\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\"\x15\n\x13ListVersionsRequest\"L\n\x14ListVersionsResponse\x12\x34\n\x08versions\x18\x01 \x03(\x0b\x32\".trace.common.v1.PolicyVersionInfo2\xfc\x05\n\nWeightSync\x12Y\n\x0bPushVersion\x12\x1e.trace.weightsync.v1.PushChunk\x1a(.trace.weightsync.v1.PushVersionResponse(\x01\x12X\n\x0bPullVersion\x12\'.trace.weightsync.v1.PullVersionRequest\x1a\x1e.trace.weightsync.v1.PullChunk0\x01\x12`\n\rGetPullTicket\x12&.trace.weightsync.v1.PullTicketRequest\x1a\'.trace.weightsync.v1.PullTicketResponse\x12W\n\x08Register\x12$.trace.weightsync.v1.RegisterRequest\x1a%.trace.weightsync.v1.RegisterResponse\x12Z\n\tHeartbeat\x12%.trace.weightsync.v1.HeartbeatRequest\x1a&.trace.weightsync.v1.HeartbeatResponse\x12X\n\tSubscribe\x12%.trace.weightsync.v1.SubscribeRequest\x1a\".trace.common.v1.PolicyVersionInfo0\x01\x12\x63\n\x0cListReplicas\x12(.trace.weightsync.v1.ListReplicasRequest\x1a).trace.weightsync.v1.ListReplicasResponse\x12\x63\n\x0cListVersions\x12(.trace.weightsync.v1.ListVersionsRequest\x1a).trace.weightsync.v1.ListVersionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$trace/weightsync/v1/weightsync.proto\x12\x13trace.weightsync.v1\x1a\x1ctrace/common/v1/common.proto\"\xed\x01\n\rVersionHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rmetadata_json\x18\x02 \x01(\t\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.trace.common.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x19\n\x0c\x62\x61se_version\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x30\n\x06\x64\x65ltas\x18\x06 \x03(\x0b\x32 .trace.weightsync.v1.TensorDelta\x12\x13\n\x0b\x64\x65lta_bytes\x18\x07 \x01(\x04\x42\x0f\n\r_base_version\"W\n\x0bTensorDelta\x12\x0c\n\x04kind\x18\x01 \x01(\r\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x04\x12\x12\n\nbase_crc32\x18\x04 \x01(\r\"A\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"|\n\tPushChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeaderH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .trace.weightsync.v1.TensorChunkH\x00\x42\x06\n\x04kind\"f\n\x13PushVersionResponse\x12\x35\n\tpublished\x18\x01 \x01(\x0b\x32\".trace.common.v1.PolicyVersionInfo\x12\x18\n\x10\x64ropped_versions\x18\x02 \x03(\x03\"v\n\x12PullVersionRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x19\n\x0c\x62\x61se_version\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\n\n\x08_versionB\x0f\n\r_base_version\"|\n\tPullChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeaderH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .trace.weightsync.v1.TensorChunkH\x00\x42\x06\n\x04kind\"u\n\x11PullTicketRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x19\n\x0c\x62\x61se_version\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\n\n\x08_versionB\x0f\n\r_base_version\"\x9a\x01\n\x12PullTicketResponse\x12\x11\n\tdata_host\x18\x01 \x01(\t\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x1a\n\x12\x65xpires_in_seconds\x18\x04 \x01(\x01\x12\x32\n\x06header\x18\x05 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeader\"\x80\x02\n\rCudaIpcBuffer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x15\n\rmemory_handle\x18\x03 \x01(\x0c\x12\x19\n\x11\x61llocation_offset\x18\x04 \x01(\x04\x12\x14\n\x0c\x62uffer_bytes\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x16\n\x0etensor_offsets\x18\n \x03(\x04\"}\n\x13OfferVersionRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeader\x12\x32\n\x06\x62uffer\x18\x02 \x01(\x0b\x32\".trace.weightsync.v1.CudaIpcBuffer\"\x16\n\x14OfferVersionResponse\"6\n\x0fGetOfferRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\"z\n\x10GetOfferResponse\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".trace.weightsync.v1.VersionHeader\x12\x32\n\x06\x62uffer\x18\x02 \x01(\x0b\x32\".trace.weightsync.v1.CudaIpcBuffer\"6\n\x0fRegisterRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"M\n\x10RegisterResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12!\n\x19heartbeat_timeout_seconds\x18\x02 \x01(\x01\"<\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0cversion_held\x18\x02 \x01(\x03\"+\n\x11HeartbeatResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\"&\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x15\n\x13ListReplicasRequest\"\x8d\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cversion_held\x18\x03 \x01(\x03\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\x12\x13\n\x0bversion_lag\x18\x06 \x01(\x03\"b\n\x14ListReplicasResponse\x12\x32\n\x08replicas\x18\x01 \x03(\x0b\x32 .trace.weightsync.v1.ReplicaInfo\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\"\x15\n\x13ListVersionsRequest\"L\n\x14ListVersionsResponse\x12\x34\n\x08versions\x18\x01 \x03(\x0b\x32\".trace.common.v1.PolicyVersionInfo2\xba\x07\n\nWeightSync\x12Y\n\x0bPushVersion\x12\x1e.trace.weightsync.v1.PushChunk\x1a(.trace.weightsync.v1.PushVersionResponse(\x01\x12X\n\x0bPullVersion\x12\'.trace.weightsync.v1.PullVersionRequest\x1a\x1e.trace.weightsync.v1.PullChunk0\x01\x12`\n\rGetPullTicket\x12&.trace.weightsync.v1.PullTicketRequest\x1a\'.trace.weightsync.v1.PullTicketResponse\x12\x63\n\x0cOfferVersion\x12(.trace.weightsync.v1.OfferVersionRequest\x1a).trace.weightsync.v1.OfferVersionResponse\x12W\n\x08GetOffer\x12$.trace.weightsync.v1.GetOfferRequest\x1a%.trace.weightsync.v1.GetOfferResponse\x12W\n\x08Register\x12$.trace.weightsync.v1.RegisterRequest\x1a%.trace.weightsync.v1.RegisterResponse\x12Z\n\tHeartbeat\x12%.trace.weightsync.v1.HeartbeatRequest\x1a&.trace.weightsync.v1.HeartbeatResponse\x12X\n\tSubscribe\x12%.trace.weightsync.v1.SubscribeRequest\x1a\".trace.common.v1.PolicyVersionInfo0\x01\x12\x63\n\x0cListReplicas\x12(.trace.weightsync.v1.ListReplicasRequest\x1a).trace.weightsync.v1.ListReplicasResponse\x12\x63\n\x0cListVersions\x12(.trace.weightsync.v1.ListVersionsRequest\x1a).trace.weightsync.v1.ListVersionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,26 +50,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLTICKETREQUEST']._serialized_end=1080
   _globals['_PULLTICKETRESPONSE']._serialized_start=1083
   _globals['_PULLTICKETRESPONSE']._serialized_end=1237
-  _globals['_REGISTERREQUEST']._serialized_start=1239
-  _globals['_REGISTERREQUEST']._serialized_end=1293
-  _globals['_REGISTERRESPONSE']._serialized_start=1295
-  _globals['_REGISTERRESPONSE']._serialized_end=1372
-  _globals['_HEARTBEATREQUEST']._serialized_start=1374
-  _globals['_HEARTBEATREQUEST']._serialized_end=1434
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1436
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1479
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1481
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1519
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1521
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1542
-  _globals['_REPLICAINFO']._serialized_start=1545
-  _globals['_REPLICAINFO']._serialized_end=1686
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1688
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1786
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=1788
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=1809
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1811
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1887
-  _globals['_WEIGHTSYNC']._serialized_start=1890
-  _globals['_WEIGHTSYNC']._serialized_end=2654
+  _globals['_CUDAIPCBUFFER']._serialized_start=1240
+  _globals['_CUDAIPCBUFFER']._serialized_end=1496
+  _globals['_OFFERVERSIONREQUEST']._serialized_start=1498
+  _globals['_OFFERVERSIONREQUEST']._serialized_end=1623
+  _globals['_OFFERVERSIONRESPONSE']._serialized_start=1625
+  _globals['_OFFERVERSIONRESPONSE']._serialized_end=1647
+  _globals['_GETOFFERREQUEST']._serialized_start=1649
+  _globals['_GETOFFERREQUEST']._serialized_end=1703
+  _globals['_GETOFFERRESPONSE']._serialized_start=1705
+  _globals['_GETOFFERRESPONSE']._serialized_end=1827
+  _globals['_REGISTERREQUEST']._serialized_start=1829
+  _globals['_REGISTERREQUEST']._serialized_end=1883
+  _globals['_REGISTERRESPONSE']._serialized_start=1885
+  _globals['_REGISTERRESPONSE']._serialized_end=1962
+  _globals['_HEARTBEATREQUEST']._serialized_start=1964
+  _globals['_HEARTBEATREQUEST']._serialized_end=2024
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2026
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2069
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=2071
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=2109
+  _globals['_LISTREPLICASREQUEST']._serialized_start=2111
+  _globals['_LISTREPLICASREQUEST']._serialized_end=2132
+  _globals['_REPLICAINFO']._serialized_start=2135
+  _globals['_REPLICAINFO']._serialized_end=2276
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=2278
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=2376
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=2378
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=2399
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=2401
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=2477
+  _globals['_WEIGHTSYNC']._serialized_start=2480
+  _globals['_WEIGHTSYNC']._serialized_end=3434
 # @@protoc_insertion_point(module_scope)

@@ -105,6 +105,58 @@ class PullTicketResponse(_message.Message):
     header: VersionHeader
     def __init__(self, data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_in_seconds: _Optional[float] = ..., header: _Optional[_Union[VersionHeader, _Mapping]] = ...) -> None: ...
 
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("node_id", "device_uuid", "memory_handle", "allocation_offset", "buffer_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "tensor_offsets")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    device_uuid: str
+    memory_handle: bytes
+    allocation_offset: int
+    buffer_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_handle: _Optional[bytes] = ..., allocation_offset: _Optional[int] = ..., buffer_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OfferVersionRequest(_message.Message):
+    __slots__ = ("header", "buffer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    header: VersionHeader
+    buffer: CudaIpcBuffer
+    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., buffer: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+
+class OfferVersionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetOfferRequest(_message.Message):
+    __slots__ = ("version", "replica_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    replica_id: str
+    def __init__(self, version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class GetOfferResponse(_message.Message):
+    __slots__ = ("header", "buffer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    header: VersionHeader
+    buffer: CudaIpcBuffer
+    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., buffer: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("replica_id", "address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]

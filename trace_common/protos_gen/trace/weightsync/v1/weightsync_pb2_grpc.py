@@ -50,6 +50,16 @@ class WeightSyncStub:
                 request_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketRequest.SerializeToString,
                 response_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketResponse.FromString,
                 _registered_method=True)
+        self.OfferVersion = channel.unary_unary(
+                '/trace.weightsync.v1.WeightSync/OfferVersion',
+                request_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.OfferVersionRequest.SerializeToString,
+                response_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.OfferVersionResponse.FromString,
+                _registered_method=True)
+        self.GetOffer = channel.unary_unary(
+                '/trace.weightsync.v1.WeightSync/GetOffer',
+                request_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.GetOfferRequest.SerializeToString,
+                response_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.GetOfferResponse.FromString,
+                _registered_method=True)
         self.Register = channel.unary_unary(
                 '/trace.weightsync.v1.WeightSync/Register',
                 request_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.RegisterRequest.SerializeToString,
@@ -102,6 +112,22 @@ class WeightSyncServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferVersion(self, request, context):
+        """Trainer: offer a version's bytes over CUDA IPC, before its push completes. Subscribers
+        on the buffer's node may load it from GPU memory at once; the others wait for the push.
+        An offer is not a publish: the latest version stays the latest complete one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOffer(self, request, context):
+        """Replica: the CUDA IPC offer of a version (NOT_FOUND when there is none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Register(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,7 +141,8 @@ class WeightSyncServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Subscribe(self, request, context):
-        """Replica: the latest complete version at once (if any), then each newly published one.
+        """Replica: the latest version at once (if any), then each newly published one; an offered
+        version comes first with offer_only set, then again once its push completes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,6 +177,16 @@ def add_WeightSyncServicer_to_server(servicer, server):
                     servicer.GetPullTicket,
                     request_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketRequest.FromString,
                     response_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketResponse.SerializeToString,
+            ),
+            'OfferVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferVersion,
+                    request_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.OfferVersionRequest.FromString,
+                    response_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.OfferVersionResponse.SerializeToString,
+            ),
+            'GetOffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOffer,
+                    request_deserializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.GetOfferRequest.FromString,
+                    response_serializer=trace_dot_weightsync_dot_v1_dot_weightsync__pb2.GetOfferResponse.SerializeToString,
             ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
@@ -258,6 +295,60 @@ class WeightSync:
             '/trace.weightsync.v1.WeightSync/GetPullTicket',
             trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketRequest.SerializeToString,
             trace_dot_weightsync_dot_v1_dot_weightsync__pb2.PullTicketResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trace.weightsync.v1.WeightSync/OfferVersion',
+            trace_dot_weightsync_dot_v1_dot_weightsync__pb2.OfferVersionRequest.SerializeToString,
+            trace_dot_weightsync_dot_v1_dot_weightsync__pb2.OfferVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trace.weightsync.v1.WeightSync/GetOffer',
+            trace_dot_weightsync_dot_v1_dot_weightsync__pb2.GetOfferRequest.SerializeToString,
+            trace_dot_weightsync_dot_v1_dot_weightsync__pb2.GetOfferResponse.FromString,
             options,
             channel_credentials,
             insecure,
