@@ -231,19 +231,25 @@ class WeightSyncPublisher:
     ) -> Mapping[str, torch.Tensor]:
         """Offer `version` over CUDA IPC; returns the tensors as shared (packed into one
         buffer unless they already were). A failed offer is logged and the push goes on;
-        a weight-sync without offers (UNIMPLEMENTED) turns them off."""
+        a weight-sync without offers (UNIMPLEMENTED), or CUDA memory this process cannot
+        share, turns them off."""
         try:
-            shared = ipc.share(tensors)
-        except ValueError:  # not one packed buffer yet
-            tensors = ipc.pack(tensors)
-            shared = ipc.share(tensors)
-        try:
+            try:
+                shared = ipc.share(tensors)
+            except ValueError:  # not one packed buffer yet
+                tensors = ipc.pack(tensors)
+                shared = ipc.share(tensors)
             self.client.offer_version(version, shared, ipc.manifest(tensors), metadata)
         except grpc.RpcError as err:
             log.warning("CUDA IPC offer of version %d failed (%s: %s); pushing only",
                         version, err.code().name, err.details())  # fmt: skip
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.cuda_ipc = False
+            return tensors
+        except (RuntimeError, ValueError) as exc:  # this process cannot share CUDA memory
+            log.warning("CUDA IPC offers off: sharing version %d failed (%s: %s); pushing only",
+                        version, type(exc).__name__, exc)  # fmt: skip
+            self.cuda_ipc = False
             return tensors
         self._offered.append(shared)
         return tensors
