@@ -133,7 +133,7 @@ class TrainerApp:
         )
         backoff = Backoff(budget_s=run.stores.retry_seconds)
         self.publisher = WeightSyncPublisher(self.weight_sync, backoff, cuda_ipc=s.cuda_ipc)
-        records = QuantCacheRecords(
+        self.records = records = QuantCacheRecords(
             self.quant_cache,
             RecordAudit(s.record_audit_file) if s.record_audit_file else None,
             backoff,
@@ -297,6 +297,7 @@ class TrainerApp:
             pulls = list(m["weight_pull_seconds_per_replica"].values())
             m["weight_pull_seconds"] = sum(pulls) / len(pulls) if pulls else 0.0
             m.update(getattr(self.publisher, "last_push", {}))  # bytes sent and changed, if known
+            m["records_refused"] = self.records.take_refused()
             m["wall_time"] = time.time()
             self.metrics.record(m)
             self.last_metrics = m

@@ -13,7 +13,8 @@ Documented series (all gauges unless noted; every one is set on every step where
   ``trace_trainer_samples_dropped_records_total`` (records missing/corrupt in quant-cache),
   ``trace_trainer_samples_regenerated_total``, ``trace_trainer_samples_unguided_total``
   (records lost: generated again / trained without records, the recipe's stores.lost_records),
-  ``trace_trainer_redispatched_units_total`` (counters)
+  ``trace_trainer_redispatched_units_total``, ``trace_trainer_records_refused_total{reason}``
+  (records that failed their HMAC tag, reason "tag", or CRC-32, "checksum") (counters)
 - ``trace_trainer_rollout_tokens_per_second{replica_id}``
 - ``trace_trainer_weight_push_seconds``, ``trace_trainer_weight_pull_seconds{replica_id}``,
   ``trace_trainer_weight_push_bytes``, ``trace_trainer_weight_push_full_bytes`` (a delta push
@@ -74,6 +75,9 @@ EVAL_SERIES = {
 }
 
 
+REFUSAL_REASONS = ("tag", "checksum")  # services.trainer.remote.refusal_reason
+
+
 class TrainerMetrics:
     """Writes each step's metrics to metrics.jsonl and Prometheus."""
 
@@ -91,6 +95,13 @@ class TrainerMetrics:
         self.dropped_records = metrics.counter(
             "samples_dropped_records", "samples dropped: records missing or corrupt in quant-cache"
         )
+        self.refused = metrics.counter(
+            "records_refused",
+            "records quant-cache returned that failed their HMAC tag or CRC-32",
+            ("reason",),
+        )
+        for reason in REFUSAL_REASONS:  # exported at 0 from the start
+            self.refused.labels(reason)
         self.regenerated = metrics.counter(
             "samples_regenerated", "samples generated again: their records were lost"
         )
@@ -165,6 +176,8 @@ class TrainerMetrics:
             self.samples.inc(m.get("samples", 0))
             self.dropped.inc(m.get("samples_dropped_stale", 0))
             self.dropped_records.inc(m.get("samples_dropped_records", 0))
+            for reason, n in (m.get("records_refused") or {}).items():
+                self.refused.labels(reason).inc(n)
             self.regenerated.inc(m.get("samples_regenerated", 0))
             self.unguided.inc(m.get("samples_unguided", 0))
             self.redispatched.inc(m.get("redispatched_units", 0))

@@ -16,7 +16,7 @@ import torch
 
 from trace_common.clients import CorruptRecordError, QuantCacheClient, WeightSyncClient
 from trace_common.clients import cuda_ipc as ipc
-from trace_common.device import to_host
+from trace_common.device import pack_on_device, to_host
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.rl.audit import RecordAudit
 from trace_common.rl.dispatch import GenerateCall, ReplicaBehind, ReplicaUnavailable
@@ -137,6 +137,11 @@ class WeightSyncDirectory:
         return out
 
 
+def refusal_reason(detail: str) -> str:
+    """The metric label of a record refusal's detail (CorruptRecordError.corrupt)."""
+    return "tag" if detail.startswith("record tag") else "checksum"
+
+
 class QuantCacheRecords:
     """``fetch`` of record blobs from quant-cache; a missing or corrupt record is an error.
     An unavailable store (a Redis blip, quant-cache restarting) is retried within
@@ -153,6 +158,10 @@ class QuantCacheRecords:
         self.backoff = backoff or Backoff()
         self.bytes_fetched = 0
         self.retries = 0
+        # Records refused since the last `take_refused`, by reason: "tag" (HMAC: written
+        # without the token, altered, copied from another key) or "checksum" (CRC-32,
+        # truncated: damaged in the store or in transit).
+        self._refused: dict[str, int] = {}
 
     def fetch(
         self, run_id: str, policy_version: int, sample_ids: Sequence[str]
@@ -171,12 +180,20 @@ class QuantCacheRecords:
             )
         except CorruptRecordError as exc:  # never trained on: the caller drops their groups
             log.warning("corrupt records from quant-cache: %s", exc.corrupt)
+            for detail in exc.corrupt.values():
+                reason = refusal_reason(detail)
+                self._refused[reason] = self._refused.get(reason, 0) + 1
             got = exc.records
         self.bytes_fetched += sum(len(b) for b in got.values())
         if self.audit is not None:
             for sid, blob in got.items():
                 self.audit.log(run_id, policy_version, sid, blob)
         return got
+
+    def take_refused(self) -> dict[str, int]:
+        """Records refused since the last call, by reason (and reset)."""
+        out, self._refused = self._refused, {}
+        return out
 
 
 class WeightSyncPublisher:
@@ -237,7 +254,7 @@ class WeightSyncPublisher:
             try:
                 shared = ipc.share(tensors)
             except ValueError:  # not one packed buffer yet
-                tensors = ipc.pack(tensors)
+                tensors = pack_on_device(tensors)
                 shared = ipc.share(tensors)
             self.client.offer_version(version, shared, ipc.manifest(tensors), metadata)
         except grpc.RpcError as err:

@@ -65,7 +65,8 @@ def expected() -> dict[str, torch.Tensor]:
 
 
 def test_another_process_buffer_opens_bit_exact_and_refuses_once_it_is_gone() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    path = [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     proc = subprocess.Popen([sys.executable, "-c", PRODUCER], cwd=ROOT, text=True, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     try:
