@@ -293,13 +293,18 @@ ROWS: tuple[Row, ...] = (
                 width=6,
             ),
             Panel(
-                "Dropped samples",
-                "Samples dropped per second for exceeding the staleness bound.",
+                "Dropped samples, refused records",
+                "Samples dropped per second for exceeding the staleness bound, and guidance "
+                "records the trainer refused per second by their HMAC tag or CRC-32.",
                 "short",
                 (
                     q(
                         f"sum(rate(trace_trainer_samples_dropped_stale_total[{RATE}]))",
                         "dropped/s",
+                    ),
+                    q(
+                        f"sum by (reason) (rate(trace_trainer_records_refused_total[{RATE}]))",
+                        "records refused/s: {{reason}}",
                     ),
                 ),
                 width=6,
