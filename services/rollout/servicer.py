@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from trace_common.clients.quant_cache import new_generation
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.rollout.convert import completion_to_proto, sampling_from_proto
 from trace_common.rollout.engine import (
@@ -41,23 +42,27 @@ MAX_PROMPT_TOKENS_PER_REQUEST = 1 << 22
 
 
 def record_writer(
-    put: Callable[[str, int, str, bytes], Any],
+    put: Callable[..., Any],
     audit: Callable[[str, int, str, bytes], Any] | None = None,
 ) -> PutRecord:
-    """The replica's PutRecord over quant-cache's `put(run, version, sample_id, blob)`: a
-    RESOURCE_EXHAUSTED answer (the store full at its memory bound, or the record over its
-    size limit) becomes RecordRefused, so the completion goes back without its record;
-    every other error fails the request as before. `audit` logs each stored record."""
+    """The replica's PutRecord over quant-cache's `put(run, version, sample_id, blob,
+    generation=)`: each record is written under a fresh write generation, which the put
+    returns (the completion carries it to the trainer, whose read refuses any other write of
+    the key). A RESOURCE_EXHAUSTED answer (the store full at its memory bound, or the record
+    over its size limit) becomes RecordRefused, so the completion goes back without its
+    record; every other error fails the request as before. `audit` logs each stored record."""
 
-    def put_record(run: str, version: int, sid: str, blob: bytes) -> None:
+    def put_record(run: str, version: int, sid: str, blob: bytes) -> bytes:
+        generation = new_generation()
         try:
-            put(run, version, sid, blob)
+            put(run, version, sid, blob, generation=generation)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise RecordRefused(f"quant-cache: {exc.details()}") from exc
             raise
         if audit is not None:
             audit(run, version, sid, blob)
+        return generation
 
     return put_record
 

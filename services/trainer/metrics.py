@@ -75,7 +75,7 @@ EVAL_SERIES = {
 }
 
 
-REFUSAL_REASONS = ("tag", "checksum")  # services.trainer.remote.refusal_reason
+REFUSAL_REASONS = ("tag", "replay", "checksum")  # services.trainer.remote.refusal_reason
 
 
 class TrainerMetrics:

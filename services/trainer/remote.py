@@ -16,6 +16,7 @@ import torch
 
 from trace_common.clients import CorruptRecordError, QuantCacheClient, WeightSyncClient
 from trace_common.clients import cuda_ipc as ipc
+from trace_common.clients.quant_cache import REPLAYED, TAG_MISMATCH
 from trace_common.device import pack_on_device, to_host
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.rl.audit import RecordAudit
@@ -78,6 +79,7 @@ class GrpcReplica(GrpcClient):
                         policy_version=c.policy_version,
                         finish_reason=finish_from_proto(c.finish_reason),
                         record_bytes=c.record_bytes,
+                        record_generation=c.record_generation,
                         replica_id=self._replica_id,
                     )
                 )
@@ -139,7 +141,9 @@ class WeightSyncDirectory:
 
 def refusal_reason(detail: str) -> str:
     """The metric label of a record refusal's detail (CorruptRecordError.corrupt)."""
-    return "tag" if detail.startswith("record tag") else "checksum"
+    if detail == TAG_MISMATCH:
+        return "tag"
+    return "replay" if detail == REPLAYED else "checksum"
 
 
 class QuantCacheRecords:
@@ -159,12 +163,18 @@ class QuantCacheRecords:
         self.bytes_fetched = 0
         self.retries = 0
         # Records refused since the last `take_refused`, by reason: "tag" (HMAC: written
-        # without the token, altered, copied from another key) or "checksum" (CRC-32,
-        # truncated: damaged in the store or in transit).
+        # without the token, altered, copied from another key), "replay" (a genuine older
+        # write of the key) or "checksum" (CRC-32, truncated: damaged in the store or in
+        # transit).
         self._refused: dict[str, int] = {}
 
     def fetch(
-        self, run_id: str, policy_version: int, sample_ids: Sequence[str]
+        self,
+        run_id: str,
+        policy_version: int,
+        sample_ids: Sequence[str],
+        *,
+        generations: Mapping[str, bytes] | None = None,
     ) -> dict[str, bytes]:
         def count(_err: grpc.RpcError) -> None:
             self.retries += 1
@@ -172,7 +182,7 @@ class QuantCacheRecords:
         try:
             got = retry_transient(
                 lambda: self.client.get_records(
-                    run_id, policy_version, sample_ids, missing_ok=True
+                    run_id, policy_version, sample_ids, missing_ok=True, generations=generations
                 ),
                 f"record read (run {run_id}, version {policy_version})",
                 self.backoff,

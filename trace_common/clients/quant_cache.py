@@ -20,11 +20,14 @@ choice; "direct" requires the direct path (DirectPathError otherwise); "grpc" ne
 Delete and Stats always go through the service, the authority over the namespace.
 A Redis that is briefly unavailable (UNAVAILABLE: a blip, a restart) is retried with
 backoff within `DIRECT_RETRY` on the direct path, as gRPC's retry policy does on the other.
-Records are authenticated end to end: the writer puts an HMAC-SHA256 tag (keyed from the
-deployment's shared token, over run, version, sample id and blob) in front of each blob, and
-the reader checks and strips it, so a record altered or written in Redis by anyone without
-the token (a valid CRC is easy to forge) is refused as corrupt. The service and the store see
-the tagged bytes as opaque data.
+Records are authenticated end to end: the writer puts a write generation (16 random bytes
+per write) and an HMAC-SHA256 tag (keyed from the deployment's shared token, over run,
+version, sample id, generation and blob) in front of each blob, and the reader checks and
+strips both. A record altered or written in Redis by anyone without the token (a valid CRC is
+easy to forge) is refused as corrupt; so is a genuine older write of the same key put back,
+when the reader passes the generation it expects (`generations`: the rollout hands the
+trainer each record's generation with the completion). The service and the store see the
+sealed bytes as opaque data.
 Errors are the same on both paths: CorruptRecordError for records failing their checksum or tag,
 KeyError for missing ones when `missing_ok=False`, and a grpc.RpcError with the status code
 (on the direct path a DirectPathError, a grpc.RpcError with `code()` and `details()`) for
@@ -36,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -64,8 +68,13 @@ REDIS_TIMEOUT_S = 30.0  # socket timeout of direct-path Redis calls
 # Direct-path reads and writes retried on UNAVAILABLE this long (a blip or a quick restart;
 # callers that can wait longer, like the trainer, retry on top).
 DIRECT_RETRY = Backoff(budget_s=3.0, initial_s=0.1, max_s=1.0)
-RECORD_TAG_BYTES = 32  # HMAC-SHA256 tag in front of every stored record blob
-_TAG_KEY_CONTEXT = b"trace quant-cache record tag v1\0"
+GENERATION_BYTES = 16  # write generation, first in every stored record blob
+RECORD_TAG_BYTES = 32  # HMAC-SHA256 tag, after the generation
+SEAL_BYTES = GENERATION_BYTES + RECORD_TAG_BYTES
+_TAG_KEY_CONTEXT = b"trace quant-cache record tag v2\0"
+TAG_MISMATCH = ("record tag mismatch: written without this deployment's token, altered in "
+                "the store, or copied from another key")  # fmt: skip
+REPLAYED = "record replayed: its write generation is not the one the writer reported"
 
 
 def record_tag_key(token: str) -> bytes:
@@ -73,12 +82,24 @@ def record_tag_key(token: str) -> bytes:
     return hashlib.sha256(_TAG_KEY_CONTEXT + token.encode()).digest()
 
 
-def record_tag(
-    key: bytes, run_id: str, version: int, sample_id: str, blob: bytes | memoryview
-) -> bytes:
-    """HMAC-SHA256 over the record's key fields and its blob: a tag that binds the bytes to
-    the place they were written for (a record copied to another key fails too)."""
+def new_generation() -> bytes:
+    """A fresh write generation: 16 random bytes, unique to one write of one record."""
+    return os.urandom(GENERATION_BYTES)
+
+
+def check_generation(generation: bytes) -> bytes:
+    if len(generation) != GENERATION_BYTES:
+        raise ValueError(f"a write generation is {GENERATION_BYTES} bytes, got {len(generation)}")
+    return bytes(generation)
+
+
+def record_tag(key: bytes, run_id: str, version: int, sample_id: str, generation: bytes,
+               blob: bytes | memoryview) -> bytes:  # fmt: skip
+    """HMAC-SHA256 over the record's key fields, its write generation and its blob: a tag
+    that binds the bytes to the place and the write they were made for (a record copied to
+    another key fails; an older write of the same key carries an older generation)."""
     mac = hmac.new(key, f"{run_id}\0{version}\0{sample_id}\0".encode(), hashlib.sha256)
+    mac.update(generation)
     mac.update(blob)
     return mac.digest()
 
@@ -264,20 +285,34 @@ class QuantCacheClient(GrpcClient):
 
     # -- records ----------------------------------------------------------------------------
     def put_records(
-        self, run_id: str, version: int, sample_id: str, blob: bytes | bytearray | memoryview
+        self,
+        run_id: str,
+        version: int,
+        sample_id: str,
+        blob: bytes | bytearray | memoryview,
+        *,
+        generation: bytes | None = None,
     ) -> int:
         """Store one sample's record blob; returns the bytes stored. Overwrites."""
-        return self.put_many(run_id, version, {sample_id: blob})
+        return self.put_many(run_id, version, {sample_id: blob}, generation=generation)
 
     def put_many(
-        self, run_id: str, version: int, records: Mapping[str, bytes | bytearray | memoryview]
+        self,
+        run_id: str,
+        version: int,
+        records: Mapping[str, bytes | bytearray | memoryview],
+        *,
+        generation: bytes | None = None,
     ) -> int:
         """Store several samples' blobs in one call (e.g. a whole GRPO group); returns bytes
-        stored. Each record is all-or-nothing; on an error the records before it are stored."""
+        stored. Each record is all-or-nothing; on an error the records before it are stored.
+        The records are sealed with `generation` (new_generation(); a fresh one when None):
+        a reader that expects it refuses any other write of the same keys."""
         if not records:
             raise ValueError("records is empty")
-        sealed = {sid: self._seal(run_id, version, sid, blob) for sid, blob in records.items()}
-        tags = RECORD_TAG_BYTES * len(sealed)
+        gen = new_generation() if generation is None else check_generation(generation)
+        sealed = {sid: self._seal(run_id, version, sid, gen, blob) for sid, blob in records.items()}
+        tags = SEAL_BYTES * len(sealed)
         direct = self.direct()
         if direct is not None:
             return (
@@ -294,24 +329,28 @@ class QuantCacheClient(GrpcClient):
         response = self._put(chunks(), metadata=self.metadata, timeout=self.timeout)
         return response.stored_bytes - tags
 
-    def _seal(self, run_id: str, version: int, sample_id: str,
+    def _seal(self, run_id: str, version: int, sample_id: str, generation: bytes,
               blob: bytes | bytearray | memoryview) -> bytes:  # fmt: skip
         view = memoryview(blob).cast("B")
-        return record_tag(self._tag_key, run_id, version, sample_id, view) + bytes(view)
+        tag = record_tag(self._tag_key, run_id, version, sample_id, generation, view)
+        return b"".join((generation, tag, view))
 
     def _open(self, run_id: str, version: int, sealed: dict[str, bytes],
-              corrupt: dict[str, str]) -> dict[str, bytes]:  # fmt: skip
-        """The blobs of records whose tag checks out; the others into `corrupt`."""
+              corrupt: dict[str, str], generations: Mapping[str, bytes]) -> dict[str, bytes]:  # fmt: skip
+        """The blobs of records whose tag checks out and whose generation is the expected
+        one (where `generations` names one); the others into `corrupt`."""
         good: dict[str, bytes] = {}
         for sid, data in sealed.items():
             view = memoryview(data)
-            body = view[RECORD_TAG_BYTES:]
-            if len(view) < RECORD_TAG_BYTES or not hmac.compare_digest(
-                bytes(view[:RECORD_TAG_BYTES]),
-                record_tag(self._tag_key, run_id, version, sid, body),
+            gen = bytes(view[:GENERATION_BYTES])
+            body = view[SEAL_BYTES:]
+            if len(view) < SEAL_BYTES or not hmac.compare_digest(
+                bytes(view[GENERATION_BYTES:SEAL_BYTES]),
+                record_tag(self._tag_key, run_id, version, sid, gen, body),
             ):
-                corrupt[sid] = ("record tag mismatch: written without this deployment's token, "
-                                "altered in the store, or copied from another key")  # fmt: skip
+                corrupt[sid] = TAG_MISMATCH
+            elif sid in generations and not hmac.compare_digest(gen, generations[sid]):
+                corrupt[sid] = REPLAYED
             else:
                 good[sid] = bytes(body)
         return good
@@ -329,18 +368,26 @@ class QuantCacheClient(GrpcClient):
             yield with_bytes_field(b"", PUT_DATA_FIELD, view[offset : offset + step])
 
     def get_records(
-        self, run_id: str, version: int, sample_ids: Sequence[str], *, missing_ok: bool = True
+        self,
+        run_id: str,
+        version: int,
+        sample_ids: Sequence[str],
+        *,
+        missing_ok: bool = True,
+        generations: Mapping[str, bytes] | None = None,
     ) -> dict[str, bytes]:
-        """Records of `sample_ids` that exist, each verified against its CRC-32 and its tag.
+        """Records of `sample_ids` that exist, each verified against its CRC-32 and its tag,
+        and against its expected write generation where `generations` names one.
 
         Missing ones (never written, expired, evicted) are left out, or raise KeyError when
-        `missing_ok` is False. Corrupt ones raise CorruptRecordError (good ones attached).
+        `missing_ok` is False. Corrupt ones (a bad checksum or tag, or replayed: an older
+        write) raise CorruptRecordError (good ones attached).
         """
         try:
             sealed, corrupt = self._get_sealed(run_id, version, sample_ids, missing_ok), {}
         except CorruptRecordError as exc:
             sealed, corrupt = exc.records, dict(exc.corrupt)
-        good = self._open(run_id, version, sealed, corrupt)
+        good = self._open(run_id, version, sealed, corrupt, generations or {})
         if corrupt:
             raise CorruptRecordError(corrupt, good)
         return good

@@ -47,11 +47,26 @@ class RecordStore(Protocol):
     """Where the rollout's per-sample record blobs are read back (quant-cache)."""
 
     def fetch(
-        self, run_id: str, policy_version: int, sample_ids: Sequence[str]
+        self,
+        run_id: str,
+        policy_version: int,
+        sample_ids: Sequence[str],
+        *,
+        generations: Mapping[str, bytes] | None = None,
     ) -> dict[str, bytes]:
         """Blobs of the requested samples that exist and verify; missing or corrupt ones are
-        left out (the caller drops their groups)."""
+        left out (the caller drops their groups). `generations`: the write generation each
+        record must carry (`expected_generations`), where the rollout reported one."""
         ...
+
+
+def expected_generations(samples: Sequence[TrainSample]) -> dict[str, bytes]:
+    """The write generation each sample's record was stored under, as its rollout reported."""
+    return {
+        ts.rollout.sample_id: ts.rollout.record_generation
+        for ts in samples
+        if ts.rollout.record_generation
+    }
 
 
 class WeightPublisher(Protocol):
@@ -517,7 +532,10 @@ class TrainerCore:
         lacking: set[int] = set()  # prompt ids of groups with a record missing
         for version, group in sorted(by_version.items()):
             blobs = self.records.fetch(
-                self.config.run_id, version, [ts.rollout.sample_id for ts in group]
+                self.config.run_id,
+                version,
+                [ts.rollout.sample_id for ts in group],
+                generations=expected_generations(group),
             )
             for ts in group:
                 blob = blobs.get(ts.rollout.sample_id)

@@ -63,7 +63,7 @@ from trace_common.model import (
 )
 from trace_common.model.model import FP4Weights
 from trace_common.rl.checkpoint import STATE_FILE, capture_rng, read_state, restore_rng
-from trace_common.rl.core import RecordStore
+from trace_common.rl.core import RecordStore, expected_generations
 from trace_common.rl.policy import OPTIM_IMPL_KEYS, LearnerConfig, ModelLearner
 from trace_common.rl.types import TrainSample
 from trace_common.rollout.meta import PolicyMeta
@@ -298,7 +298,12 @@ class ShardedLearner(ModelLearner):
                 by_version.setdefault(ts.rollout.policy_version, []).append(ts)
         lacking = set()
         for version, group in sorted(by_version.items()):
-            blobs = self.records.fetch(self.run_id, version, [ts.rollout.sample_id for ts in group])
+            blobs = self.records.fetch(
+                self.run_id,
+                version,
+                [ts.rollout.sample_id for ts in group],
+                generations=expected_generations(group),
+            )
             for ts in group:
                 ts.records = blobs.get(ts.rollout.sample_id)
                 if ts.records is None:

@@ -45,6 +45,7 @@ def generate_unit(
             policy_version=c.policy_version,
             finish_reason=c.sample.finish_reason,
             record_bytes=c.record_bytes,
+            record_generation=c.record_generation,
             replica_id=replica_id,
         )
         for c in run_request(engine, version, request, put_record, replica_id)

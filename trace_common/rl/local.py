@@ -25,8 +25,15 @@ class MemoryRecordStore:
             self.blobs[(run_id, version, sample_id)] = bytes(blob)
 
     def fetch(
-        self, run_id: str, policy_version: int, sample_ids: Sequence[str]
+        self,
+        run_id: str,
+        policy_version: int,
+        sample_ids: Sequence[str],
+        *,
+        generations: Mapping[str, bytes] | None = None,
     ) -> dict[str, bytes]:
+        """The stored blobs (an in-process store: `put` reports no generation, so none is
+        expected)."""
         with self._lock:
             return {
                 s: self.blobs[(run_id, policy_version, s)]

@@ -46,6 +46,9 @@ class RolloutSample:
     policy_version: int
     finish_reason: FinishReason
     record_bytes: int = 0
+    # The stored record's write generation (empty: the store does not report one); the
+    # trainer reads the record expecting it, so a replayed older write is refused.
+    record_generation: bytes = b""
     replica_id: str = ""
 
 

@@ -52,6 +52,7 @@ def completion_to_proto(c: Completion) -> rollout_pb2.Completion:
         policy_version=c.policy_version,
         finish_reason=FINISH_TO_PROTO[s.finish_reason],
         record_bytes=c.record_bytes,
+        record_generation=c.record_generation,
     )
 
 

@@ -70,7 +70,8 @@ class EngineHolder:
         return self._version
 
 
-PutRecord = Callable[[str, int, str, bytes], None]  # (run_id, version, sample_id, blob)
+# (run_id, version, sample_id, blob) -> the record's write generation (b"" if the store has none)
+PutRecord = Callable[[str, int, str, bytes], bytes | None]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -88,12 +89,14 @@ class RolloutRequest:
 
 @dataclass(kw_only=True, slots=True)
 class Completion:
-    """A generated sample with its id, version and stored record size."""
+    """A generated sample with its id, version, and its stored record's size and write
+    generation."""
 
     sample_id: str
     sample: GeneratedSample
     policy_version: int
     record_bytes: int
+    record_generation: bytes = b""
 
 
 class RecordRefused(RuntimeError):
@@ -130,17 +133,18 @@ def run_request(
     for g in gen:
         sid = f"{request.sample_id_prefix}-{g.prompt_index}-{g.group_index}"
         got = g.policy_version if g.policy_version >= 0 else version
-        nbytes = 0
+        nbytes, generation = 0, b""
         if request.write_records:
             if g.records is None:
                 raise RuntimeError(f"engine {engine.name} produced no records for {sid}")
             assert put_record is not None
             try:
-                put_record(request.run_id, got, sid, g.records)
+                generation = put_record(request.run_id, got, sid, g.records) or b""
                 nbytes = len(g.records)
             except RecordRefused as exc:
                 log.warning("record of %s not stored: %s", sid, exc)
-        out.append(Completion(sample_id=sid, sample=g, policy_version=got, record_bytes=nbytes))
+        out.append(Completion(sample_id=sid, sample=g, policy_version=got, record_bytes=nbytes,
+                              record_generation=generation))  # fmt: skip
     return out
 
 

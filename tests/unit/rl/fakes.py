@@ -84,7 +84,12 @@ class FakeRecordStore:
         self.log = log
 
     def fetch(
-        self, run_id: str, policy_version: int, sample_ids: Sequence[str]
+        self,
+        run_id: str,
+        policy_version: int,
+        sample_ids: Sequence[str],
+        *,
+        generations: Mapping[str, bytes] | None = None,
     ) -> dict[str, bytes]:
         self.log(f"fetch version={policy_version} n={len(sample_ids)}")
         return {s: self.store[(run_id, policy_version, s)] for s in sample_ids}

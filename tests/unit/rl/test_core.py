@@ -282,7 +282,7 @@ def test_group_with_a_missing_record_is_dropped_and_counted() -> None:
     )
 
     class Evicting(FakeRecordStore):
-        def fetch(self, run_id, policy_version, sample_ids):
+        def fetch(self, run_id, policy_version, sample_ids, *, generations=None):
             got = super().fetch(run_id, policy_version, sample_ids)
             got.pop(sample_ids[3])  # e.g. evicted at quant-cache's memory bound
             return got
@@ -355,7 +355,7 @@ class Losing(FakeRecordStore):
         super().__init__(store, log)
         self.lost = lost
 
-    def fetch(self, run_id, policy_version, sample_ids):
+    def fetch(self, run_id, policy_version, sample_ids, *, generations=None):
         got = super().fetch(run_id, policy_version, sample_ids)
         return {k: v for k, v in got.items() if not self.lost(k)}
 
@@ -435,7 +435,7 @@ class PullingLearner(FakeLearner):
 
 
 class NoFetch:
-    def fetch(self, *args):
+    def fetch(self, *args, **kwargs):
         raise AssertionError("rank 0 fetched records its learner's ranks pull")
 
 

@@ -85,7 +85,9 @@ class _Store:
         self.missing: set[str] = set()
         self.fetched: list[str] = []
 
-    def fetch(self, run_id: str, policy_version: int, sample_ids: Any) -> dict[str, bytes]:
+    def fetch(
+        self, run_id: str, policy_version: int, sample_ids: Any, *, generations: Any = None
+    ) -> dict[str, bytes]:
         self.fetched += sample_ids
         return {i: self.blobs[i] for i in sample_ids if i not in self.missing}  # type: ignore[misc]
 

@@ -40,8 +40,8 @@ def build_loop(mode: str, guidance: GuidanceConfig, *, replicas: int = 2):
     fetched: list[dict[str, bytes]] = []
 
     class SpyStore:
-        def fetch(self, run_id, version, sample_ids):
-            got = store.fetch(run_id, version, sample_ids)
+        def fetch(self, run_id, version, sample_ids, *, generations=None):
+            got = store.fetch(run_id, version, sample_ids, generations=generations)
             fetched.append(got)
             return got
 

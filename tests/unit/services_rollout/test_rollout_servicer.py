@@ -208,10 +208,10 @@ def test_a_record_the_full_store_refuses_comes_back_without_its_record() -> None
     stored: dict = {}
     audited: list = []
 
-    def put(run, version, sid, blob):
+    def put(run, version, sid, blob, *, generation):
         if sid.endswith("-1-0"):
             raise _Rpc(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        stored[sid] = blob
+        stored[sid] = generation
 
     writer = record_writer(put, lambda r, v, s, b: audited.append(s))
     servicer = RolloutServicer("rep-a", EngineHolder(), writer, vocab_size=17)
@@ -222,6 +222,11 @@ def test_a_record_the_full_store_refuses_comes_back_without_its_record() -> None
     assert by_id["s0-u0-a0-1-0"] == 0
     assert all(n > 0 for sid, n in by_id.items() if sid != "s0-u0-a0-1-0")
     assert sorted(stored) == sorted(audited) == sorted(s for s in by_id if by_id[s] > 0)
+    # each stored record's write generation reaches the trainer with its completion
+    gens = {c.sample_id: c.record_generation for c in out}
+    assert gens["s0-u0-a0-1-0"] == b""
+    assert all(gens[sid] == g and len(g) == 16 for sid, g in stored.items())
+    assert len(set(stored.values())) == len(stored), "a fresh generation per write"
 
 
 @pytest.mark.parametrize(
@@ -232,7 +237,7 @@ def test_a_record_the_full_store_refuses_comes_back_without_its_record() -> None
     ],
 )
 def test_only_a_full_store_becomes_a_refused_record(code, raised) -> None:
-    def put(run, version, sid, blob):
+    def put(run, version, sid, blob, *, generation):
         raise _Rpc(code)
 
     with pytest.raises(raised) as err:

@@ -1,5 +1,5 @@
-"""Records the trainer refuses (HMAC tag, CRC-32) are counted by reason and exported as
-trace_trainer_records_refused_total{reason}, both labels present from the start."""
+"""Records the trainer refuses (HMAC tag, a replayed write, CRC-32) are counted by reason and
+exported as trace_trainer_records_refused_total{reason}, every label present from the start."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ from prometheus_client import generate_latest
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.remote import QuantCacheRecords
 from trace_common.clients import CorruptRecordError
+from trace_common.clients.quant_cache import REPLAYED, TAG_MISMATCH
 from trace_common.service import Metrics
 
 
 class RefusingClient:
-    def get_records(self, run_id, version, sample_ids, *, missing_ok):
+    def get_records(self, run_id, version, sample_ids, *, missing_ok, generations):
+        assert generations == {"s4": b"g" * 16}, "the expected generations reach the client"
         raise CorruptRecordError(
-            {"s1": "record tag mismatch: written without this deployment's token",
-             "s2": "checksum mismatch after transfer", "s3": "received 3 of 9 bytes"},
+            {"s1": TAG_MISMATCH, "s2": "checksum mismatch after transfer",
+             "s3": "received 3 of 9 bytes", "s4": REPLAYED},
             {"s0": b"ok"},
         )  # fmt: skip
 
@@ -31,11 +33,13 @@ def test_refusals_are_counted_by_reason_and_exported() -> None:
     metrics = Metrics("trainer")
     tm = TrainerMetrics(metrics, None)
     before = generate_latest(metrics.registry).decode()
-    assert value(before, "tag") == 0 and value(before, "checksum") == 0
-    assert records.fetch("run", 1, ["s0", "s1", "s2", "s3"]) == {"s0": b"ok"}
+    assert all(value(before, r) == 0 for r in ("tag", "replay", "checksum"))
+    got = records.fetch("run", 1, ["s0", "s1", "s2", "s3", "s4"], generations={"s4": b"g" * 16})
+    assert got == {"s0": b"ok"}
     refused = records.take_refused()
-    assert refused == {"tag": 1, "checksum": 2} and records.take_refused() == {}
-    tm.refused.labels("tag").inc(refused["tag"])
-    tm.refused.labels("checksum").inc(refused["checksum"])
+    assert refused == {"tag": 1, "checksum": 2, "replay": 1} and records.take_refused() == {}
+    for reason, n in refused.items():
+        tm.refused.labels(reason).inc(n)
     after = generate_latest(metrics.registry).decode()
     assert value(after, "tag") == 1 and value(after, "checksum") == 2
+    assert value(after, "replay") == 1

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etrace/rollout/v1/rollout.proto\x12\x10trace.rollout.v1\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x81\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xe1\x01\n\x0fGenerateRequest\x12)\n\x07prompts\x18\x01 \x03(\x0b\x32\x18.trace.rollout.v1.Prompt\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .trace.rollout.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x04 \x01(\x03\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x18\n\x10sample_id_prefix\x18\x06 \x01(\t\x12\x15\n\rwrite_records\x18\x07 \x01(\x08\"\xd4\x01\n\nCompletion\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\x05\x12\x13\n\x0bgroup_index\x18\x03 \x01(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x35\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1e.trace.rollout.v1.FinishReason\x12\x14\n\x0crecord_bytes\x18\x08 \x01(\x04\"\x16\n\x14RolloutStatusRequest\"\x8d\x02\n\x15RolloutStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x14\n\x0cquant_format\x18\x05 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompletions_total\x18\x07 \x01(\x04\x12\x1e\n\x16tokens_generated_total\x18\x08 \x01(\x04\x12 \n\x18last_weight_pull_seconds\x18\t \x01(\x01\x12\x1a\n\x12weight_pulls_total\x18\n \x01(\x04*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xb3\x01\n\x07Rollout\x12M\n\x08Generate\x12!.trace.rollout.v1.GenerateRequest\x1a\x1c.trace.rollout.v1.Completion0\x01\x12Y\n\x06Status\x12&.trace.rollout.v1.RolloutStatusRequest\x1a\'.trace.rollout.v1.RolloutStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etrace/rollout/v1/rollout.proto\x12\x10trace.rollout.v1\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x81\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xe1\x01\n\x0fGenerateRequest\x12)\n\x07prompts\x18\x01 \x03(\x0b\x32\x18.trace.rollout.v1.Prompt\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .trace.rollout.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x04 \x01(\x03\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x18\n\x10sample_id_prefix\x18\x06 \x01(\t\x12\x15\n\rwrite_records\x18\x07 \x01(\x08\"\xef\x01\n\nCompletion\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\x05\x12\x13\n\x0bgroup_index\x18\x03 \x01(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x35\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1e.trace.rollout.v1.FinishReason\x12\x14\n\x0crecord_bytes\x18\x08 \x01(\x04\x12\x19\n\x11record_generation\x18\t \x01(\x0c\"\x16\n\x14RolloutStatusRequest\"\x8d\x02\n\x15RolloutStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x14\n\x0cquant_format\x18\x05 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompletions_total\x18\x07 \x01(\x04\x12\x1e\n\x16tokens_generated_total\x18\x08 \x01(\x04\x12 \n\x18last_weight_pull_seconds\x18\t \x01(\x01\x12\x1a\n\x12weight_pulls_total\x18\n \x01(\x04*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xb3\x01\n\x07Rollout\x12M\n\x08Generate\x12!.trace.rollout.v1.GenerateRequest\x1a\x1c.trace.rollout.v1.Completion0\x01\x12Y\n\x06Status\x12&.trace.rollout.v1.RolloutStatusRequest\x1a\'.trace.rollout.v1.RolloutStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trace.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=952
-  _globals['_FINISHREASON']._serialized_end=1047
+  _globals['_FINISHREASON']._serialized_start=979
+  _globals['_FINISHREASON']._serialized_end=1074
   _globals['_PROMPT']._serialized_start=52
   _globals['_PROMPT']._serialized_end=79
   _globals['_SAMPLINGPARAMS']._serialized_start=82
@@ -40,11 +40,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=214
   _globals['_GENERATEREQUEST']._serialized_end=439
   _globals['_COMPLETION']._serialized_start=442
-  _globals['_COMPLETION']._serialized_end=654
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=656
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=678
-  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_start=681
-  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_end=950
-  _globals['_ROLLOUT']._serialized_start=1050
-  _globals['_ROLLOUT']._serialized_end=1229
+  _globals['_COMPLETION']._serialized_end=681
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=683
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=705
+  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_start=708
+  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_end=977
+  _globals['_ROLLOUT']._serialized_start=1077
+  _globals['_ROLLOUT']._serialized_end=1256
 # @@protoc_insertion_point(module_scope)

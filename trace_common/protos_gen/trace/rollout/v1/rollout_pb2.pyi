@@ -57,7 +57,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., run_id: _Optional[str] = ..., sample_id_prefix: _Optional[str] = ..., write_records: _Optional[bool] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("sample_id", "prompt_index", "group_index", "token_ids", "logprobs", "policy_version", "finish_reason", "record_bytes")
+    __slots__ = ("sample_id", "prompt_index", "group_index", "token_ids", "logprobs", "policy_version", "finish_reason", "record_bytes", "record_generation")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class Completion(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECORD_GENERATION_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     prompt_index: int
     group_index: int
@@ -74,7 +75,8 @@ class Completion(_message.Message):
     policy_version: int
     finish_reason: FinishReason
     record_bytes: int
-    def __init__(self, sample_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., group_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., record_bytes: _Optional[int] = ...) -> None: ...
+    record_generation: bytes
+    def __init__(self, sample_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., group_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., record_bytes: _Optional[int] = ..., record_generation: _Optional[bytes] = ...) -> None: ...
 
 class RolloutStatusRequest(_message.Message):
     __slots__ = ()
