@@ -18,9 +18,10 @@ returned. Records are read as GETRANGE pieces of at most `piece_bytes` (the firs
 the header), checked to come from one write (RecordStore.get_many).
 
 Counters: the hash `<prefix>:#stats` (`#` never occurs in an id, so it is no record key and
-no delete pattern matches it) holds STATS_FIELDS, incremented by every put and get of either
-path (a put's in the same pipeline as its SETs); the service exports them as its Prometheus
-counters, so its metrics cover the direct path too.
+no delete pattern matches it) holds STATS_FIELDS, incremented by every put and get of the
+service (a put's in the same pipeline as its SETs); the service exports them as its
+Prometheus counters. The direct path does not count (`count=False`): its Redis user may not
+write the stats hash, so a client cannot falsify the service's counters.
 
 Memory bound: Redis `maxmemory` with an eviction policy (default `volatile-ttl`: every
 record has a TTL, and the ones closest to expiring, i.e. the oldest, are evicted first; the
@@ -217,6 +218,8 @@ class RecordStore:
         prefix: str,
         ttl_seconds: int,
         piece_bytes: int = DEFAULT_PIECE_BYTES,
+        *,
+        count: bool = True,
     ) -> None:
         if piece_bytes <= 0:
             raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
@@ -227,13 +230,14 @@ class RecordStore:
         self.ttl_seconds = ttl_seconds
         self.piece_bytes = piece_bytes
         self.stats_key = stats_key(prefix)
+        self.count = count  # puts and gets add to the stats hash
 
     def key(self, run_id: str, version: int, sample_id: str) -> str:
         return record_key(self.prefix, run_id, version, sample_id)
 
     def put_many(self, items: Sequence[tuple[str, Sized]]) -> None:
-        """SET each (key, stored value) with the TTL, and count them, in one round trip (a
-        pipeline, not a transaction: each record is atomic on its own). A value is bytes, a
+        """SET each (key, stored value) with the TTL, and count them (`count`), in one round
+        trip (a pipeline, not a transaction: each record is atomic on its own). A value is bytes, a
         memoryview, or a redis_bulk.Joined(header, blob) on a client with its packer."""
         if not items:
             return
@@ -241,8 +245,10 @@ class RecordStore:
             pipe = self.client.pipeline(transaction=False)
             for key, value in items:
                 pipe.set(key, value, ex=self.ttl_seconds)
-            pipe.hincrby(self.stats_key, "records_put", len(items))
-            pipe.hincrby(self.stats_key, "put_bytes", sum(len(v) - HEADER_BYTES for _, v in items))
+            if self.count:
+                pipe.hincrby(self.stats_key, "records_put", len(items))
+                stored = sum(len(v) - HEADER_BYTES for _, v in items)
+                pipe.hincrby(self.stats_key, "put_bytes", stored)
             pipe.execute()
         except redis.RedisError as exc:
             raise redis_errors(exc) from exc
@@ -259,7 +265,7 @@ class RecordStore:
         holds the CRC) are unchanged, else the key is read again (at most READ_ATTEMPTS
         times, then reported as read). Both are plain pipelines, not MULTI: redis-py buffers
         a whole EXEC reply before parsing it, which halved get throughput here. A third,
-        small round trip adds the lookups to the stats hash.
+        small round trip adds the lookups to the stats hash (`count`).
         """
         found: dict[str, Found] = {}
         todo = list(dict.fromkeys(keys))
@@ -313,7 +319,8 @@ class RecordStore:
         except redis.RedisError as exc:
             raise redis_errors(exc) from exc
         results = [found[key] for key in keys]
-        self._count_lookups(results)
+        if self.count:
+            self._count_lookups(results)
         return results
 
     def get_groups(self, keys: list[str]) -> Iterator[tuple[list[str], list[Found]]]:

@@ -79,15 +79,28 @@ def main() -> None:
 
 DATA_PLANE_USER = "trace-data-plane"
 ACL_REFRESH_S = 1.0  # how often the data-plane user is set again (Redis forgets it on restart)
-# What the direct path runs: reads and writes of single keys (GETRANGE, STRLEN, SET with a TTL,
-# HINCRBY on the counters) and PING; nothing that lists, flushes or configures.
-DATA_PLANE_RULES = ("+@read", "+@write", "+@connection", "-@dangerous", "-@admin",
-                    "-@pubsub", "-@scripting")  # fmt: skip
+# What the direct path runs, and nothing else: SET (with the TTL), STRLEN and GETRANGE of single
+# record keys, PING, SELECT of the URL's database. No DEL, no APPEND or SETRANGE, no listing,
+# flushing, configuring or scripting. CLIENT SETINFO, which redis-py sends on connect, is
+# refused and redis-py goes on without it.
+DATA_PLANE_COMMANDS = ("-@all", "+ping", "+select", "+set", "+strlen", "+getrange")
+
+
+def data_plane_keys(prefix: str) -> str:
+    """The data-plane user's key pattern: record keys under `prefix` only. A record key's
+    first character after the prefix is an id's ([A-Za-z0-9_.-]); the service's stats hash
+    (`<prefix>:#stats`) starts with `#` and is shut out."""
+    return f"~{glob_escape(prefix)}:[^#]*"
+
+
+def glob_escape(text: str) -> str:
+    """`text` matched literally in a Redis glob pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\^" else c for c in text)
 
 
 class DataPlaneUser:
-    """A Redis user limited to keys under `prefix` and to data commands, with a random
-    password fixed for this process. Redis forgets users when it restarts, so `keep` sets it
+    """A Redis user limited to the record keys under `prefix` and to the direct path's
+    commands (DATA_PLANE_COMMANDS), with a random password fixed for this process. Redis forgets users when it restarts, so `keep` sets it
     again every ACL_REFRESH_S while the service runs."""
 
     def __init__(self, admin: redis.Redis, url: str, prefix: str) -> None:
@@ -103,7 +116,8 @@ class DataPlaneUser:
     def ensure(self) -> None:
         """Create or reset the user (RedisError when Redis refuses)."""
         self.admin.execute_command("ACL", "SETUSER", DATA_PLANE_USER, "reset", "on",
-                                   f">{self.password}", f"~{self.prefix}:*", *DATA_PLANE_RULES)  # fmt: skip
+                                   f">{self.password}", data_plane_keys(self.prefix),
+                                   *DATA_PLANE_COMMANDS)  # fmt: skip
 
     def keep(self, stopping: threading.Event) -> None:
         while not stopping.wait(ACL_REFRESH_S):

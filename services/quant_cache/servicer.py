@@ -58,20 +58,21 @@ _STATUS = {
 
 
 _STATS_HELP = {
-    "records_put": "records stored (both data paths)",
-    "put_bytes": "record bytes stored (both data paths)",
-    "records_got": "records returned (both data paths)",
-    "got_bytes": "record bytes returned (both data paths)",
-    "hits": "lookups that found a valid record (both data paths)",
-    "misses": "lookups that found no record (both data paths)",
-    "corrupt_records": "lookups that found a corrupt record (both data paths)",
+    "records_put": "records stored (the gRPC path)",
+    "put_bytes": "record bytes stored (the gRPC path)",
+    "records_got": "records returned (the gRPC path)",
+    "got_bytes": "record bytes returned (the gRPC path)",
+    "hits": "lookups that found a valid record (the gRPC path)",
+    "misses": "lookups that found no record (the gRPC path)",
+    "corrupt_records": "lookups that found a corrupt record (the gRPC path)",
 }
 
 
 class _RedisCollector:
     """At scrape time: the record counters from the stats hash in Redis (incremented by the
-    gRPC path and by clients on the direct path alike) and Redis's own memory and eviction
-    counters. Every quant-cache replica exports the same Redis-wide values."""
+    gRPC path of every quant-cache replica; direct-path clients count their own traffic) and
+    Redis's own memory and eviction counters. Every replica exports the same Redis-wide
+    values."""
 
     def __init__(self, metrics: Metrics, store: RecordStore) -> None:
         self._name = metrics.name
@@ -126,7 +127,8 @@ class QuantCacheServicer(pb_grpc.QuantCacheServicer):
         self.max_batch = max_batch
         self.data_plane_url = data_plane_url
         m = metrics
-        # Record counters live in Redis (both paths count there): _RedisCollector.
+        # Record counters live in Redis (the gRPC path of every replica counts there):
+        # _RedisCollector.
         self.redis_errors = m.counter("redis_errors", "Redis calls that failed")
         self.put_seconds = m.histogram(
             "put_seconds", "time to receive and store one PutRecords stream (gRPC path)"

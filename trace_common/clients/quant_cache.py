@@ -129,9 +129,9 @@ class DirectPath:
 
     def __init__(self, plane: pb.GetDataPlaneResponse, client: redis.Redis) -> None:
         self.plane = plane
-        self.store = layout.RecordStore(
-            client, plane.key_prefix, plane.ttl_seconds, piece_bytes=plane.piece_bytes
-        )
+        # not counted in the service's stats: the data-plane user may not write them
+        self.store = layout.RecordStore(client, plane.key_prefix, plane.ttl_seconds,
+                                        piece_bytes=plane.piece_bytes, count=False)  # fmt: skip
 
     def put_many(
         self, run_id: str, version: int, records: Mapping[str, bytes | bytearray | memoryview]

@@ -66,13 +66,15 @@ def test_direct_and_grpc_paths_share_records_counters_ttl_and_delete(
         assert "truncated" in info.value.corrupt["small"]
         assert info.value.records == {"empty": b""}, "valid records still come back"
 
-        # The service's counters and metrics cover both paths (the stats hash in Redis).
+        # The service's counters and metrics cover its gRPC path (the stats hash in Redis,
+        # which direct-path clients may not write).
         stats = direct.stats()
-        assert stats.records_put_total == 6 and stats.corrupt_total == 2
-        assert stats.misses_total == 1 and stats.hits_total == 3 + 3 + 3 + 1 + 1
+        assert stats.records_put_total == 3 and stats.corrupt_total == 0
+        assert stats.misses_total == 0 and stats.hits_total == 3
         metrics = httpx.get(f"{svc.http_url}/metrics").text
-        assert "trace_quant_cache_records_put_total 6.0" in metrics
-        assert "trace_quant_cache_corrupt_records_total 2.0" in metrics
+        assert "trace_quant_cache_records_put_total 3.0" in metrics
+        via_grpc.get_records("run", 1, ["empty"])
+        assert direct.stats().hits_total == 4
 
         # Delete (through the service) removes direct-written records.
         assert direct.delete("run", version=1) == 3
@@ -139,10 +141,22 @@ def test_get_data_plane_auth_and_arguments(local_redis: LocalRedis) -> None:
         assert plane.redis_url != local_redis.url and plane.key_prefix == "trace:qc"
         assert plane.redis_url.startswith("redis://trace-data-plane:")
         limited = redis.Redis.from_url(plane.redis_url)
-        limited.set("trace:qc:probe", b"1", ex=5)
-        assert limited.get("trace:qc:probe") == b"1"
-        for refused in (lambda: limited.get("other:key"), limited.flushall,
-                        lambda: limited.config_get("*"), lambda: limited.keys("*")):  # fmt: skip
+        limited.set("trace:qc:probe", b"123", ex=5)
+        assert limited.strlen("trace:qc:probe") == 3
+        assert limited.getrange("trace:qc:probe", 0, 1) == b"12" and limited.ping()
+        for refused in (
+            lambda: limited.set("other:key", b"1"),  # outside the prefix
+            lambda: limited.hincrby("trace:qc:#stats", "records_put", 10**9),  # the counters
+            lambda: limited.set("trace:qc:#stats", b"1"),
+            lambda: limited.get("trace:qc:probe"),  # a command the direct path does not use
+            lambda: limited.delete("trace:qc:probe"),
+            lambda: limited.setrange("trace:qc:probe", 0, b"x"),
+            lambda: limited.expire("trace:qc:probe", 10**6),
+            lambda: limited.lpush("trace:qc:list", b"1"),
+            limited.flushall,
+            lambda: limited.config_get("*"),
+            lambda: limited.keys("*"),
+        ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 refused()
         limited.close()

@@ -60,7 +60,9 @@ def test_round_trip_corruption_auth_and_http(
         assert "truncated" in info.value.corrupt["chunked"]
         assert info.value.records == {"one": b"\x00"}, "valid records still come back"
         stats = qc.stats()
-        assert stats.corrupt_total == 2 and stats.records_put_total == 4
+        # the service counts its own gRPC traffic; direct-path clients may not write the stats
+        counted = data_path == "grpc"
+        assert (stats.corrupt_total, stats.records_put_total) == ((2, 4) if counted else (0, 0))
 
         # Delete one version, then the whole run.
         qc.put_records("run-a", 5, "x", b"v5")
@@ -90,8 +92,9 @@ def test_round_trip_corruption_auth_and_http(
         assert httpx.get(f"{svc.http_url}/healthz").status_code == 200
         assert httpx.get(f"{svc.http_url}/readyz").json() == {"ready": True}
         metrics = httpx.get(f"{svc.http_url}/metrics").text
-        assert "trace_quant_cache_records_put_total 5.0" in metrics
-        assert "trace_quant_cache_corrupt_records_total 2.0" in metrics
+        if counted:
+            assert "trace_quant_cache_records_put_total 5.0" in metrics
+            assert "trace_quant_cache_corrupt_records_total 2.0" in metrics
         assert 'code="UNAUTHENTICATED"' in metrics
         status = httpx.get(f"{svc.http_url}/status").json()
         assert status["component"] == "quant_cache" and status["ttl_seconds"] == 3600
@@ -115,7 +118,7 @@ def test_round_trip_corruption_auth_and_http(
 
 def test_ttl_expires_records(local_redis: LocalRedis) -> None:
     with _service(local_redis.url, TRACE_TTL_SECONDS="1") as svc:
-        qc = QuantCacheClient(svc.grpc_address, TOKEN)
+        qc = QuantCacheClient(svc.grpc_address, TOKEN, data_path="grpc")
         qc.put_records("run", 0, "s", b"guidance")
         assert qc.get_records("run", 0, ["s"]) == {"s": b"guidance"}
         time.sleep(1.3)
