@@ -23,6 +23,9 @@ service (a put's in the same pipeline as its SETs); the service exports them as 
 Prometheus counters. The direct path does not count (`count=False`): its Redis user may not
 write the stats hash, so a client cannot falsify the service's counters.
 
+Server-side bounds: the service sweeps every record key periodically (RecordStore.sweep), so a
+direct-path client that ignores the TTL or the size limit is bounded all the same.
+
 Memory bound: Redis `maxmemory` with an eviction policy (default `volatile-ttl`: every
 record has a TTL, and the ones closest to expiring, i.e. the oldest, are evicted first; the
 stats hash has no TTL, so it is never evicted). An evicted record reads as MISSING. With
@@ -111,6 +114,13 @@ def record_key(prefix: str, run_id: str, version: int | str, sample_id: str) -> 
 
 def stats_key(prefix: str) -> str:
     return f"{prefix}:#stats"
+
+
+def record_pattern(prefix: str) -> str:
+    """The Redis glob of every record key under `prefix`, and of nothing else: a record key's
+    first character after the prefix is an id's ([A-Za-z0-9_.-]); the stats hash's is `#`."""
+    literal = "".join(f"\\{c}" if c in "*?[]\\^" else c for c in prefix)
+    return f"{literal}:[^#]*"
 
 
 def check_key(run_id: str, version: int, sample_id: str | None = None) -> None:
@@ -207,6 +217,40 @@ def redis_errors(exc: redis.RedisError) -> ServiceError:
     if isinstance(exc, redis.exceptions.OutOfMemoryError) or text.startswith("OOM"):
         return exhausted(f"Redis is at its memory bound (maxmemory, noeviction): {text}")
     return ServiceError(grpc.StatusCode.UNAVAILABLE, f"Redis error: {type(exc).__name__}: {text}")
+
+
+SWEEP_SCAN_COUNT = 1000  # keys per SCAN step and per check script of RecordStore.sweep
+SWEEP_ACTIONS = ("ttl_set", "deleted_oversize", "deleted_not_a_string")
+# KEYS: record keys; ARGV: the largest stored value in bytes, the TTL in seconds. Returns how
+# many keys got the TTL, and how many were deleted as oversize or as not a string.
+_SWEEP_SCRIPT = """
+local limit, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local fixed, oversize, wrong = 0, 0, 0
+for _, key in ipairs(KEYS) do
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'string' then
+    if redis.call('STRLEN', key) > limit then
+      redis.call('DEL', key)
+      oversize = oversize + 1
+    else
+      local left = redis.call('TTL', key)
+      if left == -1 or left > ttl then
+        redis.call('EXPIRE', key, ttl)
+        fixed = fixed + 1
+      end
+    end
+  elseif kind ~= 'none' then
+    redis.call('DEL', key)
+    wrong = wrong + 1
+  end
+end
+return {fixed, oversize, wrong}
+"""
+
+
+def _add(counts: dict[str, int], replies: Sequence[int]) -> None:
+    for action, n in zip(SWEEP_ACTIONS, replies, strict=True):
+        counts[action] += int(n)
 
 
 class RecordStore:
@@ -389,6 +433,28 @@ class RecordStore:
         except redis.RedisError as exc:
             raise redis_errors(exc) from exc
         return info
+
+    def sweep(self, max_record_bytes: int, scan_count: int = SWEEP_SCAN_COUNT) -> dict[str, int]:
+        """Enforce the service's bounds on every record key, whoever wrote it (a direct-path
+        client that skips its library's checks): a key without the TTL, or with a longer
+        one, gets the TTL; a value over max_record_bytes, or one that is not a string, is
+        deleted. Each key is checked and fixed atomically (a script), so a record rewritten
+        meanwhile within the bounds is never deleted. Returns the counts by SWEEP_ACTIONS."""
+        counts = dict.fromkeys(SWEEP_ACTIONS, 0)
+        limit = HEADER_BYTES + max_record_bytes
+        try:
+            script = self.client.register_script(_SWEEP_SCRIPT)
+            batch: list[bytes] = []
+            for key in self.client.scan_iter(match=record_pattern(self.prefix), count=scan_count):
+                batch.append(key)
+                if len(batch) >= scan_count:
+                    _add(counts, script(keys=batch, args=[limit, self.ttl_seconds]))
+                    batch.clear()
+            if batch:
+                _add(counts, script(keys=batch, args=[limit, self.ttl_seconds]))
+        except redis.RedisError as exc:
+            raise redis_errors(exc) from exc
+        return counts
 
     def ping(self) -> bool:
         try:

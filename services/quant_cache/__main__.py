@@ -6,6 +6,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 import urllib.parse
 
 import redis
@@ -13,9 +14,14 @@ import redis
 from services.quant_cache.config import LOCAL_MAXMEMORY_BYTES, QuantCacheSettings
 from services.quant_cache.servicer import CODECS, QuantCacheServicer
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc
-from trace_common.quant_cache_store import SOCKET_READ_BYTES, RecordStore
+from trace_common.quant_cache_store import (
+    SOCKET_READ_BYTES,
+    SWEEP_ACTIONS,
+    RecordStore,
+    record_pattern,
+)
 from trace_common.redis_local import LocalRedis, LocalRedisConfig, redact_url
-from trace_common.service import ServiceError, ServiceRuntime, load_settings
+from trace_common.service import Metrics, ServiceError, ServiceRuntime, load_settings
 
 log = logging.getLogger("services.quant_cache")
 
@@ -53,6 +59,10 @@ def main() -> None:
         plane = settings.data_plane_redis_url or data_plane_user(
             store.client, url, settings.key_prefix, rt.stopping
         )
+    if settings.sweep_seconds > 0:
+        sweeper = Sweeper(store, settings.max_record_bytes, rt.metrics)
+        threading.Thread(target=sweeper.run, args=(settings.sweep_seconds, rt.stopping),
+                         name="record-sweep", daemon=True).start()  # fmt: skip
     servicer = QuantCacheServicer(
         store,
         rt.metrics,
@@ -86,22 +96,11 @@ ACL_REFRESH_S = 1.0  # how often the data-plane user is set again (Redis forgets
 DATA_PLANE_COMMANDS = ("-@all", "+ping", "+select", "+set", "+strlen", "+getrange")
 
 
-def data_plane_keys(prefix: str) -> str:
-    """The data-plane user's key pattern: record keys under `prefix` only. A record key's
-    first character after the prefix is an id's ([A-Za-z0-9_.-]); the service's stats hash
-    (`<prefix>:#stats`) starts with `#` and is shut out."""
-    return f"~{glob_escape(prefix)}:[^#]*"
-
-
-def glob_escape(text: str) -> str:
-    """`text` matched literally in a Redis glob pattern."""
-    return "".join(f"\\{c}" if c in "*?[]\\^" else c for c in text)
-
-
 class DataPlaneUser:
     """A Redis user limited to the record keys under `prefix` and to the direct path's
-    commands (DATA_PLANE_COMMANDS), with a random password fixed for this process. Redis forgets users when it restarts, so `keep` sets it
-    again every ACL_REFRESH_S while the service runs."""
+    commands (DATA_PLANE_COMMANDS), with a random password fixed for this process. Redis
+    forgets users when it restarts, so `keep` sets it again every ACL_REFRESH_S while the
+    service runs."""
 
     def __init__(self, admin: redis.Redis, url: str, prefix: str) -> None:
         self.admin, self.prefix = admin, prefix
@@ -116,7 +115,7 @@ class DataPlaneUser:
     def ensure(self) -> None:
         """Create or reset the user (RedisError when Redis refuses)."""
         self.admin.execute_command("ACL", "SETUSER", DATA_PLANE_USER, "reset", "on",
-                                   f">{self.password}", data_plane_keys(self.prefix),
+                                   f">{self.password}", f"~{record_pattern(self.prefix)}",
                                    *DATA_PLANE_COMMANDS)  # fmt: skip
 
     def keep(self, stopping: threading.Event) -> None:
@@ -142,6 +141,38 @@ def data_plane_user(admin: redis.Redis, url: str, prefix: str,
     threading.Thread(target=user.keep, args=(stopping,), name="data-plane-user",
                      daemon=True).start()  # fmt: skip
     return user.url
+
+
+class Sweeper:
+    """Runs RecordStore.sweep every `interval` seconds: the service's TTL and size limit hold
+    for records whichever path wrote them. Counted as
+    `trace_quant_cache_swept_records_total{action}` and logged (a client broke the limits)."""
+
+    def __init__(self, store: RecordStore, max_record_bytes: int, metrics: Metrics) -> None:
+        self.store, self.max_record_bytes = store, max_record_bytes
+        self.swept = metrics.counter("swept_records", "record keys the sweep fixed or deleted",
+                                     labels=("action",))  # fmt: skip
+        for action in SWEEP_ACTIONS:
+            self.swept.labels(action)  # exported at 0 from the start
+        self.seconds = metrics.histogram("sweep_seconds", "time of one sweep over the records")
+
+    def once(self) -> dict[str, int]:
+        t0 = time.perf_counter()
+        counts = self.store.sweep(self.max_record_bytes)
+        self.seconds.observe(time.perf_counter() - t0)
+        for action, n in counts.items():
+            if n:
+                self.swept.labels(action).inc(n)
+        if any(counts.values()):
+            log.warning("record sweep: %s (written past the service's limits)", counts)
+        return counts
+
+    def run(self, interval: float, stopping: threading.Event) -> None:
+        while not stopping.wait(interval):
+            try:
+                self.once()
+            except ServiceError as err:  # Redis down: the next sweep tries again
+                log.warning("record sweep failed: %s", err.message)
 
 
 def _stats(store: RecordStore) -> dict[str, object]:

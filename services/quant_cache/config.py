@@ -30,6 +30,13 @@ class QuantCacheSettings(ServiceSettings):
         1 << 20, gt=0, description="GetRecords message size (and Redis GETRANGE piece size)"
     )
     key_prefix: str = Field("trace:qc", description="Redis key namespace")
+    sweep_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="every this many seconds, give every record key the TTL and delete values "
+        "over max_record_bytes or not strings, whoever wrote them (the direct path's clients "
+        "too); 0 = never",
+    )
     data_plane_enabled: bool = Field(
         True,
         description="hand authenticated clients the Redis coordinates (GetDataPlane) so they "
