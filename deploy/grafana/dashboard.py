@@ -245,9 +245,11 @@ ROWS: tuple[Row, ...] = (
             ),
             Panel(
                 "quant-cache hits / misses / evictions",
-                "Record lookups that found a valid record, none, or a corrupt one (direct and "
-                "gRPC paths); keys Redis evicted at its memory bound and expired by TTL. Counted "
-                "in Redis, so every quant-cache replica reports the same value: max, not sum.",
+                "Record lookups through the service that found a valid record, none, or a "
+                "corrupt one; keys Redis evicted at its memory bound and expired by TTL. Counted "
+                "in Redis, so every quant-cache replica reports the same value: max, not sum. "
+                "Swept: record keys the service's sweep fixed or deleted (written past its TTL or "
+                "size limit), per replica: sum.",
                 "ops",
                 (
                     q(f"max(rate(trace_quant_cache_hits_total[{RATE}]))", "hits"),
@@ -255,6 +257,10 @@ ROWS: tuple[Row, ...] = (
                     q(f"max(rate(trace_quant_cache_corrupt_records_total[{RATE}]))", "corrupt"),
                     q(f"max(rate(trace_quant_cache_redis_evicted_keys_total[{RATE}]))", "evicted"),
                     q(f"max(rate(trace_quant_cache_redis_expired_keys_total[{RATE}]))", "expired"),
+                    q(
+                        f"sum by (action) (rate(trace_quant_cache_swept_records_total[{RATE}]))",
+                        "swept: {{action}}",
+                    ),
                 ),
                 width=8,
             ),
