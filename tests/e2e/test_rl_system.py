@@ -135,6 +135,8 @@ def test_rl_steps_end_to_end(cluster: LocalCluster) -> None:
     for r in rows:
         assert r["samples"] == 16 and r["samples_trained"] == 16, r
         assert r["samples_dropped_records"] == 0 and r["samples_dropped_stale"] == 0
+        # every record read verified: tag and the write generation its rollout reported
+        assert r["samples_regenerated"] == 0 and not any(r["records_refused"].values()), r
         # all layers guided, routing replayed, same version: the trainer reproduces the rollout
         assert r["d_act_mean"] == 0.0 and r["d_act_max"] == 0.0 and r["code_flip_rate"] == 0.0
         assert r["routing_mismatch"] == 0.0
