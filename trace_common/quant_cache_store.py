@@ -15,7 +15,7 @@ Value: a 16-byte header, then the blob:
 Every record is SET with the TTL. A read that finds a bad magic, a length that disagrees
 with the stored size, or a CRC mismatch reports the record CORRUPT; its bytes are never
 returned. Records are read as GETRANGE pieces of at most `piece_bytes` (the first one after
-the header), checked to come from one write (RecordStore.get_many).
+the header), checked to come from one write (RedisRecordStore.get_many).
 
 Counters: the hash `<prefix>:#stats` (`#` never occurs in an id, so it is no record key and
 no delete pattern matches it) holds STATS_FIELDS, incremented by every put and get of the
@@ -23,7 +23,7 @@ service (a put's in the same pipeline as its SETs); the service exports them as 
 Prometheus counters. The direct path does not count (`count=False`): its Redis user may not
 write the stats hash, so a client cannot falsify the service's counters.
 
-Server-side bounds: the service sweeps every record key periodically (RecordStore.sweep), so a
+Server-side bounds: the service sweeps every record key periodically (RedisRecordStore.sweep), so a
 direct-path client that ignores the TTL or the size limit is bounded all the same.
 
 Memory bound: Redis `maxmemory` with an eviction policy (default `volatile-ttl`: every
@@ -219,7 +219,7 @@ def redis_errors(exc: redis.RedisError) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, f"Redis error: {type(exc).__name__}: {text}")
 
 
-SWEEP_SCAN_COUNT = 1000  # keys per SCAN step and per check script of RecordStore.sweep
+SWEEP_SCAN_COUNT = 1000  # keys per SCAN step and per check script of RedisRecordStore.sweep
 SWEEP_ACTIONS = ("ttl_set", "deleted_oversize", "deleted_not_a_string")
 # KEYS: record keys; ARGV: the largest stored value in bytes, the TTL in seconds. Returns how
 # many keys got the TTL, and how many were deleted as oversize or as not a string.
@@ -253,7 +253,7 @@ def _add(counts: dict[str, int], replies: Sequence[int]) -> None:
         counts[action] += int(n)
 
 
-class RecordStore:
+class RedisRecordStore:
     """Records in Redis (the layout above); raises ServiceError on Redis failures."""
 
     def __init__(

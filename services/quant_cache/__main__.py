@@ -17,7 +17,7 @@ from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc
 from trace_common.quant_cache_store import (
     SOCKET_READ_BYTES,
     SWEEP_ACTIONS,
-    RecordStore,
+    RedisRecordStore,
     record_pattern,
 )
 from trace_common.redis_local import LocalRedis, LocalRedisConfig, redact_url
@@ -44,7 +44,7 @@ def main() -> None:
             "started a local redis-server",
             extra={"redis_url": redact_url(url), "maxmemory_bytes": maxmemory},
         )
-    store = RecordStore(
+    store = RedisRecordStore(
         redis.Redis.from_url(url, socket_timeout=30, socket_read_size=SOCKET_READ_BYTES),
         settings.key_prefix,
         settings.ttl_seconds,
@@ -144,11 +144,11 @@ def data_plane_user(admin: redis.Redis, url: str, prefix: str,
 
 
 class Sweeper:
-    """Runs RecordStore.sweep every `interval` seconds: the service's TTL and size limit hold
+    """Runs RedisRecordStore.sweep every `interval` seconds: the service's TTL and size limit hold
     for records whichever path wrote them. Counted as
     `trace_quant_cache_swept_records_total{action}` and logged (a client broke the limits)."""
 
-    def __init__(self, store: RecordStore, max_record_bytes: int, metrics: Metrics) -> None:
+    def __init__(self, store: RedisRecordStore, max_record_bytes: int, metrics: Metrics) -> None:
         self.store, self.max_record_bytes = store, max_record_bytes
         self.swept = metrics.counter("swept_records", "record keys the sweep fixed or deleted",
                                      labels=("action",))  # fmt: skip
@@ -175,7 +175,7 @@ class Sweeper:
                 log.warning("record sweep failed: %s", err.message)
 
 
-def _stats(store: RecordStore) -> dict[str, object]:
+def _stats(store: RedisRecordStore) -> dict[str, object]:
     try:
         info = store.info()
     except ServiceError as err:  # Redis down: /status still answers, saying so

@@ -22,7 +22,7 @@ from trace_common.quant_cache_store import (
     STATS_FIELDS,
     Found,
     Lookup,
-    RecordStore,
+    RedisRecordStore,
     check_key,
     check_sample_ids,
     check_size,
@@ -74,7 +74,7 @@ class _RedisCollector:
     Redis's own memory and eviction counters. Every replica exports the same Redis-wide
     values."""
 
-    def __init__(self, metrics: Metrics, store: RecordStore) -> None:
+    def __init__(self, metrics: Metrics, store: RedisRecordStore) -> None:
         self._name = metrics.name
         self._store = store
 
@@ -109,11 +109,11 @@ class _RedisCollector:
 
 
 class QuantCacheServicer(pb_grpc.QuantCacheServicer):
-    """Implements trace.quantcache.v1.QuantCache over a RecordStore."""
+    """Implements trace.quantcache.v1.QuantCache over a RedisRecordStore."""
 
     def __init__(
         self,
-        store: RecordStore,
+        store: RedisRecordStore,
         metrics: Metrics,
         *,
         max_record_bytes: int,
@@ -334,7 +334,7 @@ class _Assembly:
         self.buffer += data
         self.received += n
 
-    def finish(self, store: RecordStore) -> tuple[str, memoryview]:
+    def finish(self, store: RedisRecordStore) -> tuple[str, memoryview]:
         """Check length and CRC-32; return (redis key, header + blob)."""
         sid = self.key.sample_id
         if self.received != self.total:

@@ -130,7 +130,7 @@ class DirectPath:
     def __init__(self, plane: pb.GetDataPlaneResponse, client: redis.Redis) -> None:
         self.plane = plane
         # not counted in the service's stats: the data-plane user may not write them
-        self.store = layout.RecordStore(client, plane.key_prefix, plane.ttl_seconds,
+        self.store = layout.RedisRecordStore(client, plane.key_prefix, plane.ttl_seconds,
                                         piece_bytes=plane.piece_bytes, count=False)  # fmt: skip
 
     def put_many(

@@ -10,7 +10,7 @@ import httpx
 import redis
 
 from trace_common.clients import QuantCacheClient
-from trace_common.quant_cache_store import RecordStore, encode, record_pattern
+from trace_common.quant_cache_store import RedisRecordStore, encode, record_pattern
 from trace_common.redis_local import LocalRedis
 from trace_common.service.testing import ServiceProcess
 
@@ -28,7 +28,7 @@ def _rogue_writes(raw: redis.Redis) -> None:
 def test_sweep_bounds_what_clients_wrote_past_the_limits(
     local_redis: LocalRedis, raw_redis: redis.Redis
 ) -> None:
-    store = RecordStore(raw_redis, "trace:qc", ttl_seconds=600)
+    store = RedisRecordStore(raw_redis, "trace:qc", ttl_seconds=600)
     store.put_many([("trace:qc:run:0:good", encode(b"within bounds"))])
     stats = raw_redis.hgetall("trace:qc:#stats")
     raw_redis.set("other:key", b"not ours")

@@ -17,7 +17,7 @@ from trace_common.quant_cache_store import (
     HEADER_BYTES,
     LAYOUT_VERSION,
     Lookup,
-    RecordStore,
+    RedisRecordStore,
     decode,
     encode_header,
 )
@@ -39,7 +39,7 @@ def servicer(redis_url: str) -> Iterator[QuantCacheServicer]:
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     yield QuantCacheServicer(
-        RecordStore(client, "t:qc", ttl_seconds=60, piece_bytes=7),
+        RedisRecordStore(client, "t:qc", ttl_seconds=60, piece_bytes=7),
         Metrics("quant_cache"),
         max_record_bytes=MAX_RECORD,
         max_batch=MAX_BATCH,
@@ -243,7 +243,7 @@ def test_redis_down_is_unavailable(redis_url: str) -> None:
         host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
     )
     s = QuantCacheServicer(
-        RecordStore(dead, "t", 60, piece_bytes=4),
+        RedisRecordStore(dead, "t", 60, piece_bytes=4),
         Metrics("quant_cache"),
         max_record_bytes=10,
         max_batch=2,
@@ -316,9 +316,9 @@ def test_get_many_rereads_a_record_rewritten_between_round_trips(
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     old, new = bytes(range(50)), bytes(range(100, 100 + new_size))
-    store = RecordStore(client, "t:qc", ttl_seconds=60, piece_bytes=8)
+    store = RedisRecordStore(client, "t:qc", ttl_seconds=60, piece_bytes=8)
     store.put_many([(store.key("r", 0, "s"), encode(old))])
-    racing = RecordStore(
+    racing = RedisRecordStore(
         _RewriteAfterFirstRound(client, store.key("r", 0, "s"), encode(new)),  # type: ignore[arg-type]
         "t:qc",
         ttl_seconds=60,
