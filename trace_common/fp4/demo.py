@@ -22,7 +22,7 @@ from trace_common.fp4.guided import guided_grid, guided_quantize, make_record
 
 
 @dataclass(kw_only=True, slots=True)
-class DemoConfig:
+class NumericsDemoConfig:
     """Sizes of the synthetic layer (tokens x hidden -> tokens x K) and the perturbations."""
 
     tokens: int = 256  # rows (tokens) of the activation
@@ -36,7 +36,7 @@ class DemoConfig:
     seed: int = 0
 
 
-def make_activations(cfg: DemoConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_activations(cfg: NumericsDemoConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h bf16 [T, H], W bf16 [H, K], channel-outlier mask) with heavy-tailed, LLM-like stats."""
     g = torch.Generator().manual_seed(cfg.seed)
     h = torch.randn(cfg.tokens, cfg.hidden, generator=g)
@@ -94,9 +94,9 @@ def compare(
     return rows
 
 
-def run_demo(cfg: DemoConfig | None = None, console: Console | None = None) -> None:
+def run_demo(cfg: NumericsDemoConfig | None = None, console: Console | None = None) -> None:
     """Print the flip-rate / D_act table for NVFP4 and MXFP4, two perturbation scenarios."""
-    cfg = cfg or DemoConfig()
+    cfg = cfg or NumericsDemoConfig()
     console = console or Console()
     console.print(
         "[bold]TRACE FP4 numerics demo[/bold]: one activation computed by two kernels, "

@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from trace_common.fp4.demo import (
-    DemoConfig,
+    NumericsDemoConfig,
     compare,
     make_activations,
     rollout_gemm,
@@ -15,7 +15,7 @@ from trace_common.fp4.demo import (
     trainer_gemm,
 )
 
-SMALL = DemoConfig(tokens=32, hidden=256, k=256, split_k=4, drifts=(0.2,))
+SMALL = NumericsDemoConfig(tokens=32, hidden=256, k=256, split_k=4, drifts=(0.2,))
 
 
 def test_run_demo_prints_table() -> None:
