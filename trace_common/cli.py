@@ -54,6 +54,11 @@ def demo(
         help="PyTorch engine's compute dtype: auto (bf16 on CUDA, else float32) | "
         "float32 | bfloat16 (the trainer keeps fp32 master weights) [auto]",
     ),
+    export_hp_dtype: str | None = typer.Option(
+        None,
+        help="dtype of the high-precision (non-FP4) weights the trainer pushes: auto (bf16 on "
+        "CUDA, else float32) | float32 | bfloat16 [auto]",
+    ),
     seed: int | None = typer.Option(None, help="[0]"),
 ) -> None:
     """Run TRACE end to end on this machine: warm start, then RL of an MoE with a local
@@ -67,6 +72,7 @@ def demo(
         difficulty=difficulty, replicas=replicas, prompts_per_step=prompts_per_step,
         group_size=group_size, lr=lr, warmstart_target=warmstart_target, seed=seed,
         shape=shape, rollout_engine=rollout_engine, rollout_dtype=rollout_dtype,
+        export_hp_dtype=export_hp_dtype,
     )  # fmt: skip
 
 

@@ -87,6 +87,7 @@ class DemoConfig:
     eval_prompts: int = 256  # held-out prompts of the warm-start and final evaluations
     rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas: auto|native|cuda|vllm
     rollout_dtype: str = "auto"  # PyTorch engine's dtype (auto: bf16 on CUDA, else fp32)
+    export_hp_dtype: str = "auto"  # the trainer's TRACE_EXPORT_HP_DTYPE (auto: bf16 on CUDA)
     warmstart: bool = True  # supervised warm start first (`trace-rl train`: only if asked)
 
     def __post_init__(self) -> None:
@@ -98,6 +99,8 @@ class DemoConfig:
             raise ValueError(f"rollout engine {self.rollout_engine!r}: one of {ROLLOUT_ENGINES}")
         if self.rollout_dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"rollout dtype {self.rollout_dtype!r}: one of {ROLLOUT_DTYPES}")
+        if self.export_hp_dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"export_hp_dtype {self.export_hp_dtype!r}: one of {ROLLOUT_DTYPES}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
 
@@ -317,9 +320,11 @@ def trainer_run(cfg: DemoConfig, init: str | None) -> RunConfig:
 
 
 def trainer_env(cfg: DemoConfig, out: pathlib.Path) -> dict[str, str]:
-    """The trainer's wiring: its device, where metrics and checkpoints go."""
+    """The trainer's wiring: its device, the dtype of its exported high-precision weights,
+    where metrics and checkpoints go."""
     return {
         "TRACE_DEVICE": cfg.device,
+        "TRACE_EXPORT_HP_DTYPE": cfg.export_hp_dtype,
         "TRACE_METRICS_FILE": str(out / "metrics.jsonl"),
         "TRACE_CHECKPOINT_DIR": str(out / "checkpoints"),
     }

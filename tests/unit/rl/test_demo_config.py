@@ -77,6 +77,7 @@ def test_explicit_options_win_over_the_recipe() -> None:
         ({"shape": "huge"}, "unknown model shape 'huge'"),
         ({"rollout_engine": "tensorrt"}, "rollout engine 'tensorrt'"),
         ({"rollout_dtype": "float16"}, "rollout dtype 'float16'"),
+        ({"export_hp_dtype": "float16"}, "export_hp_dtype 'float16'"),
         ({"guidance_mode": "half"}, "guidance.mode = 'half'"),
         ({"replicas": "two"}, "demo.replicas = 'two': expected an integer"),
         ({"colour": "red"}, "unknown key demo.colour"),
@@ -93,6 +94,9 @@ def test_every_process_gets_the_run_device_and_engine(tmp_path: pathlib.Path) ->
     assert t["TRACE_DEVICE"] == "cuda" and t["TRACE_CHECKPOINT_DIR"] == str(
         tmp_path / "checkpoints"
     )
+    assert t["TRACE_EXPORT_HP_DTYPE"] == "auto"
+    assert trainer_env(DemoConfig.load(export_hp_dtype="bfloat16"), tmp_path)[
+        "TRACE_EXPORT_HP_DTYPE"] == "bfloat16"  # fmt: skip
 
     def played(cfg: DemoConfig, init: str):  # the recipe the cluster hands the trainer
         recipe = tmp_path / "run.toml"
