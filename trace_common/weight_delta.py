@@ -11,8 +11,13 @@ packed FP4 byte as uint8):
     BITMAP  one bit per element (LSB first, numpy.packbits order), then    ceil(N / 8) + n * w
             the new elements of the set bits, in order
     DENSE   the raw bytes of the new tensor, as a full version sends them  N * w
+    PLANES  each byte plane of the elements (plane j: byte j of every     sum of the planes'
+            element, little-endian) as its own one-byte delta: SAME,
+            SPARSE, BITMAP or DENSE, one after the other
 
-The encoder picks the smallest. The receiver rebuilds each tensor from its copy of the base
+PLANES is what a small update of wide elements needs: Adam moves every fp32 or BF16 weight a
+little each step, which rewrites their low bytes but seldom their sign and exponent, so the
+high planes travel as SAME or SPARSE. The encoder picks the smallest. The receiver rebuilds each tensor from its copy of the base
 and checks the full tensor's CRC-32 from the version's manifest, so a corrupted delta, or a
 base that is not what the sender thinks, never becomes a version. Torch-free (numpy), like
 trace_common.tensor_wire: weight-sync applies deltas without importing torch.
@@ -38,6 +43,10 @@ class DeltaKind(enum.IntEnum):
     SPARSE = 1
     BITMAP = 2
     DENSE = 3
+    PLANES = 4
+
+
+PLANE_KINDS = (DeltaKind.SAME, DeltaKind.SPARSE, DeltaKind.BITMAP, DeltaKind.DENSE)
 
 
 class DeltaError(ValueError):
@@ -52,18 +61,21 @@ class TensorDeltaInfo:
     payload_bytes: int
     changed: int
     base_crc32: int
+    planes: tuple[tuple[DeltaKind, int], ...] = ()  # PLANES: (kind, changed) per byte plane
 
     @classmethod
     def from_message(cls, msg) -> TensorDeltaInfo:
-        return cls(DeltaKind(msg.kind), msg.payload_bytes, msg.changed, msg.base_crc32)
+        planes = tuple((DeltaKind(p.kind), p.changed) for p in msg.planes)
+        return cls(DeltaKind(msg.kind), msg.payload_bytes, msg.changed, msg.base_crc32, planes)
 
-    def fields(self) -> dict[str, int]:
+    def fields(self) -> dict[str, object]:
         """The TensorDelta message's fields: `pb.TensorDelta(**info.fields())`."""
         return {
             "kind": int(self.kind),
             "payload_bytes": self.payload_bytes,
             "changed": self.changed,
             "base_crc32": self.base_crc32,
+            "planes": [{"kind": int(k), "changed": c} for k, c in self.planes],
         }
 
 
@@ -77,8 +89,17 @@ def _elements(raw: np.ndarray, width: int) -> np.ndarray:
     return raw.view(_UINT[width])
 
 
-def payload_size(kind: DeltaKind, elements: int, changed: int, width: int) -> int:
-    """Bytes of a payload of `kind` for a tensor of `elements` elements, `changed` of them new."""
+def payload_size(
+    kind: DeltaKind,
+    elements: int,
+    changed: int,
+    width: int,
+    planes: tuple[tuple[DeltaKind, int], ...] = (),
+) -> int:
+    """Bytes of a payload of `kind` for a tensor of `elements` elements, `changed` of them new
+    (PLANES: the sum of its `planes`' one-byte payloads)."""
+    if kind == DeltaKind.PLANES:
+        return sum(payload_size(k, elements, c, 1) for k, c in planes)
     if kind == DeltaKind.SAME:
         return 0
     if kind == DeltaKind.SPARSE:
@@ -103,20 +124,54 @@ def encode(
     base_crc = crc32(memoryview(base)) if base_crc is None else base_crc
     if changed == 0:
         return TensorDeltaInfo(DeltaKind.SAME, 0, 0, base_crc), []
+    kind = _smallest(n, changed, width)
+    size = payload_size(kind, n, changed, width)
+    if width > 1:
+        planes = _plane_changes(old_e ^ new_e, width)
+        plane_kinds = tuple((_smallest(n, c, 1), c) for c in planes)
+        plane_size = payload_size(DeltaKind.PLANES, n, changed, width, plane_kinds)
+        if plane_size < size:
+            by_plane = new.reshape(-1, width)
+            pieces: list[np.ndarray] = []
+            for j, (k, _) in enumerate(plane_kinds):
+                old_p, new_p = base.reshape(-1, width)[:, j], by_plane[:, j]
+                pieces += _pieces(k, old_p != new_p, new_p, new_p)
+            info = TensorDeltaInfo(DeltaKind.PLANES, plane_size, changed, base_crc, plane_kinds)
+            return info, [p.view(np.uint8).reshape(-1) for p in pieces]
+    pieces = _pieces(kind, mask, new_e, new)
+    return TensorDeltaInfo(kind, size, changed, base_crc), [
+        p.view(np.uint8).reshape(-1) for p in pieces
+    ]
+
+
+def _smallest(n: int, changed: int, width: int) -> DeltaKind:
+    """The kind of the smallest payload for `changed` of `n` elements of `width` bytes."""
+    if changed == 0:
+        return DeltaKind.SAME
     candidates = [DeltaKind.BITMAP, DeltaKind.DENSE]
     if n < MAX_SPARSE_ELEMENTS:
         candidates.insert(0, DeltaKind.SPARSE)
-    kind = min(candidates, key=lambda k: payload_size(k, n, changed, width))
-    size = payload_size(kind, n, changed, width)
+    return min(candidates, key=lambda k: payload_size(k, n, changed, width))
+
+
+def _plane_changes(diff: np.ndarray, width: int) -> list[int]:
+    """Per byte plane j, how many elements of `diff` (old XOR new) have a nonzero byte j."""
+    by_byte = diff.view(np.uint8).reshape(-1, width)
+    return [int(np.count_nonzero(by_byte[:, j])) for j in range(width)]
+
+
+def _pieces(kind: DeltaKind, mask: np.ndarray, new_e: np.ndarray,
+            raw: np.ndarray) -> list[np.ndarray]:  # fmt: skip
+    """The payload pieces of a SAME / SPARSE / BITMAP / DENSE delta: `mask` marks the changed
+    elements of `new_e`; DENSE sends `raw` (the new elements' bytes)."""
+    if kind == DeltaKind.SAME:
+        return []
     if kind == DeltaKind.SPARSE:
         index = np.flatnonzero(mask)
-        pieces = [index.astype(INDEX_DTYPE), new_e[index]]
-    elif kind == DeltaKind.BITMAP:
-        pieces = [np.packbits(mask, bitorder="little"), new_e[mask]]
-    else:
-        pieces = [new]
-    pieces = [p.view(np.uint8).reshape(-1) for p in pieces]
-    return TensorDeltaInfo(kind, size, changed, base_crc), pieces
+        return [index.astype(INDEX_DTYPE), new_e[index]]
+    if kind == DeltaKind.BITMAP:
+        return [np.packbits(mask, bitorder="little"), new_e[mask]]
+    return [np.ascontiguousarray(raw)]
 
 
 def encode_tensor(
@@ -131,6 +186,53 @@ def encode_tensor(
     if len(pieces) == 1:
         return info, pieces[0]
     return info, np.concatenate(pieces) if pieces else new[:0]
+
+
+def check_info(info: TensorDeltaInfo, elements: int, width: int, name: str) -> None:
+    """DeltaError naming `name` unless the delta's kind, counts and payload size agree with a
+    tensor of `elements` elements of `width` bytes."""
+    if info.changed > elements:
+        raise DeltaError(f"tensor {name!r}: changed={info.changed} > its {elements} elements")
+    if info.kind == DeltaKind.PLANES:
+        if len(info.planes) != width:
+            raise DeltaError(f"tensor {name!r}: {len(info.planes)} byte planes for "
+                             f"{width}-byte elements")  # fmt: skip
+        for kind, changed in info.planes:
+            if kind not in PLANE_KINDS or changed > elements:
+                raise DeltaError(f"tensor {name!r}: a byte plane of kind {kind.name} with "
+                                 f"changed={changed} of {elements} elements")  # fmt: skip
+    elif info.planes:
+        raise DeltaError(f"tensor {name!r}: a {info.kind.name} delta lists byte planes")
+    expected = payload_size(info.kind, elements, info.changed, width, info.planes)
+    if info.payload_bytes != expected:
+        raise DeltaError(
+            f"tensor {name!r}: a {info.kind.name} delta of {info.changed} of {elements} "
+            f"elements is {expected} bytes, payload_bytes={info.payload_bytes}"
+        )
+
+
+def _update(elements: np.ndarray, kind: DeltaKind, changed: int, payload: np.ndarray,
+            name: str) -> None:  # fmt: skip
+    """Write a SAME / SPARSE / BITMAP / DENSE payload's new values into `elements` (a view:
+    the tensor's elements, or one byte plane of them)."""
+    n, values_dtype = elements.size, elements.dtype
+    if kind == DeltaKind.SPARSE:
+        split = changed * INDEX_DTYPE.itemsize
+        index = payload[:split].view(INDEX_DTYPE)
+        if changed and int(index.max()) >= n:
+            raise DeltaError(f"tensor {name!r}: a delta index {int(index.max())} >= {n}")
+        elements[index] = payload[split:].view(values_dtype)
+    elif kind == DeltaKind.BITMAP:
+        split = (n + 7) // 8
+        mask = np.unpackbits(payload[:split], count=n, bitorder="little").view(bool)
+        if int(np.count_nonzero(mask)) != changed:
+            raise DeltaError(
+                f"tensor {name!r}: the bitmap sets {int(np.count_nonzero(mask))} elements, "
+                f"manifest says {changed}"
+            )
+        elements[mask] = payload[split:].view(values_dtype)
+    elif kind == DeltaKind.DENSE:
+        elements[:] = payload.view(values_dtype)
 
 
 def apply(
@@ -159,12 +261,7 @@ def apply(
         raise DeltaError(
             f"tensor {name!r}: delta payload is {payload.nbytes} bytes, manifest says {info.payload_bytes}"
         )
-    expected = payload_size(info.kind, n, info.changed, width)
-    if info.payload_bytes != expected:
-        raise DeltaError(
-            f"tensor {name!r}: a {info.kind.name} delta of {info.changed} of {n} elements is "
-            f"{expected} bytes, manifest says {info.payload_bytes}"
-        )
+    check_info(info, n, width, name)
     if info.kind == DeltaKind.DENSE:
         out = payload.copy()
     else:
@@ -175,22 +272,14 @@ def apply(
         if held != info.base_crc32:
             raise DeltaError(f"tensor {name!r}: the base held is not the delta's base (CRC-32)")
         out = base if in_place else base.copy()
-        elements = _elements(out, width)
-        if info.kind == DeltaKind.SPARSE:
-            split = info.changed * INDEX_DTYPE.itemsize
-            index = payload[:split].view(INDEX_DTYPE)
-            if info.changed and int(index.max()) >= n:
-                raise DeltaError(f"tensor {name!r}: a delta index {int(index.max())} >= {n}")
-            elements[index] = payload[split:].view(_UINT[width])
-        elif info.kind == DeltaKind.BITMAP:
-            split = (n + 7) // 8
-            mask = np.unpackbits(payload[:split], count=n, bitorder="little").view(bool)
-            if int(np.count_nonzero(mask)) != info.changed:
-                raise DeltaError(
-                    f"tensor {name!r}: the bitmap sets {int(np.count_nonzero(mask))} elements, "
-                    f"manifest says {info.changed}"
-                )
-            elements[mask] = payload[split:].view(_UINT[width])
+        if info.kind == DeltaKind.PLANES:
+            by_plane, offset = out.reshape(-1, width), 0
+            for j, (kind, changed) in enumerate(info.planes):
+                size = payload_size(kind, n, changed, 1)
+                _update(by_plane[:, j], kind, changed, payload[offset : offset + size], name)
+                offset += size
+        else:
+            _update(_elements(out, width), info.kind, info.changed, payload, name)
     got = crc32(memoryview(out))
     if got != crc:
         raise DeltaError(

@@ -181,6 +181,9 @@ class StoredVersion:
         )
 
 
+MAX_DELTA_PLANES = 8  # byte planes of a PLANES delta: one per byte of the widest element
+
+
 def check_delta_manifest(header: pb.VersionHeader, base: pb.VersionHeader | None) -> None:
     """INVALID_ARGUMENT naming what is wrong with a delta header's deltas (the tensors are
     checked as in a full version); `base` is the base's header, when it is held."""
@@ -191,19 +194,19 @@ def check_delta_manifest(header: pb.VersionHeader, base: pb.VersionHeader | None
     by_name = {} if base is None else {t.name: t for t in base.tensors}
     total = 0
     for spec, d in zip(header.tensors, header.deltas, strict=True):
-        if d.kind not in delta.DeltaKind._value2member_map_:
-            raise invalid(f"tensor {spec.name!r}: unknown delta kind {d.kind}")
-        kind = delta.DeltaKind(d.kind)
+        known = delta.DeltaKind._value2member_map_
+        for k in (d.kind, *(p.kind for p in d.planes)):
+            if k not in known:
+                raise invalid(f"tensor {spec.name!r}: unknown delta kind {k}")
+        if len(d.planes) > MAX_DELTA_PLANES:
+            raise invalid(f"tensor {spec.name!r}: {len(d.planes)} byte planes > {MAX_DELTA_PLANES}")
+        info = delta.TensorDeltaInfo.from_message(d)
+        kind = info.kind
         width = delta.element_width(spec.dtype, spec.nbytes)
-        elements = spec.nbytes // width
-        if d.changed > elements:
-            raise invalid(f"tensor {spec.name!r}: changed={d.changed} > its {elements} elements")
-        size = delta.payload_size(kind, elements, d.changed, width)
-        if d.payload_bytes != size:
-            raise invalid(
-                f"tensor {spec.name!r}: a {kind.name} delta of {d.changed} of {elements} "
-                f"elements is {size} bytes, payload_bytes={d.payload_bytes}"
-            )
+        try:
+            delta.check_info(info, spec.nbytes // width, width, spec.name)
+        except delta.DeltaError as exc:
+            raise invalid(str(exc)) from None
         if kind != delta.DeltaKind.DENSE and base is not None:
             old = by_name.get(spec.name)
             if old is None or (old.dtype, list(old.shape)) != (spec.dtype, list(spec.shape)):

@@ -25,9 +25,18 @@ def _pair(dtype: torch.dtype, n: int, fraction: float) -> tuple[np.ndarray, np.n
     idx = torch.randperm(n, generator=g)[: int(n * fraction)]
     if dtype == torch.uint8:
         new[idx] = new[idx] ^ 0x11  # every picked code changes
-    else:
-        new.view(torch.uint8).view(-1, old.element_size())[idx, 0] ^= 1  # lowest mantissa bit
+    else:  # every byte of each picked element changes (no byte plane is cheaper alone)
+        new.view(torch.uint8).view(-1, old.element_size())[idx] ^= 0x11
     return raw_bytes(old).copy(), raw_bytes(new).copy()
+
+
+def _small_step(dtype: torch.dtype, n: int, rel: float) -> tuple[np.ndarray, np.ndarray]:
+    """A weight tensor before and after an Adam-like step: every value moves by about `rel`
+    of its size, so low bytes change and sign and exponent seldom do."""
+    g = torch.Generator().manual_seed(int(RNG.integers(1 << 30)))
+    master = torch.randn(n, generator=g) * 0.02
+    moved = master * (1 + rel * torch.randn(n, generator=g))
+    return raw_bytes(master.to(dtype)).copy(), raw_bytes(moved.to(dtype)).copy()
 
 
 def _apply(old: np.ndarray, new: np.ndarray, info, pieces, dtype: str) -> np.ndarray:
@@ -61,11 +70,54 @@ def test_each_kind_rebuilds_exactly_and_is_the_smallest(
     assert info.kind == kind
     assert info.changed == int(n * fraction)
     assert info.payload_bytes == sum(p.nbytes for p in pieces)
-    sizes = [delta.payload_size(k, n, info.changed, width) for k in delta.DeltaKind if k]
+    sizes = [delta.payload_size(k, n, info.changed, width) for k in delta.PLANE_KINDS[1:]]
     assert info.payload_bytes == (0 if kind == delta.DeltaKind.SAME else min(sizes))
     out = _apply(old, new, info, pieces, name)
     assert out.tobytes() == new.tobytes()
     assert out is not old and not np.shares_memory(out, old)  # the base stays as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_small_step_of_wide_weights_travels_as_byte_planes(dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    old, new = _small_step(dtype, 50_000, 1e-2)
+    info, pieces = delta.encode(old, new, name)
+    width = delta.element_width(name, new.nbytes)
+    n = new.nbytes // width
+    assert info.kind == delta.DeltaKind.PLANES and len(info.planes) == width
+    assert info.payload_bytes == sum(p.nbytes for p in pieces)
+    whole = min(delta.payload_size(k, n, info.changed, width) for k in delta.PLANE_KINDS[1:])
+    assert info.payload_bytes < 0.75 * whole, (info, whole)
+    low, high = info.planes[0], info.planes[-1]
+    assert low[0] in (delta.DeltaKind.BITMAP, delta.DeltaKind.DENSE)
+    assert high[0] in (delta.DeltaKind.SAME, delta.DeltaKind.SPARSE) and high[1] < 0.05 * n
+    out = _apply(old, new, info, pieces, name)
+    assert out.tobytes() == new.tobytes() and not np.shares_memory(out, old)
+    payload = np.concatenate(pieces)
+    payload[-1] ^= 0x01  # the last plane's last byte
+    with pytest.raises(delta.DeltaError, match="rebuilt bytes have crc32"):
+        delta.apply(old, info, payload, dtype=name, nbytes=new.nbytes,
+                    crc=crc32(memoryview(new)), name="t")  # fmt: skip
+
+
+def test_malformed_byte_planes_name_the_problem() -> None:
+    old, new = _small_step(torch.bfloat16, 1_000, 1e-2)
+    info, pieces = delta.encode(old, new, "bfloat16")
+    assert info.kind == delta.DeltaKind.PLANES
+    payload = np.concatenate(pieces)
+    args = {"dtype": "bfloat16", "nbytes": new.nbytes, "crc": 0, "name": "t"}
+    one = delta.TensorDeltaInfo(info.kind, info.payload_bytes, info.changed, info.base_crc32,
+                                info.planes[:1])  # fmt: skip
+    with pytest.raises(delta.DeltaError, match="1 byte planes for 2-byte elements"):
+        delta.apply(old, one, payload, **args)
+    nested = ((delta.DeltaKind.PLANES, 1), info.planes[1])
+    bad = delta.TensorDeltaInfo(info.kind, info.payload_bytes, info.changed, info.base_crc32,
+                                nested)  # fmt: skip
+    with pytest.raises(delta.DeltaError, match="a byte plane of kind PLANES"):
+        delta.apply(old, bad, payload, **args)
+    listed = delta.TensorDeltaInfo(delta.DeltaKind.DENSE, new.nbytes, 0, 0, info.planes)
+    with pytest.raises(delta.DeltaError, match="a DENSE delta lists byte planes"):
+        delta.apply(old, listed, new, **args)
 
 
 def test_a_flipped_payload_byte_fails_the_crc() -> None:

@@ -26,16 +26,26 @@ class VersionHeader(_message.Message):
     def __init__(self, version: _Optional[int] = ..., metadata_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., base_version: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[TensorDelta, _Mapping]]] = ..., delta_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorDelta(_message.Message):
-    __slots__ = ("kind", "payload_bytes", "changed", "base_crc32")
+    __slots__ = ("kind", "payload_bytes", "changed", "base_crc32", "planes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     BASE_CRC32_FIELD_NUMBER: _ClassVar[int]
+    PLANES_FIELD_NUMBER: _ClassVar[int]
     kind: int
     payload_bytes: int
     changed: int
     base_crc32: int
-    def __init__(self, kind: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., changed: _Optional[int] = ..., base_crc32: _Optional[int] = ...) -> None: ...
+    planes: _containers.RepeatedCompositeFieldContainer[PlaneDelta]
+    def __init__(self, kind: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., changed: _Optional[int] = ..., base_crc32: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[PlaneDelta, _Mapping]]] = ...) -> None: ...
+
+class PlaneDelta(_message.Message):
+    __slots__ = ("kind", "changed")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    kind: int
+    changed: int
+    def __init__(self, kind: _Optional[int] = ..., changed: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tensor_index", "offset", "data")
