@@ -188,25 +188,16 @@ class ShardedLearner(ModelLearner):
         if not dist.is_initialized():
             raise RuntimeError("ShardedLearner needs a process group: call init_distributed()")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device(device)
-        model = model.to(device=self.device, dtype=torch.float32)  # fp32 master weights
-        model.activation_checkpointing = config.activation_checkpointing
-        self.model = shard_model(model, self.device)
-        self.config = config
-        self.autocast_dtype = config.autocast_dtype(self.device)
-        self.quant = QuantConfig.none() if config.mode == "bf16" else quant
-        wants = config.mode == "trace" or (config.measure_records and config.mode != "bf16")
-        self.guidance = guidance if wants else None
-        self.eos_id, self.pad_id = eos_id, pad_id
         self.records = records  # where this rank pulls its samples' records (quant-cache)
         self._pulled: dict[str, bytes] = {}  # records check_records pulled for the next step
         self.run_id = run_id
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            fused=True if self.device.type == "cuda" else None,
-        )
+        super().__init__(model, config, quant=quant, guidance=guidance, eos_id=eos_id,
+                         pad_id=pad_id, device=device)  # fmt: skip
+
+    def _place(self, model: MoECausalLM) -> MoECausalLM:
+        return shard_model(model, self.device)
+
+    def _quantize_master(self) -> None:
         self._dequant_per_forward()
         self._quantize_streamed(keep=False)
 

@@ -136,8 +136,9 @@ class ModelLearner:
         device: torch.device | str = "cpu",
     ) -> None:
         self.device = torch.device(device)
-        self.model = model.to(device=self.device, dtype=torch.float32)  # fp32 master weights
-        self.model.activation_checkpointing = config.activation_checkpointing
+        model = model.to(device=self.device, dtype=torch.float32)  # fp32 master weights
+        model.activation_checkpointing = config.activation_checkpointing
+        self.model = self._place(model)
         self.config = config
         self.autocast_dtype = config.autocast_dtype(self.device)
         # bf16 mode: everything high precision, on both sides.
@@ -148,12 +149,20 @@ class ModelLearner:
         self.pad_id = pad_id
         # Fused AdamW on CUDA: one kernel over all parameters instead of a launch per tensor.
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self.model.parameters(),
             lr=config.lr,
             weight_decay=config.weight_decay,
             fused=True if self.device.type == "cuda" else None,
         )
-        quantize_policy(model, self.quant)
+        self._quantize_master()
+
+    def _place(self, model: MoECausalLM) -> MoECausalLM:
+        """The model as this learner trains it (here: as it is; a sharded learner shards it)."""
+        return model
+
+    def _quantize_master(self) -> None:
+        """Quantize the master weights for the first forward."""
+        quantize_policy(self.model, self.quant)
 
     def compute(self) -> Any:
         """The forward/backward precision: autocast to `autocast_dtype` when it is set."""
