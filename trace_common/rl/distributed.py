@@ -64,7 +64,7 @@ from trace_common.model import (
 from trace_common.model.model import FP4Weights
 from trace_common.rl.checkpoint import STATE_FILE, capture_rng, read_state, restore_rng
 from trace_common.rl.core import RecordStore, expected_generations
-from trace_common.rl.policy import OPTIM_IMPL_KEYS, LearnerConfig, ModelLearner
+from trace_common.rl.policy import OPTIM_IMPL_KEYS, LearnerConfig, ModelLearner, cast_hp_weight
 from trace_common.rl.types import TrainSample
 from trace_common.rollout.meta import PolicyMeta
 
@@ -326,7 +326,9 @@ class ShardedLearner(ModelLearner):
                 quantize_policy(self.model, self.quant, only=owns)
                 if keep and self.rank == 0:
                     part, _ = export_quantized_state_dict(self.model, only=owns)
-                    tensors.update({k: v.to("cpu") for k, v in part.items()})
+                    hp = self.export_hp_dtype
+                    tensors.update({k: (v if hp is None else cast_hp_weight(k, v, hp)).to("cpu")
+                                    for k, v in part.items()})  # fmt: skip
             finally:
                 _drop_dequant(self._fp4_of[id(unit)])  # rebuilt from the codes per forward
                 unit.reshard()

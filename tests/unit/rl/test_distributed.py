@@ -134,6 +134,8 @@ def _job_a(rank: int, root: pathlib.Path, samples: list[TrainSample]) -> None:
         leader.export_weights()  # each step publishes: the QAT forward reads that version
         out["losses"].append(leader.train_step(bare)["loss"])
         out["export2"] = leader.export_weights()
+        lrn.export_hp_dtype = torch.bfloat16  # rank 0 alone holds the export
+        out["export2_bf16"] = leader.export_weights()
         leader.save(root / "ckpt-2r", step=2, version=2)
         leader.stop()
     else:
@@ -251,6 +253,12 @@ def test_sharded_export_is_bit_exact(runs: dict[str, Any]) -> None:
     got, got_meta = a["export2"]
     _assert_bit_exact(got, want)
     assert got_meta == want_meta
+    # the bf16 export of the high-precision weights, sharded as in one process
+    single.export_hp_dtype = torch.bfloat16
+    want_bf16, _ = single.export_weights()
+    got_bf16, _ = a["export2_bf16"]
+    _assert_bit_exact(got_bf16, want_bf16)
+    assert {t.dtype for t in got_bf16.values()} >= {torch.bfloat16, torch.uint8}
 
 
 def test_sharded_checkpoint_resumes_at_one_and_two_ranks(runs: dict[str, Any]) -> None:
