@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from trace_common.fp4.guided import GuidanceRecord
+from trace_common.fp4.record import GuidanceRecord
 from trace_common.kernels.settings import KernelSettings
 from trace_common.model.config import (
     DEFAULT_QUANT_SITES,

@@ -51,7 +51,7 @@ def _to_cpu(q):
 @pytest.mark.parametrize("shape", [(33, 128), (5, 768), (64, 2048), (3, 4, 512)])
 def test_quantize_bit_exact(shape, dtype, gran):
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.guided import make_record
+    from trace_common.fp4.record import make_record
     from trace_common.kernels import quant
 
     x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + len(gran))
@@ -75,7 +75,8 @@ def test_fake_quantize_bit_exact_and_used_by_qat(shape, dtype, gran):
     """The kernel's fake quant equals the CPU reference's dequantize(quantize(x)) bit for bit;
     `fp4.fake.fake_quantize` takes it for CUDA tensors, with the straight-through gradient."""
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.fake import fake_quantize, gpu_path
+    from trace_common.fp4.fake import fake_quantize
+    from trace_common.fp4.fast_path import fast_path_for
     from trace_common.kernels import quant
 
     x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + len(gran) + 1)
@@ -86,7 +87,7 @@ def test_fake_quantize_bit_exact_and_used_by_qat(shape, dtype, gran):
     assert torch.equal(got.cpu().view(bits), ref.view(bits)), (
         "fake quant differs from the reference"
     )
-    assert gpu_path(x)
+    assert fast_path_for(x) is quant.FAST_PATH
     leaf = x.clone().requires_grad_(True)
     y = fake_quantize(leaf, "nvfp4", scale_granularity=gran)
     assert torch.equal(y.detach().cpu().view(bits), ref.view(bits))
@@ -106,7 +107,9 @@ def test_guided_quantize_kernel_bit_exact(shape, dtype):
     rounding equals the CPU reference bit for bit, and `guided_quantize` on CUDA takes it,
     with the straight-through gradient."""
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.guided import guided_quantize, make_record
+    from trace_common.fp4.fast_path import fast_path_for
+    from trace_common.fp4.guided import guided_quantize
+    from trace_common.fp4.record import make_record
     from trace_common.kernels import quant
 
     x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + 2)
@@ -117,6 +120,7 @@ def test_guided_quantize_kernel_bit_exact(shape, dtype):
     bits = {4: torch.int32, 2: torch.int16}[x.element_size()]
     got = quant.guided_quantize(x, rec.to(DEV))
     assert torch.equal(got.cpu().view(bits), want.view(bits)), "guided rounding differs"
+    assert fast_path_for(x) is quant.FAST_PATH
     leaf = x.clone().requires_grad_(True)
     y = guided_quantize(leaf, rec.to(DEV))
     assert torch.equal(y.detach().cpu().view(bits), want.view(bits))
@@ -187,12 +191,12 @@ def test_quantize_given_row_scales():
 
 
 def test_capture_matches_guided_capture():
-    from trace_common.fp4 import guided
+    from trace_common.fp4 import record
     from trace_common.kernels import quant
 
     x = _nasty((17, 2048), torch.bfloat16, seed=5)
     for mode in ("compact", "full"):
-        xq_ref, rec_ref = guided.capture(x.cpu(), "nvfp4", mode)
+        xq_ref, rec_ref = record.capture(x.cpu(), "nvfp4", mode)
         xq, rec = quant.capture(x, mode)
         rec = rec.to("cpu")
         torch.testing.assert_close(xq.cpu(), xq_ref, rtol=0, atol=0)
@@ -202,7 +206,7 @@ def test_capture_matches_guided_capture():
 
 def test_kv_append_fp4_exact_and_capture():
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.guided import make_record
+    from trace_common.fp4.record import make_record
     from trace_common.kernels import attention as attn
     from trace_common.kernels.quant import CompactRecordBuffers
 

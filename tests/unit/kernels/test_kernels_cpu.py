@@ -106,7 +106,7 @@ _INTERPRETED = textwrap.dedent(
     """
     import torch
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.guided import make_record
+    from trace_common.fp4.record import make_record
     from trace_common.kernels import quant
     torch.manual_seed(0)
     for shape, gran, dt in [((6, 64), "row", torch.float32), ((3, 48), "tensor", torch.bfloat16),
