@@ -41,7 +41,7 @@ from trace_common.kernels.cuda_launch import (
 from trace_common.kernels.quant import check_buffer as _check
 
 if TYPE_CHECKING:
-    from trace_common.kernels.moe import FP4Rows
+    from trace_common.kernels.moe_layout import FP4Rows
     from trace_common.kernels.quant import CompactRecordBuffers
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "small_batch.cu"
@@ -363,7 +363,7 @@ def router_topk(
 ) -> None:
     """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
     logits, softmax top-k (renormalized) and, unless sorted_pair and block_expert are None,
-    the grouped GEMMs' block layout (moe.RoutePlan, pairs of each expert in (j, t) order as
+    the grouped GEMMs' block layout (moe_layout.RoutePlan, pairs of each expert in (j, t) order as
     moe.align_reference). With `xq`, one more CTA also writes xn's NVFP4 rows (and xq.dq16,
     and the compact record into `capture`), equal to quant.quantize_rows(xn, scale_2=None,
     capture=capture, dq16=xq.dq16). `cluster`
