@@ -1,5 +1,7 @@
-"""The import graph of `trace_common` and `services`: no cycles, and the FP4 numerics
-(`trace_common/fp4`) import nothing of `trace_common` outside themselves.
+"""The import graph of `trace_common` and `services`: no cycles; the FP4 numerics
+(`trace_common/fp4`) import nothing of `trace_common` outside themselves; the RL core
+(`trace_common/rl`) imports neither the run configuration that is built from its parts
+(`trace_common/config.py`) nor the local launcher above both (`trace_common/launch`).
 
 The graph is read from the source with `ast`, so it sees every import statement: module level,
 inside functions, and under `if TYPE_CHECKING:`. `from a.b import c` is an edge to `a.b.c` when
@@ -104,8 +106,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _in_fp4(module: str) -> bool:
-    return module == FP4 or module.startswith(FP4 + ".")
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
@@ -140,9 +142,20 @@ def test_no_import_cycles() -> None:
 def test_fp4_imports_nothing_above_it() -> None:
     graph = import_graph()
     upward = {
-        m: sorted(t for t in targets if t.startswith("trace_common") and not _in_fp4(t))
+        m: sorted(t for t in targets if _in(t, "trace_common") and not _in(t, FP4))
         for m, targets in graph.items()
-        if _in_fp4(m)
+        if _in(m, FP4)
     }
     upward = {m: t for m, t in upward.items() if t}
     assert not upward, f"trace_common.fp4 modules importing trace_common outside fp4: {upward}"
+
+
+def test_rl_core_imports_neither_the_run_config_nor_the_launcher() -> None:
+    above = ("trace_common.config", "trace_common.launch")
+    upward = {
+        m: sorted(t for t in targets if any(_in(t, a) for a in above))
+        for m, targets in import_graph().items()
+        if _in(m, "trace_common.rl")
+    }
+    upward = {m: t for m, t in upward.items() if t}
+    assert not upward, f"trace_common.rl modules importing {above}: {upward}"

@@ -44,7 +44,7 @@ from trace_common.config import (
     read_recipe,
     run_config_dict,
 )
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
 
 if TYPE_CHECKING:
     from trace_common.tasks import Problem, Tokenizer
@@ -378,8 +378,8 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
     the run directory."""
     from rich.console import Console
 
+    from trace_common.launch.plots import plot_run, read_evals, read_metrics
     from trace_common.rl.checkpoint import latest_checkpoint, load_checkpoint
-    from trace_common.rl.plots import plot_run, read_evals, read_metrics
 
     console = Console()
     out = cfg.out or default_out_dir()
