@@ -66,7 +66,7 @@ class RolloutSettings(ServiceSettings):
     kernel_expert_gemm_configs: pathlib.Path | None = Field(
         None,
         description="CUDA engine: JSON file of FP4 expert GEMM launch configurations "
-        "(bench/rollout_gpu_kernels.py --cuda-sweep writes them); unset: built-in",
+        "(bench/experiments/rollout_gpu_kernels.py --cuda-sweep writes them); unset: built-in",
     )
     kernel_attn_config: tuple[str, int, int, int] | None = Field(
         None,

@@ -43,8 +43,8 @@ GROUP = 8  # query heads per kv head
 TILE = 16  # tokens per warp step
 # Launch configuration ("ring", warps per CTA, CTAs per SM asked of the register allocator,
 # shared-memory stages per warp) of `attn_fp4_ring`: ("ring", 4, 4, 4) fits 115 registers
-# without spills (nvcc -Xptxas -v, sm_90a); bench/rollout_gpu_kernels.py --attention-only
-# --attn-sweep times others. `KernelSettings.attn_config` replaces it (`set_default_config`).
+# without spills (nvcc -Xptxas -v, sm_90a); bench/experiments/rollout_gpu_kernels.py
+# --attention-only --attn-sweep times others. `KernelSettings.attn_config` replaces it (`set_default_config`).
 DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
 _CONFIG: list[tuple] = [DEFAULT_CONFIG]  # the configuration in force
 

@@ -65,8 +65,8 @@ def dq16_permutation(device: torch.device | str = "cpu") -> torch.Tensor:
 
 # Launch configuration per (K, token slots, gated): (RW output tiles per CTA, WK warps along K,
 # KGW 64-wide k groups per warp, MINB CTAs per SM for the register allocator, 0 = none);
-# WK * KGW * 64 == K. Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200
-# (fastest summed over 1, 8, 32, 128 tokens of each block size; docs/benchmarks.md).
+# WK * KGW * 64 == K. Picked by `bench/experiments/rollout_gpu_kernels.py --cuda-sweep` on an
+# H200 (fastest summed over 1, 8, 32, 128 tokens of each block size; docs/benchmarks.md).
 # `KernelSettings.expert_gemm_configs` (a JSON file, `load_overrides`) overrides them.
 CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (2048, 8, True): (2, 16, 2, 2),
@@ -79,8 +79,8 @@ CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 # `moe_fp4_stream` (the streaming kernel, see cuda/moe_fp4.cu) per (K, token slots, gated):
 # (RW output tiles per item, WK warps along K, KGW 64-wide k groups per warp, S ring stages,
 # MINB CTAs per SM for the register allocator, 0 = none); WK * KGW * 64 == K.
-# Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200 (fastest summed over 1, 8,
-# 32 tokens for 8 slots, at 128 tokens for 16).
+# Picked by `bench/experiments/rollout_gpu_kernels.py --cuda-sweep` on an H200 (fastest summed
+# over 1, 8, 32 tokens for 8 slots, at 128 tokens for 16).
 STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
     (2048, 8, True): (1, 4, 8, 3, 3),
     (2048, 16, True): (1, 4, 8, 3, 3),
@@ -90,16 +90,16 @@ STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
 CUDA_KERNELS = ("stream", "mma", "wg")  # moe_fp4_stream, moe_fp4_mma, moe_fp4_wg
 # `moe_fp4_wg` (warpgroup MMAs, 8- or 16-slot blocks; cuda/moe_fp4_wg.cu) per (K, token slots,
 # gated): (KGW 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA);
-# 16 slots: the fastest of `bench/rollout_gpu_kernels.py --cuda-sweep wg` at 96 / 128 tokens on
-# an H200, confirmed in the engine.
+# 16 slots: the fastest of `bench/experiments/rollout_gpu_kernels.py --cuda-sweep wg` at 96 / 128
+# tokens on an H200, confirmed in the engine.
 WG_CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (2048, 16, True): (4, 2, 4),
     (768, 16, False): (6, 2, 4),
 }
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # The kernel per (K, token slots, gated): the faster one on an H200 (same sums,
-# `bench/rollout_gpu_kernels.py --cuda-sweep`). 16 slots on sm_90: the warpgroup-MMA kernel
-# (`wg`); `stream` where wgmma is missing (not sm_90).
+# `bench/experiments/rollout_gpu_kernels.py --cuda-sweep`). 16 slots on sm_90: the
+# warpgroup-MMA kernel (`wg`); `stream` where wgmma is missing (not sm_90).
 # ... and `wg` only up to this many pairs (batch 156 at top-8), `stream` past them, where its
 # item-walking grid keeps more CTAs busy (both on `wave_grid`; the crossover is in
 # docs/benchmarks.md, "Expert GEMM defaults").

@@ -194,7 +194,7 @@ def test_no_cupy_at_import_time():
 def test_stream_configs_fit():
     """Every streaming config (shipped, swept, or derived for another shape) tiles K exactly,
     copies its scales with <= 32 lanes and fits the opt-in shared memory of one CTA."""
-    import bench.rollout_gpu_kernels as bench
+    import bench.experiments.rollout_gpu_kernels as bench
 
     cases = [(key, cfg) for key, cfg in cuda_moe.STREAM_CONFIGS.items()]
     for bm in cuda_moe.BLOCK_MS:

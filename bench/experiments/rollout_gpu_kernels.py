@@ -6,9 +6,9 @@ head_dim 128), BF16 vs FP4: Triton with each FP4 decode ("bits": plain Triton in
 Expert selections rotate over many router draws so the weights do not sit in L2 between
 repetitions; every call is timed inside a CUDA graph (no Python launch cost).
 
-    python bench/rollout_gpu_kernels.py                 # tables
-    python bench/rollout_gpu_kernels.py --cuda-sweep    # + launch configs (--cuda-sweep wg: one kernel's)
-    python bench/rollout_gpu_kernels.py --attention-only --attn-cold  # attention from HBM
+    python bench/experiments/rollout_gpu_kernels.py                 # tables
+    python bench/experiments/rollout_gpu_kernels.py --cuda-sweep    # + launch configs (--cuda-sweep wg: one kernel's)
+    python bench/experiments/rollout_gpu_kernels.py --attention-only --attn-cold  # attention from HBM
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 
 from trace_common.kernels import attention as attn
 from trace_common.kernels import cuda_launch, cuda_moe, moe, moe_layout
