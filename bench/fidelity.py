@@ -287,10 +287,10 @@ def arm(args: argparse.Namespace) -> None:
     import torch
 
     from trace_common.clients import WeightSyncClient
+    from trace_common.launch.cluster import ClusterConfig, LocalCluster
+    from trace_common.launch.plots import read_metrics
     from trace_common.model import get_config
     from trace_common.model.quant import load_quantized_state_dict
-    from trace_common.rl.cluster import ClusterConfig, LocalCluster
-    from trace_common.rl.plots import read_metrics
 
     mode = ARM_MODE.get(args.arm, "trace")
     setup = setup_of(args)

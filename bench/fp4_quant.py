@@ -29,7 +29,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from trace_common.fp4 import get_format
-from trace_common.fp4.guided import guided_quantize, make_record, record_nbytes
+from trace_common.fp4.guided import guided_quantize
+from trace_common.fp4.record import make_record, record_nbytes
 
 FORMATS = ("nvfp4", "mxfp4")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

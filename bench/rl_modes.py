@@ -19,13 +19,13 @@ import time
 import torch
 
 from trace_common.device import resolve_device
+from trace_common.launch.demo import DemoConfig, demo_model, evaluate_policy
+from trace_common.launch.plots import moving_average
 from trace_common.model import GuidanceConfig, QuantConfig
 from trace_common.rl.core import TrainerConfig, TrainerCore
-from trace_common.rl.demo import DemoConfig, demo_model, evaluate_policy
 from trace_common.rl.dispatch import DispatchConfig, Dispatcher, StaticDirectory
 from trace_common.rl.engine import LocalReplica
 from trace_common.rl.local import LocalPublisher, MemoryRecordStore
-from trace_common.rl.plots import moving_average
 from trace_common.rl.policy import LearnerConfig, ModelLearner
 from trace_common.rl.types import TRAIN_MODES
 from trace_common.rl.warmstart import WarmStartConfig, warm_start

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from trainer_gpu import H200_BF16_DENSE_TFLOPS, git_commit, train_flops_per_token  # noqa: E402
 
+from trace_common.launch.cluster import ClusterConfig, LocalCluster  # noqa: E402
+from trace_common.launch.plots import read_metrics  # noqa: E402
 from trace_common.model import get_config  # noqa: E402
-from trace_common.rl.cluster import ClusterConfig, LocalCluster  # noqa: E402
-from trace_common.rl.plots import read_metrics  # noqa: E402
 from trace_common.tasks import CharTokenizer  # noqa: E402
 
 PHASES = ("rollout", "records", "train", "push")

@@ -190,14 +190,14 @@ def transformers_baseline(
 def check_fp4_decode() -> str:
     """Check that the Triton kernels' inline-PTX FP4 decode compiles and agrees with the plain
     one here; returns "ptx" (a disagreement raises: the Triton FP4 path would be wrong)."""
-    from trace_common.kernels import moe
+    from trace_common.kernels import moe, moe_layout
     from trace_common.kernels.quant import quantize_rows
 
     try:
         w = moe.quantize_weights(torch.randn(8, 256, 256, device="cuda").bfloat16(),
                                  shared_halves=False)  # fmt: skip
         plan = moe.route_align(torch.randn(4, 8, device="cuda"), 2, moe.DECODE_BLOCK_M)
-        xq = moe.FP4Rows(*quantize_rows(torch.randn(4, 256, device="cuda").bfloat16(),
+        xq = moe_layout.FP4Rows(*quantize_rows(torch.randn(4, 256, device="cuda").bfloat16(),
                                         scale_2=None))  # fmt: skip
         outs = [moe.moe_gemm(xq, w, plan, gated=False, a_div=2, mul_route_w=False, decode=d)
                 for d in ("bits", "ptx")]  # fmt: skip

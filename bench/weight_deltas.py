@@ -29,7 +29,7 @@ from rich.table import Table
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trace_common.rl.plots import read_metrics  # noqa: E402
+from trace_common.launch.plots import read_metrics  # noqa: E402
 
 MiB = 1 << 20
 

@@ -78,7 +78,7 @@ def demo(
 
 def _play(recipe: Path | None, table: str, **options: object) -> None:
     """Load the recipe for the driver `table` (a bad key is a usage error) and run it."""
-    from trace_common.rl.demo import DemoConfig, run_demo
+    from trace_common.launch.demo import DemoConfig, run_demo
 
     try:
         cfg = DemoConfig.load(recipe, table=table, **options)

@@ -7,10 +7,11 @@ import pathlib
 import socket
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trace_common.device import DEVICE_HELP, DEVICE_RE
 from trace_common.kernels.settings import KernelSettings
+from trace_common.rollout.select import check_engine, engines_help
 from trace_common.service import ServiceSettings
 from trace_common.service.config import ENV_PREFIX
 
@@ -49,12 +50,7 @@ class RolloutSettings(ServiceSettings):
         "127.0.0.1", description="host other services use to reach this replica's gRPC port"
     )
     heartbeat_interval_seconds: float = Field(1.0, gt=0)
-    rollout_engine: Literal["auto", "native", "cuda", "vllm"] = Field(
-        "auto",
-        description="auto: the CUDA engine on a CUDA device when it serves the policy, else the "
-        "PyTorch engine; native: the PyTorch engine; cuda: the CUDA engine or an error; vllm: "
-        "vLLM with TRACE's FP4 numerics and records (needs vllm installed; docs/export.md)",
-    )
+    rollout_engine: str = Field("auto", description=engines_help())
     device: str = Field("auto", pattern=DEVICE_RE.pattern, description=DEVICE_HELP)
     rollout_max_batch: int = Field(
         64, ge=1, le=256, description="CUDA engine: sequences decoded together per step"
@@ -70,7 +66,7 @@ class RolloutSettings(ServiceSettings):
     kernel_expert_gemm_configs: pathlib.Path | None = Field(
         None,
         description="CUDA engine: JSON file of FP4 expert GEMM launch configurations "
-        "(bench/rollout_gpu_kernels.py --cuda-sweep writes them); unset: built-in",
+        "(bench/experiments/rollout_gpu_kernels.py --cuda-sweep writes them); unset: built-in",
     )
     kernel_attn_config: tuple[str, int, int, int] | None = Field(
         None,
@@ -85,6 +81,11 @@ class RolloutSettings(ServiceSettings):
     record_audit_file: pathlib.Path | None = Field(
         None, description="append a sha256 line per record blob written (tests, debugging)"
     )
+
+    @field_validator("rollout_engine")
+    @classmethod
+    def _check_engine(cls, value: str) -> str:
+        return check_engine(value)
 
     @model_validator(mode="after")
     def _check_kernels(self) -> RolloutSettings:

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from services.trainer.build import build_learner, build_model
 from services.trainer.config import TrainerSettings
 from services.trainer.metrics import TrainerMetrics
-from services.trainer.ranks import build_learner
 from services.trainer.remote import (
     QuantCacheRecords,
     WeightSyncDirectory,
@@ -29,8 +29,7 @@ from trace_common.data.recipe import (
     reward_config,
     train_prompts,
 )
-from trace_common.model import MoECausalLM, QuantConfig
-from trace_common.model.hf import load_native_state_dict
+from trace_common.model import QuantConfig
 from trace_common.rewards import RewardPool
 from trace_common.rl.audit import RecordAudit, state_digest
 from trace_common.rl.checkpoint import (
@@ -50,32 +49,6 @@ from trace_common.tasks import load_tokenizer
 log = logging.getLogger(__name__)
 
 STATES = ("starting", "running", "paused", "finished", "failed")
-
-
-def build_model(run: RunConfig, vocab_size: int) -> MoECausalLM:
-    """A named shape (vocab sized to the tokenizer) or a Hugging Face checkpoint directory."""
-    if run.model.is_checkpoint():
-        from trace_common.model import load_hf_checkpoint
-
-        if not pathlib.Path(run.model.name).is_dir():
-            raise ConfigError(f"model.name = {run.model.name!r}: no such checkpoint directory")
-
-        model = load_hf_checkpoint(pathlib.Path(run.model.name))
-        if vocab_size > model.cfg.vocab_size:
-            raise ValueError(
-                f"tokenizer {run.task.tokenizer!r} has {vocab_size} tokens but the checkpoint "
-                f"{run.model.name!r} has vocab_size={model.cfg.vocab_size}"
-            )
-    else:
-        model = MoECausalLM(run.model.config(vocab_size))
-        model.init_weights(run.seed)
-    if run.model.init_weights is not None:
-        from safetensors.torch import load_file
-
-        load_native_state_dict(
-            model, load_file(run.model.init_weights), source=str(run.model.init_weights)
-        )
-    return model
 
 
 def export_checkpoint(run: RunConfig, path: pathlib.Path, quant: QuantConfig) -> None:
@@ -138,7 +111,7 @@ class TrainerApp:
             RecordAudit(s.record_audit_file) if s.record_audit_file else None,
             backoff,
         )
-        # One process, or rank 0 of N under torchrun (services/trainer/ranks.py).
+        # One process, or rank 0 of N under torchrun (services/trainer/build.py).
         self.learner = build_learner(
             s, model, quant=quant, guidance=guidance, eos_id=tok.eos_id, pad_id=tok.pad_id,
             records=records,

@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from trace_common.clients import WeightSyncClient
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
+from trace_common.launch.plots import read_metrics
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trace_common.rl.audit import read_audit
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
-from trace_common.rl.plots import read_metrics
 from trace_common.service.grpc_server import AUTH_HEADER
 
 pytestmark = pytest.mark.timeout(400)

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from trace_common.clients.quant_cache import record_tag_key
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
 from trace_common.service.grpc_server import AUTH_HEADER
 
 pytestmark = pytest.mark.timeout(300)

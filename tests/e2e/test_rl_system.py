@@ -18,14 +18,14 @@ import httpx
 import pytest
 
 from trace_common.clients import WeightSyncClient
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
+from trace_common.launch.plots import read_metrics
 from trace_common.model import QuantConfig, get_config
 from trace_common.model.config import ACT_SITE_TO_QUANT_SITE, GUIDED_SITES
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trace_common.rl.audit import read_audit
 from trace_common.rl.checkpoint import latest_checkpoint, load_checkpoint
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
-from trace_common.rl.plots import read_metrics
 from trace_common.service.grpc_server import AUTH_HEADER
 
 pytestmark = pytest.mark.timeout(240)
@@ -243,8 +243,8 @@ def test_trainer_restart_resumes_same_step_same_weights(cluster: LocalCluster) -
     # ... and the version the replicas serve is exactly the checkpoint's weights, quantized
     ws = WeightSyncClient(cluster.weight_sync.grpc_address, cluster.config.token)  # type: ignore[union-attr]
     _, pushed, _ = ws.pull_version(st["policy_version"], replica_id="e2e-check")
+    from trace_common.launch.demo import DemoConfig, demo_model
     from trace_common.model import QuantConfig
-    from trace_common.rl.demo import DemoConfig, demo_model
     from trace_common.rl.policy import LearnerConfig, ModelLearner
     from trace_common.tasks import CharTokenizer
 

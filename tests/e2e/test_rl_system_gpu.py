@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 import pytest
 
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
+from trace_common.launch.plots import read_metrics
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
-from trace_common.rl.plots import read_metrics
 from trace_common.service.grpc_server import AUTH_HEADER
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]

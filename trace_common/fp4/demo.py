@@ -18,7 +18,8 @@ from rich.table import Table
 
 from trace_common.fp4 import get_format
 from trace_common.fp4.e2m1 import e2m1_to_f32
-from trace_common.fp4.guided import guided_grid, guided_quantize, make_record
+from trace_common.fp4.guided import guided_grid, guided_quantize
+from trace_common.fp4.record import make_record
 
 
 @dataclass(kw_only=True, slots=True)

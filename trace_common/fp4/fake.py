@@ -10,6 +10,9 @@ from typing import Any
 
 import torch
 
+from trace_common.fp4.fast_path import fast_path_for
+from trace_common.fp4.formats import get_format
+
 
 class StraightThrough(torch.autograd.Function):
     """forward(x, y) -> y (computed without autograd); backward -> (grad, None).
@@ -38,25 +41,16 @@ def fake_quantize(
 
     fmt: a registered format name ("nvfp4", "mxfp4"). scale_granularity applies to NVFP4 only
     ("row" = per-token second-level scale, the activation convention; "tensor" for weights).
+    A registered fast path (`fast_path.py`) computes the NVFP4 forward of tensors it accepts.
     """
-    from trace_common.fp4 import get_format
-
     spec = get_format(fmt)
     if spec.name == "nvfp4":
         kwargs["scale_granularity"] = scale_granularity
     with torch.no_grad():
-        if spec.name == "nvfp4" and not kwargs.keys() - {"scale_granularity"} and gpu_path(x):
-            from trace_common.kernels.quant import fake_quantize as fake_quantize_gpu
-
-            y = fake_quantize_gpu(x, scale_granularity=scale_granularity)  # type: ignore[arg-type]
+        only_granularity = not kwargs.keys() - {"scale_granularity"}
+        path = fast_path_for(x) if spec.name == "nvfp4" and only_granularity else None
+        if path is not None:
+            y = path.fake_quantize(x, scale_granularity=scale_granularity)
         else:
             y = spec.dequantize(spec.quantize(x, **kwargs), dtype=x.dtype)
     return straight_through(x, y)
-
-
-def gpu_path(x: torch.Tensor) -> bool:
-    """Whether FP4 ops on `x` may run their Triton kernels (bit-identical to the reference):
-    a CUDA tensor, with Triton installed."""
-    from trace_common.kernels import triton_available
-
-    return x.is_cuda and triton_available()

@@ -123,8 +123,8 @@ class DecodeAttnPlan:
 
         chunk = 0
         if fused:
-            chunk = cuda_attn.fused_chunk(batch * kv_heads, context_hint, fp4=cuda_fp4,
-                                          sms=_sm_count(device))  # fmt: skip
+            chunk = fused_chunk(batch * kv_heads, context_hint, fp4=cuda_fp4,
+                                sms=_sm_count(device))  # fmt: skip
         fused = chunk > 0  # else the split kernels' rules below
         if not fused and cuda_fp4:
             # for the longest sequence the plan serves: planned for the starting length, a step
@@ -160,6 +160,18 @@ def ring_chunk(heads: int, context: int, slots: int) -> int:
         waves = math.ceil(heads * math.ceil(context / chunk) / slots)
         best = min(best, (waves * (chunk + RING_SPLIT_OVERHEAD), chunk))
     return best[1]
+
+
+def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
+    """Keys per split of the fused kernels (`cuda_attn`) for `heads` (batch x kv heads)
+    sequences of `context` tokens: the wave rule for their resident CTAs (`ring_chunk`, at
+    least cuda_attn.FUSED_MIN_CHUNK); 0 (use split + reduce) where that is more than
+    cuda_attn.FUSED_MAX_SPLITS splits."""
+    from trace_common.kernels import cuda_attn
+
+    per_sm = cuda_attn.ring_ctas_per_sm() if fp4 else cuda_attn.FUSED_BF16_CTAS_PER_SM
+    chunk = max(ring_chunk(heads, context, per_sm * sms), cuda_attn.FUSED_MIN_CHUNK)
+    return chunk if -(-max(context, 1) // chunk) <= cuda_attn.FUSED_MAX_SPLITS else 0
 
 
 def decode_attention(
@@ -337,6 +349,7 @@ __all__ = [
     "attention_reference",
     "decode_attention",
     "dequantize_cache",
+    "fused_chunk",
     "kv_append",
     "qk_norm_rope",
     "ring_chunk",

@@ -43,8 +43,8 @@ GROUP = 8  # query heads per kv head
 TILE = 16  # tokens per warp step
 # Launch configuration ("ring", warps per CTA, CTAs per SM asked of the register allocator,
 # shared-memory stages per warp) of `attn_fp4_ring`: ("ring", 4, 4, 4) fits 115 registers
-# without spills (nvcc -Xptxas -v, sm_90a); bench/rollout_gpu_kernels.py --attention-only
-# --attn-sweep times others. `KernelSettings.attn_config` replaces it (`set_default_config`).
+# without spills (nvcc -Xptxas -v, sm_90a); bench/experiments/rollout_gpu_kernels.py
+# --attention-only --attn-sweep times others. `KernelSettings.attn_config` replaces it (`set_default_config`).
 DEFAULT_CONFIG: tuple = ("ring", 4, 4, 4)
 _CONFIG: list[tuple] = [DEFAULT_CONFIG]  # the configuration in force
 
@@ -56,7 +56,7 @@ _CONFIG: list[tuple] = [DEFAULT_CONFIG]  # the configuration in force
 FUSED_BF16_MIN_CONTEXT = 8192
 # attn_bf16_fused: warps per CTA at most (fewer when a split has fewer 16-token tiles), and
 # CTAs per SM its 202 registers x 128 threads allow (nvcc -Xptxas -v, sm_90a, no spills); the
-# plan sizes its splits for that many resident CTAs (attention.ring_chunk)
+# plan sizes its splits for that many resident CTAs (attention.fused_chunk)
 FUSED_BF16_MAX_WARPS = 4
 FUSED_BF16_CTAS_PER_SM = 2
 
@@ -68,18 +68,6 @@ FUSED_MAX_SPLITS = 16
 # ... and at least this many keys per split: fewer splits for the last CTA to combine where the
 # wave rule would cut a short context finer.
 FUSED_MIN_CHUNK = 128
-
-
-def fused_chunk(heads: int, context: int, *, fp4: bool, sms: int) -> int:
-    """Keys per split of the fused kernels for `heads` (batch x kv heads) sequences of
-    `context` tokens: the wave rule for their resident CTAs
-    (`attention.ring_chunk`, at least FUSED_MIN_CHUNK); 0 (use split + reduce) where that is
-    more than FUSED_MAX_SPLITS splits."""
-    from trace_common.kernels.attention import ring_chunk
-
-    per_sm = ring_ctas_per_sm() if fp4 else FUSED_BF16_CTAS_PER_SM
-    chunk = max(ring_chunk(heads, context, per_sm * sms), FUSED_MIN_CHUNK)
-    return chunk if -(-max(context, 1) // chunk) <= FUSED_MAX_SPLITS else 0
 
 
 def fused_enabled(*, small_batch: bool = True, fp4: bool = False, context: int = 0) -> bool:
@@ -286,7 +274,6 @@ __all__ = [
     "decode_attn_split_cuda",
     "default_config",
     "fused_bf16_warps",
-    "fused_chunk",
     "fused_enabled",
     "kernel_name",
     "parse_config",

@@ -1,8 +1,8 @@
 """CUDA C++ grouped expert GEMM for W4A4 NVFP4 at decode-sized token counts (mma.sync, Hopper).
 
 The kernel (`cuda/moe_fp4.cu`) reads the weights in an MMA-fragment layout made once at load
-by `pack_fp4_weights` (plain PyTorch, runs on any device), and the activations as fp16
-(code * block scale * 2**-14, exact) written in B-fragment order by the quantize kernel
+by `moe_layout.pack_fp4_weights` (plain PyTorch, runs on any device), and the activations as
+fp16 (code * block scale * 2**-14, exact) written in B-fragment order by the quantize kernel
 (`quantize_rows(..., dq16=...)`). It is compiled by NVRTC through CuPy on first use and
 launched on PyTorch's current stream (`cuda_launch`), so a CUDA graph captured by PyTorch records it.
 
@@ -16,8 +16,6 @@ import functools
 import json
 import math
 import pathlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,87 +25,22 @@ from trace_common.kernels.cuda_launch import (
     pointers,
     sm_resources,
 )
-
-if TYPE_CHECKING:
-    from trace_common.kernels.moe import ExpertWeights, FP4Rows, RoutePlan
+from trace_common.kernels.moe_layout import (
+    K_GROUP,
+    LANES,
+    MMA_K,
+    MMA_M,
+    ExpertWeights,
+    FP4Rows,
+    RoutePlan,
+)
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "moe_fp4.cu"
 WG_SOURCE = SOURCE.with_name("moe_fp4_wg.cu")  # the wgmma kernel (sm_90a only)
 
-MMA_M = 16  # output features per A tile
 MMA_N = 8  # token slots per B tile
-MMA_K = 16  # k per tile == NVFP4 block: one e4m3 scale per row and k-tile
-K_GROUP = 64  # k per packed 16-byte load (4 k-tiles)
-LANES = 32
 BLOCK_MS = (8, 16)  # token slots per expert block the kernel is built for (NT = 1, 2)
 SMEM_LIMIT = 48 * 1024  # static shared memory of the split-K reduction
-
-# Where each A-fragment register r (a0..a3) takes its bits in the packed word, for its low
-# half (h = 0; add 16 for h = 1): the 3 magnitude bits (m, e0, e1) from MAG[r]..MAG[r]+2, the
-# sign from SIGN[r]. They partition the 32 bits, and the kernel's `decode_word` turns them into
-# fp16 bits with 1 (r = 0, 2: shift + mask) or 2-3 integer ops more (r = 1, 3).
-PACK_MAG_BIT = (0, 3, 7, 10)
-PACK_SIGN_BIT = (6, 15, 13, 14)
-
-
-@dataclass(slots=True)
-class PackedFP4:
-    """Expert weights [E, N, K] in the kernel's layout: words int32 [E, N/16, K/64, 32, 4]
-    (word q of lane l: the A fragment of k-tile q of the group) and scales int32
-    [E, N/16, K/64, 8, 2] (for row group g: e4m3 bytes (row g, row g+8) of k-tiles 0..3)."""
-
-    words: torch.Tensor
-    scales: torch.Tensor
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.scales))
-
-
-def _slot_lut(device: torch.device | str) -> torch.Tensor:
-    """int64 [8, 16]: the packed-word bits of code c (0..15) in slot s = 2 r + h."""
-    lut = torch.zeros(8, 16, dtype=torch.int64)
-    for r in range(4):
-        for h in range(2):
-            for c in range(16):
-                v = 0
-                for b in range(3):  # m, e0, e1
-                    v |= ((c >> b) & 1) << (PACK_MAG_BIT[r] + b + 16 * h)
-                v |= ((c >> 3) & 1) << (PACK_SIGN_BIT[r] + 16 * h)
-                lut[2 * r + h, c] = v
-    return lut.to(device)
-
-
-def _check_shape(n: int, k: int) -> None:
-    if n % MMA_M or k % K_GROUP:
-        raise ValueError(f"weights N={n}, K={k}: need N % {MMA_M} == 0 and K % {K_GROUP} == 0")
-
-
-def pack_fp4_weights(codes: torch.Tensor, scales: torch.Tensor, chunk: int = 8) -> PackedFP4:
-    """Repack NVFP4 codes uint8 [E, N, K/2] (element 2j in the low nibble of byte j) and e4m3
-    block scales uint8 [E, N, K/16] into the kernel's layout (`chunk` experts at a time)."""
-    e, n, half_k = codes.shape
-    k = 2 * half_k
-    _check_shape(n, k)
-    if scales.shape != (e, n, k // MMA_K):
-        raise ValueError(f"scales {tuple(scales.shape)} do not match codes {tuple(codes.shape)}")
-    lut = _slot_lut(codes.device)
-    slot = torch.arange(8, device=codes.device)
-    words = torch.empty(e, n // MMA_M, k // K_GROUP, LANES, 4, dtype=torch.int32,
-                        device=codes.device)  # fmt: skip
-    for e0 in range(0, e, chunk):
-        c = codes[e0 : e0 + chunk]
-        nib = torch.stack((c & 15, c >> 4), dim=-1).reshape(c.shape[0], n, k)  # [e, N, K]
-        # N = (tile, rhalf, g), K = (kg, q, khalf, t, h) -> [e, tile, kg, g, t, q, khalf, rhalf, h]
-        nib = nib.reshape(-1, n // MMA_M, 2, 8, k // K_GROUP, 4, 2, 4, 2)
-        nib = nib.permute(0, 1, 4, 3, 7, 5, 6, 2, 8).reshape(-1, n // MMA_M, k // K_GROUP,
-                                                           LANES, 4, 8)  # fmt: skip
-        # slot 2 r + h with r = 2 khalf + rhalf: a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..), a3
-        bits = lut[slot, nib.long()].sum(dim=-1)  # disjoint bits: sum == or
-        words[e0 : e0 + chunk] = (bits - ((bits >> 31) << 32)).to(torch.int32)
-    # scales: N = (tile, rhalf, g), K/16 = (kg, q) -> [e, tile, kg, g, q, rhalf] bytes
-    s = scales.reshape(e, n // MMA_M, 2, 8, k // K_GROUP, 4).permute(0, 1, 4, 3, 5, 2)
-    s = s.contiguous().reshape(e, n // MMA_M, k // K_GROUP, 8, 8).view(torch.int32)
-    return PackedFP4(words, s)
 
 
 def decode_packed_reference(words: torch.Tensor) -> torch.Tensor:
@@ -132,8 +65,8 @@ def dq16_permutation(device: torch.device | str = "cpu") -> torch.Tensor:
 
 # Launch configuration per (K, token slots, gated): (RW output tiles per CTA, WK warps along K,
 # KGW 64-wide k groups per warp, MINB CTAs per SM for the register allocator, 0 = none);
-# WK * KGW * 64 == K. Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200
-# (fastest summed over 1, 8, 32, 128 tokens of each block size; docs/benchmarks.md).
+# WK * KGW * 64 == K. Picked by `bench/experiments/rollout_gpu_kernels.py --cuda-sweep` on an
+# H200 (fastest summed over 1, 8, 32, 128 tokens of each block size; docs/benchmarks.md).
 # `KernelSettings.expert_gemm_configs` (a JSON file, `load_overrides`) overrides them.
 CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (2048, 8, True): (2, 16, 2, 2),
@@ -146,8 +79,8 @@ CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 # `moe_fp4_stream` (the streaming kernel, see cuda/moe_fp4.cu) per (K, token slots, gated):
 # (RW output tiles per item, WK warps along K, KGW 64-wide k groups per warp, S ring stages,
 # MINB CTAs per SM for the register allocator, 0 = none); WK * KGW * 64 == K.
-# Picked by `bench/rollout_gpu_kernels.py --cuda-sweep` on an H200 (fastest summed over 1, 8,
-# 32 tokens for 8 slots, at 128 tokens for 16).
+# Picked by `bench/experiments/rollout_gpu_kernels.py --cuda-sweep` on an H200 (fastest summed
+# over 1, 8, 32 tokens for 8 slots, at 128 tokens for 16).
 STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
     (2048, 8, True): (1, 4, 8, 3, 3),
     (2048, 16, True): (1, 4, 8, 3, 3),
@@ -157,16 +90,16 @@ STREAM_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {
 CUDA_KERNELS = ("stream", "mma", "wg")  # moe_fp4_stream, moe_fp4_mma, moe_fp4_wg
 # `moe_fp4_wg` (warpgroup MMAs, 8- or 16-slot blocks; cuda/moe_fp4_wg.cu) per (K, token slots,
 # gated): (KGW 64-wide k groups per ring stage, S ring stages per warp, NWG warpgroups per CTA);
-# 16 slots: the fastest of `bench/rollout_gpu_kernels.py --cuda-sweep wg` at 96 / 128 tokens on
-# an H200, confirmed in the engine.
+# 16 slots: the fastest of `bench/experiments/rollout_gpu_kernels.py --cuda-sweep wg` at 96 / 128
+# tokens on an H200, confirmed in the engine.
 WG_CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (2048, 16, True): (4, 2, 4),
     (768, 16, False): (6, 2, 4),
 }
 DEFAULT_CUDA_KERNEL = "mma"  # for shapes KERNEL_FOR does not name
 # The kernel per (K, token slots, gated): the faster one on an H200 (same sums,
-# `bench/rollout_gpu_kernels.py --cuda-sweep`). 16 slots on sm_90: the warpgroup-MMA kernel
-# (`wg`); `stream` where wgmma is missing (not sm_90).
+# `bench/experiments/rollout_gpu_kernels.py --cuda-sweep`). 16 slots on sm_90: the
+# warpgroup-MMA kernel (`wg`); `stream` where wgmma is missing (not sm_90).
 # ... and `wg` only up to this many pairs (batch 156 at top-8), `stream` past them, where its
 # item-walking grid keeps more CTAs busy (both on `wave_grid`; the crossover is in
 # docs/benchmarks.md, "Expert GEMM defaults").
@@ -628,7 +561,6 @@ __all__ = [
     "CUDA_KERNELS",
     "KERNEL_FOR",
     "STREAM_CONFIGS",
-    "PackedFP4",
     "block_count_moments",
     "block_m_for",
     "cuda_kernel",
@@ -638,7 +570,6 @@ __all__ = [
     "expected_blocks",
     "load_overrides",
     "moe_gemm_cuda",
-    "pack_fp4_weights",
     "row_multiplier",
     "set_overrides",
     "smem_bytes",

@@ -41,7 +41,7 @@ from trace_common.kernels.cuda_launch import (
 from trace_common.kernels.quant import check_buffer as _check
 
 if TYPE_CHECKING:
-    from trace_common.kernels.moe import FP4Rows
+    from trace_common.kernels.moe_layout import FP4Rows
     from trace_common.kernels.quant import CompactRecordBuffers
 
 SOURCE = pathlib.Path(__file__).with_name("cuda") / "small_batch.cu"
@@ -158,7 +158,7 @@ DEFAULT_WARPS = {"qkv": 8, "o": 8, "router": 8, "lm_head": 4, "gate_up": 4}
 # Ring stages of one call site instead of RING_STAGES ("<site>_stages" in `configure`).
 STAGE_SITES = ("qkv", "router", "gate_up", "down")
 # Launch shapes by token count where the best differs, used unless `configure` names the key
-# (bench/small_batch_sweep.py): down's ring 5 deep at batch 1 (one
+# (bench/experiments/small_batch_sweep.py): down's ring 5 deep at batch 1 (one
 # CTA per SM, whose stages stream while gate_up runs; a sixth stage no longer fits beside a
 # gate_up CTA), 3 at batch 2 (two CTAs per SM share the shared memory); gate_up on 8 warps at
 # batch 2.
@@ -206,8 +206,8 @@ def configure(spec: str | dict[str, int] | None = None) -> dict[str, int]:
     """Set the launch shapes: the defaults, with `spec` (a dict or its JSON text; None: none)
     on top (`KernelSettings.small_launch`), e.g.
     '{"qkv": 16, "RING_STAGES": 4, "down_stages": 4}': keys of WARPS (warps per CTA of a call site), RING_KNOBS or "<site>_stages" (a STAGE_SITES
-    site's ring stages), positive integers (bench/small_batch_sweep.py searches them). A key
-    it names also replaces that key's BY_TOKENS values; `configure({})` restores the
+    site's ring stages), positive integers (bench/experiments/small_batch_sweep.py searches
+    them). A key it names also replaces that key's BY_TOKENS values; `configure({})` restores the
     defaults. Returns config(); a bad key or value raises ValueError naming it and changes
     nothing."""
     global RING_STAGES, RING_STAGE_CHUNKS
@@ -363,7 +363,7 @@ def router_topk(
 ) -> None:
     """xn = RMSNorm(resid_in + sum delta) * ln_w (CTA 0 stores it and the residual), router
     logits, softmax top-k (renormalized) and, unless sorted_pair and block_expert are None,
-    the grouped GEMMs' block layout (moe.RoutePlan, pairs of each expert in (j, t) order as
+    the grouped GEMMs' block layout (moe_layout.RoutePlan, pairs of each expert in (j, t) order as
     moe.align_reference). With `xq`, one more CTA also writes xn's NVFP4 rows (and xq.dq16,
     and the compact record into `capture`), equal to quant.quantize_rows(xn, scale_2=None,
     capture=capture, dq16=xq.dq16). `cluster`

@@ -31,6 +31,7 @@ from trace_common.kernels import (
     fp4_gemm_impl,
     fused,
     moe,
+    moe_layout,
 )
 from trace_common.kernels.cuda_launch import pdl_enabled
 from trace_common.kernels.engine_model import (
@@ -171,7 +172,7 @@ class DecodeEngine:
             # the router's last-CTA counter (more experts than one cluster takes)
             self.router_counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.plans = [
-            moe.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
+            moe_layout.RoutePlan.allocate(b, s.num_experts, s.top_k, self.block_m, device)
             for _ in range(s.num_layers)
         ]
         if "act" in self.small_fuse:  # gate_up's last-CTA counters, one per expert block (or
@@ -207,9 +208,9 @@ class DecodeEngine:
                     return None
                 return torch.empty(rows, k, dtype=torch.float16, device=device)
 
-            self.xq = moe.FP4Rows(torch.empty(b, h // 2, **u8), torch.empty(b, h // 16, **u8),
+            self.xq = moe_layout.FP4Rows(torch.empty(b, h // 2, **u8), torch.empty(b, h // 16, **u8),
                                   torch.empty(b, **f32), dq16(b, h))  # fmt: skip
-            self.actq = moe.FP4Rows(torch.empty(n, i // 2, **u8), torch.empty(n, i // 16, **u8),
+            self.actq = moe_layout.FP4Rows(torch.empty(n, i // 2, **u8), torch.empty(n, i // 16, **u8),
                                     torch.empty(n, **f32), dq16(n, i))  # fmt: skip
             self.records = {
                 layer: (
@@ -289,7 +290,7 @@ class DecodeEngine:
         self.pos.add_(1)
         self.lens.add_(1)
 
-    def _experts_fp4(self, lw: LayerWeights, plan: moe.RoutePlan, rec: tuple | None, *,
+    def _experts_fp4(self, lw: LayerWeights, plan: moe_layout.RoutePlan, rec: tuple | None, *,
                      x_quantized: bool = False, fuse_act: bool = False,
                      pdl: bool = False) -> None:  # fmt: skip
         """FP4 routed experts of self.xn into self.y (per pair): quantize, gate_up, quantize,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import fp4_gemm_impl, moe
+from trace_common.kernels import fp4_gemm_impl, moe, moe_layout
 from trace_common.model.config import ModelConfig, get_config
 
 if TYPE_CHECKING:
@@ -116,8 +116,8 @@ class LayerWeights:
     w_o: torch.Tensor  # [H, HQ D]
     norm_qk: torch.Tensor  # [2, D]
     router: torch.Tensor  # [E, H]
-    gate_up: moe.ExpertWeights  # [E, 2I, H]
-    down: moe.ExpertWeights  # [E, H, I]
+    gate_up: moe_layout.ExpertWeights  # [E, 2I, H]
+    down: moe_layout.ExpertWeights  # [E, H, I]
 
 
 @dataclass(slots=True)
@@ -151,8 +151,8 @@ class EngineWeights:
                     rnd(h, s.q_heads * d),
                     ones(2, d),
                     rnd(e, h),
-                    moe.ExpertWeights(n=2 * i, k=h, bf16=rnd(e, 2 * i, h)),
-                    moe.ExpertWeights(n=h, k=i, bf16=rnd(e, h, i)),
+                    moe_layout.ExpertWeights(n=2 * i, k=h, bf16=rnd(e, 2 * i, h)),
+                    moe_layout.ExpertWeights(n=h, k=i, bf16=rnd(e, h, i)),
                 )
             )
         return w
@@ -184,10 +184,10 @@ class EngineWeights:
                     bf(at.o_proj.weight),
                     bf(torch.stack([at.q_norm.weight, at.k_norm.weight])),
                     bf(mlp.gate.weight),
-                    moe.ExpertWeights(
+                    moe_layout.ExpertWeights(
                         n=2 * i, k=h, bf16=bf(torch.cat([ex.gate_proj, ex.up_proj], dim=1))
                     ),
-                    moe.ExpertWeights(n=h, k=i, bf16=bf(ex.down_proj)),
+                    moe_layout.ExpertWeights(n=h, k=i, bf16=bf(ex.down_proj)),
                 )
             )
         return w

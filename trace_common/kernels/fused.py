@@ -21,7 +21,7 @@ import torch
 
 from trace_common.kernels import load_kernels
 from trace_common.kernels.attention import KVCacheGPU
-from trace_common.kernels.moe import FP4Rows
+from trace_common.kernels.moe_layout import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
 
 FUSED_PARTS = frozenset({"norm_quant", "qk_kv"})

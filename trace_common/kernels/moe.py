@@ -12,118 +12,15 @@ A pair p = t * k + j is token t's j-th expert. The plain-PyTorch references here
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from trace_common.kernels import fp4_decode_words, fp4_gemm_impl, load_kernels
-from trace_common.kernels.quant import check_buffer
-
-if TYPE_CHECKING:
-    from trace_common.kernels.cuda_moe import PackedFP4
+from trace_common.kernels.moe_layout import ExpertWeights, FP4Rows, RoutePlan, max_blocks
 
 DECODE_BLOCK_M = 16  # rows per tile when experts see few tokens (decode): tensor-core minimum
 PREFILL_BLOCK_M = 64  # rows per tile for prefill-sized token counts
 MAX_FUSED_ROUTE_TOKENS = 256  # the single-program route kernel holds a [T, E] tile
 _ROUTE_SENTINEL_CHUNK = 1024
-
-
-def max_blocks(n_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound on BM-row blocks: sum_e ceil(c_e / BM) <= P // BM + min(E, P)."""
-    return n_pairs // block_m + min(num_experts, n_pairs)
-
-
-@dataclass(slots=True)
-class RoutePlan:
-    """Routing of T tokens and its block layout for the grouped GEMM.
-
-    topk_ids [T, k] int32, topk_w [T, k] fp32,
-    sorted_pair [MAXB * BM] int32 (pair id, or T*k for padding), block_expert [MAXB] int32
-    (-1 past the last block). Within an expert's blocks the pair order is arbitrary on the
-    Triton path (atomic slots); `align_reference` orders them by (j, t)."""
-
-    topk_ids: torch.Tensor
-    topk_w: torch.Tensor
-    sorted_pair: torch.Tensor
-    block_expert: torch.Tensor
-    block_m: int
-    scratch: torch.Tensor | None = None  # int32 [2, E]: per-expert counters (zero) and starts
-
-    @property
-    def n_pairs(self) -> int:
-        return self.topk_ids.numel()
-
-    @classmethod
-    def allocate(
-        cls, t: int, num_experts: int, top_k: int, block_m: int, device: torch.device | str
-    ) -> RoutePlan:
-        """Buffers for T tokens (the Triton route path)."""
-        maxb = max_blocks(t * top_k, num_experts, block_m)
-        i32 = dict(dtype=torch.int32, device=device)
-        return cls(
-            torch.zeros(t, top_k, **i32),
-            torch.zeros(t, top_k, dtype=torch.float32, device=device),
-            torch.empty(maxb * block_m, **i32),
-            torch.empty(maxb, **i32),
-            block_m,
-            torch.zeros(2, num_experts, **i32),
-        )
-
-
-@dataclass(slots=True)
-class ExpertWeights:
-    """One projection of all experts: BF16 [E, N, K], or NVFP4 codes uint8 [E, N, K/2] with
-    e4m3 block scales uint8 [E, N, K/16] and a per-expert fp32 second-level scale [E]; the
-    NVFP4 codes and scales may be held (also, or only) in the CUDA kernel's layout (`packed`)."""
-
-    n: int
-    k: int
-    bf16: torch.Tensor | None = None
-    codes: torch.Tensor | None = None
-    scales: torch.Tensor | None = None
-    scale_2: torch.Tensor | None = None
-    packed: PackedFP4 | None = None
-
-    @property
-    def is_fp4(self) -> bool:
-        return self.codes is not None or self.packed is not None
-
-    def nbytes(self) -> int:
-        ts = (self.bf16,) if not self.is_fp4 else (self.codes, self.scales, self.scale_2)
-        n = sum(t.numel() * t.element_size() for t in ts if t is not None)
-        return n + (0 if self.packed is None else self.packed.nbytes())
-
-    def pack_for_cuda_(self, *, keep_rows: bool = False) -> None:
-        """Repack the NVFP4 codes/scales for the CUDA kernel (once, at load); drop the row
-        layout unless `keep_rows` (then both GEMM implementations can run)."""
-        from trace_common.kernels.cuda_moe import pack_fp4_weights
-
-        if self.codes is None or self.scales is None:
-            raise ValueError("pack_for_cuda_ needs NVFP4 weights in the row layout")
-        self.packed = pack_fp4_weights(self.codes, self.scales)
-        if not keep_rows:
-            self.codes = self.scales = None
-
-
-@dataclass(slots=True)
-class FP4Rows:
-    """Packed NVFP4 rows (per-row scale_2): codes [R, K/2], scales uint8 [R, K/16], g [R];
-    dq16 fp16 [R, K] (optional): the same values decoded for the CUDA kernel (see
-    `quant.quantize_rows`)."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    scale_2: torch.Tensor
-    dq16: torch.Tensor | None = None
-
-    def check(self, rows: int, k: int, name: str) -> None:
-        """Raise ValueError (naming `name`.field) unless these hold `rows` rows of `k` values."""
-        check_buffer(f"{name}.codes", self.codes, torch.uint8, (rows, k // 2))
-        check_buffer(f"{name}.scales", self.scales, torch.uint8, (rows, k // 16))
-        check_buffer(f"{name}.scale_2", self.scale_2, torch.float32, (rows,))
-        if self.dq16 is not None:
-            check_buffer(f"{name}.dq16", self.dq16, torch.float16, (rows, k))
 
 
 def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
@@ -308,11 +205,7 @@ def moe_reference(
 __all__ = [
     "DECODE_BLOCK_M",
     "PREFILL_BLOCK_M",
-    "ExpertWeights",
-    "FP4Rows",
-    "RoutePlan",
     "align_reference",
-    "max_blocks",
     "moe_gemm",
     "moe_reference",
     "quantize_weights",

@@ -1,11 +1,15 @@
 """NVFP4 quantization on the GPU, bit-identical to `trace_common.fp4.nvfp4.quantize`, with the
-compact guidance record (`trace_common.fp4.guided.make_record(q, "compact")`) written by the
+compact guidance record (`trace_common.fp4.record.make_record(q, "compact")`) written by the
 same pass, and the FP4 KV-cache append (quantize the new token's K/V rows and write them into
 the cache at each sequence's position).
 
 Same interface as the reference: `quantize(x, scale_granularity=..., per_tensor_scale=...)`
 returns an `NVFP4Tensor`; `capture(x, mode)` returns (dequantized x, GuidanceRecord) like
-`guided.capture`. Runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1).
+`record.capture`. Runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1).
+
+Importing this module registers `FAST_PATH` with the reference (`fp4.fast_path`), so that
+`fp4.fake.fake_quantize` and `fp4.guided.guided_quantize` run these kernels on CUDA tensors
+where Triton is installed.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import torch
 
 from trace_common.fp4._checks import check_finite, check_last_dim, check_tensor
 from trace_common.fp4.constants import NVFP4_BLOCK_SIZE
-from trace_common.fp4.guided import GuidanceRecord, check_guided_input
+from trace_common.fp4.fast_path import FastPath, register_fast_path
+from trace_common.fp4.guided import check_guided_input
 from trace_common.fp4.nvfp4 import (
     SCALE_GRANULARITIES,
     NVFP4Tensor,
@@ -24,7 +29,8 @@ from trace_common.fp4.nvfp4 import (
     _check_scale_2,
     scale_2_from_amax,
 )
-from trace_common.kernels import load_kernels
+from trace_common.fp4.record import GuidanceRecord, make_record
+from trace_common.kernels import load_kernels, triton_available
 
 _BITS_PER_BYTE = 8
 _SMALL_ROW = 512  # rows up to this many elements use fewer warps
@@ -177,9 +183,7 @@ def guided_quantize(x: torch.Tensor, record: GuidanceRecord) -> torch.Tensor:
 
 
 def capture(x: torch.Tensor, mode: str = "compact") -> tuple[torch.Tensor, GuidanceRecord]:
-    """GPU `guided.capture(x, "nvfp4", mode)`: (dequantized x in x.dtype, record)."""
-    from trace_common.fp4.guided import make_record
-
+    """GPU `record.capture(x, "nvfp4", mode)`: (dequantized x in x.dtype, record)."""
     if mode == "compact":
         q, rec = quantize_and_record(x, scale_granularity="row")
     else:
@@ -258,10 +262,20 @@ def kv_append_fp4(
     )  # fmt: skip
 
 
+def on_gpu(x: torch.Tensor) -> bool:
+    """Whether these kernels may run on x: a CUDA tensor, with Triton installed."""
+    return x.is_cuda and triton_available()
+
+
+FAST_PATH = FastPath("triton", on_gpu, fake_quantize, guided_quantize)
+register_fast_path(FAST_PATH)
+
 __all__ = [
+    "FAST_PATH",
     "CompactRecordBuffers",
     "capture",
     "kv_append_fp4",
+    "on_gpu",
     "quantize",
     "quantize_and_record",
     "quantize_rows",

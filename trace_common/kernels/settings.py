@@ -1,9 +1,9 @@
 """Launch tuning of the CUDA decode kernels, the part a user may set.
 
 The built-in launch shapes are tuned for the Qwen3-30B-A3B shape on an H200. Another GPU or
-model shape may run faster with others: bench/small_batch_sweep.py searches the small-batch
-kernels' shapes, `bench/rollout_gpu_kernels.py --cuda-sweep` the expert GEMM's and
-`--attn-sweep` the FP4 attention's. Every choice of kernel per op and size class is fixed in
+model shape may run faster with others: bench/experiments/small_batch_sweep.py searches the
+small-batch kernels' shapes, `bench/experiments/rollout_gpu_kernels.py --cuda-sweep` the expert
+GEMM's and `--attn-sweep` the FP4 attention's. Every choice of kernel per op and size class is fixed in
 the kernel modules; these settings change launch shapes only (and with them, at most, the
 order in which a GEMM's fp32 partial sums are added).
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trace_common.fp4.guided import GuidanceRecord, concat_records
+from trace_common.fp4.record import GuidanceRecord, concat_records
 from trace_common.model.config import GuidanceConfig
 from trace_common.model.kv_cache import KVCache
 from trace_common.model.model import MoECausalLM

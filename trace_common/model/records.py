@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from trace_common.fp4.e2m1 import pack_bits, unpack_uint4
-from trace_common.fp4.guided import GuidanceRecord, concat_records
+from trace_common.fp4.record import GuidanceRecord, check_magic_version, concat_records
 from trace_common.model.config import GUIDED_SITES, ModelConfig
 
 RECORDS_MAGIC = b"TRSR"
@@ -153,13 +153,7 @@ class SampleRecords:
         if len(buf) < _PREFIX.size:
             raise ValueError(f"truncated sample records: {len(buf)} bytes")
         magic, version, hlen = _PREFIX.unpack_from(buf, 0)
-        if magic != RECORDS_MAGIC:
-            raise ValueError(f"not sample records: magic {magic!r}, expected {RECORDS_MAGIC!r}")
-        if version != RECORDS_VERSION:
-            raise ValueError(
-                f"sample records version {version} is not supported "
-                f"(this build reads version {RECORDS_VERSION})"
-            )
+        check_magic_version("sample records", magic, version, RECORDS_MAGIC, RECORDS_VERSION)
         off = _PREFIX.size
         try:
             h = json.loads(buf[off : off + hlen])

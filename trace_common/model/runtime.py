@@ -13,10 +13,14 @@ from typing import Literal
 
 import torch
 
+# The hooks below run fp4's fake and guided quantization; importing the Triton kernels
+# registers them as its fast path for CUDA tensors (`trace_common.fp4.fast_path`).
+import trace_common.kernels.quant  # noqa: F401
 from trace_common.fp4 import get_format
 from trace_common.fp4.e2m1 import e2m1_to_f32
 from trace_common.fp4.fake import fake_quantize
-from trace_common.fp4.guided import GuidanceRecord, capture, guided_codes, guided_quantize
+from trace_common.fp4.guided import guided_codes, guided_quantize
+from trace_common.fp4.record import GuidanceRecord, capture
 from trace_common.model.config import ACT_SITE_TO_QUANT_SITE, GUIDED_SITES, QuantConfig
 from trace_common.model.model import WeightMode
 

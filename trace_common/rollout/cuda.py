@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from trace_common.fp4.guided import GuidanceRecord
+from trace_common.fp4.record import GuidanceRecord
 from trace_common.kernels.settings import KernelSettings
 from trace_common.model.config import (
     DEFAULT_QUANT_SITES,
@@ -50,7 +50,7 @@ from trace_common.rollout.types import GeneratedSample, SamplingConfig
 log = logging.getLogger(__name__)
 
 CAPTURED_SITES = (GSITE_MOE_IN, GSITE_K, GSITE_V)  # what the step's quantize kernels record
-EXPERT_K_MULTIPLE = 64  # the FP4 expert GEMM's K group (cuda_moe.K_GROUP)
+EXPERT_K_MULTIPLE = 64  # the FP4 expert GEMM's K group (moe_layout.K_GROUP)
 PREFILL_TOKENS = 256  # prompt tokens per prefill chunk (the router's graph-captured maximum)
 
 
@@ -105,7 +105,7 @@ class PolicyWeights:
         return self._bf(embed), self._bf(lm), self._bf(_take(tensors, "model.norm.weight"))
 
     def layer(self, tensors: dict[str, torch.Tensor], li: int):  # -> engine_model.LayerWeights
-        from trace_common.kernels import fp4_gemm_impl, moe
+        from trace_common.kernels import fp4_gemm_impl, moe_layout
         from trace_common.kernels.engine_model import LayerWeights
 
         p = f"model.layers.{li}."
@@ -125,8 +125,8 @@ class PolicyWeights:
                                          _take(tensors, f"{ex}{e}.up_proj.weight")])
                               for e in range(e_n)])  # fmt: skip
             dn = torch.stack([_take(tensors, f"{ex}{e}.down_proj.weight") for e in range(e_n)])
-            gate_up = moe.ExpertWeights(n=gu.shape[1], k=gu.shape[2], bf16=self._bf(gu))
-            down = moe.ExpertWeights(n=dn.shape[1], k=dn.shape[2], bf16=self._bf(dn))
+            gate_up = moe_layout.ExpertWeights(n=gu.shape[1], k=gu.shape[2], bf16=self._bf(gu))
+            down = moe_layout.ExpertWeights(n=dn.shape[1], k=dn.shape[2], bf16=self._bf(dn))
         return LayerWeights(
             self._bf(t("input_layernorm.weight")), self._bf(t("post_attention_layernorm.weight")),
             self._bf(qkv), self._bf(t("self_attn.o_proj.weight")), self._bf(norm_qk),
@@ -138,7 +138,7 @@ class PolicyWeights:
         """One projection of all experts as pushed: codes [E, N, K/2], e4m3 scales [E, N, K/16]
         (gate rows above up rows for the fused gate_up), one fp32 scale_2 per expert (gate and
         up share it, as one fused GEMM reads them)."""
-        from trace_common.kernels import moe
+        from trace_common.kernels import moe_layout
 
         codes, scales, g = [], [], []
         for e in range(self.cfg.num_experts):
@@ -154,14 +154,14 @@ class PolicyWeights:
             scales.append(torch.cat([s.view(torch.uint8) for s in ss]))
             g.append(s2[0])
         c = torch.stack(codes).to(self.device)
-        return moe.ExpertWeights(
+        return moe_layout.ExpertWeights(
             n=c.shape[1], k=c.shape[2] * 2, codes=c.contiguous(),
             scales=torch.stack(scales).to(self.device).contiguous(),
             scale_2=torch.stack(g).to(self.device).contiguous(),
         )  # fmt: skip
 
 
-def _copy_experts_(dst, src) -> None:  # moe.ExpertWeights
+def _copy_experts_(dst, src) -> None:  # moe_layout.ExpertWeights
     for name in ("bf16", "codes", "scales", "scale_2"):
         d, s = getattr(dst, name), getattr(src, name)
         if (d is None) != (s is None):

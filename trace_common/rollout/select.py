@@ -1,20 +1,17 @@
 """Choosing and building a replica's rollout engine from its settings.
 
-`TRACE_ROLLOUT_ENGINE`:
-  auto    the CUDA engine on a CUDA device when it serves the policy, else the PyTorch engine
-          (the reason is logged once)
-  native  the PyTorch engine on the configured device
-  cuda    the CUDA engine; a policy it cannot serve is an error naming why
-  vllm    vLLM with TRACE's FP4 numerics (`trace_common.rollout.vllm_engine`); later versions
-          load into the running engine
+`ENGINES` is the one table of the values `TRACE_ROLLOUT_ENGINE` takes: each entry says what it
+runs and how it is built. A new engine is its module plus one entry here; the settings
+(`services/rollout/config.py`) and the demo (`trace_common/launch/demo.py`) check their
+choice against it (`check_engine`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -23,8 +20,6 @@ from trace_common.rollout.engine import EngineFactory, RolloutEngine
 
 log = logging.getLogger(__name__)
 
-ENGINE_CHOICES = ("auto", "native", "cuda", "vllm")
-EngineChoice = Literal["auto", "native", "cuda", "vllm"]
 NATIVE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -32,7 +27,7 @@ NATIVE_DTYPES = ("auto", "float32", "bfloat16")
 class EngineSettings:
     """What a replica's engine is built from."""
 
-    engine: EngineChoice = "auto"
+    engine: str = "auto"  # a name in ENGINES
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     max_batch: int = 64  # CUDA engine: sequences decoded together (one graph of this batch)
     max_context: int = 4096  # CUDA engine: prompt + completion tokens one sequence may hold
@@ -40,10 +35,11 @@ class EngineSettings:
     kernels: KernelSettings | None = None  # CUDA engine: kernel launch shapes (None: built-in)
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINE_CHOICES:
-            raise ValueError(f"rollout engine {self.engine!r}; expected one of {ENGINE_CHOICES}")
-        if self.engine == "cuda" and self.device.type != "cuda":
-            raise ValueError(f"TRACE_ROLLOUT_ENGINE=cuda needs a CUDA device, got {self.device}")
+        check_engine(self.engine)
+        if ENGINES[self.engine].needs_cuda and self.device.type != "cuda":
+            raise ValueError(
+                f"TRACE_ROLLOUT_ENGINE={self.engine} needs a CUDA device, got {self.device}"
+            )
         if self.native_dtype not in NATIVE_DTYPES:
             raise ValueError(f"native dtype {self.native_dtype!r}; expected one of {NATIVE_DTYPES}")
         from trace_common.kernels.moe import MAX_FUSED_ROUTE_TOKENS
@@ -62,70 +58,142 @@ class EngineSettings:
 
 class EngineSelector:
     """The replica's `EngineFactory`: builds the chosen engine for the first version, then
-    loads later versions into the CUDA or vLLM engine in place, or builds a new PyTorch engine."""
+    loads later versions into it where its entry `reloads`, or builds a new one per version."""
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
         self.engine: RolloutEngine | None = None
-        self.name = "native" if settings.engine == "native" else settings.engine
+        self.name = settings.engine
         self.fallback_reason: str | None = None
         self._lock = threading.Lock()
 
     def __call__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                  version: int) -> RolloutEngine:  # fmt: skip
         with self._lock:
-            from trace_common.rollout.cuda import CudaEngine
-            from trace_common.rollout.vllm_engine import VllmEngine  # imports vllm lazily
-
-            if isinstance(self.engine, (CudaEngine, VllmEngine)):
-                return self.engine.load_version(tensors, metadata, version)
-            engine = self._build(tensors, metadata, version)
+            if self.engine is not None and ENGINES[self.engine.name].reloads:
+                return self.engine.load_version(tensors, metadata, version)  # type: ignore[attr-defined]
+            engine = ENGINES[self.settings.engine].build(self, tensors, metadata, version)
             self.engine, self.name = engine, engine.name
             return engine
 
-    def _build(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-               version: int) -> RolloutEngine:  # fmt: skip
-        s = self.settings
-        if s.engine == "vllm":
-            from trace_common.rollout.vllm_engine import VllmEngine
+    def fall_back(self, reason: str) -> None:
+        """Log, once per distinct reason, why `auto` builds the PyTorch engine on CUDA."""
+        if reason != self.fallback_reason:
+            log.warning("the CUDA engine does not serve this policy; using the PyTorch "
+                        "engine on %s: %s", self.settings.device, reason)  # fmt: skip
+        self.fallback_reason = reason
 
-            return VllmEngine(tensors, metadata, version)
-        if s.engine == "cuda" or (s.engine == "auto" and s.device.type == "cuda"):
-            reason = self._cuda_reason(metadata)
-            if reason is None:
-                from trace_common.rollout.cuda import CudaEngine
 
-                try:
-                    return CudaEngine(tensors, metadata, version, device=s.device,
-                                      max_batch=s.max_batch, max_context=s.max_context,
-                                      kernels=s.kernels)  # fmt: skip
-                except (ValueError, ImportError, RuntimeError) as exc:
-                    if s.engine == "cuda":
-                        raise
-                    reason = f"{type(exc).__name__}: {exc}"
-            elif s.engine == "cuda":
-                raise ValueError(f"TRACE_ROLLOUT_ENGINE=cuda: {reason}")
-            if reason != self.fallback_reason:
-                log.warning("the CUDA engine does not serve this policy; using the PyTorch "
-                            "engine on %s: %s", s.device, reason)  # fmt: skip
-            self.fallback_reason = reason
-        from trace_common.rollout.native import NativeEngine
+Weights = dict[str, torch.Tensor]
+Builder = Callable[[EngineSelector, Weights, dict[str, str], int], RolloutEngine]
 
-        return NativeEngine.from_weights(tensors, metadata, version, dtype=s.dtype(),
-                                         device=s.device)  # fmt: skip
 
-    @staticmethod
-    def _cuda_reason(metadata: dict[str, str]) -> str | None:
-        from trace_common.model.quant import policy_configs
-        from trace_common.rollout.cuda import unsupported_reason
-        from trace_common.rollout.meta import PolicyMeta
+@dataclass(frozen=True, slots=True)
+class EngineEntry:
+    """One value of TRACE_ROLLOUT_ENGINE.
 
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "Triton is not installed"
-        cfg, quant = policy_configs(metadata)
-        return unsupported_reason(cfg, quant, PolicyMeta.parse(metadata).guidance)
+    name:       the value, and the `name` of the engines it builds (but `auto`)
+    summary:    what it runs (the settings' description)
+    build:      (selector, weights, metadata, version) -> the engine for the first version
+    reloads:    later versions load into the built engine (`load_version`) instead of a new
+                engine being built for each
+    needs_cuda: settings naming it on a device other than CUDA are refused
+    """
+
+    name: str
+    summary: str
+    build: Builder
+    reloads: bool = False
+    needs_cuda: bool = False
+
+
+def _build_native(sel: EngineSelector, tensors: Weights, metadata: dict[str, str],
+                  version: int) -> RolloutEngine:  # fmt: skip
+    from trace_common.rollout.native import NativeEngine
+
+    s = sel.settings
+    return NativeEngine.from_weights(tensors, metadata, version, dtype=s.dtype(),
+                                     device=s.device)  # fmt: skip
+
+
+def _build_cuda(sel: EngineSelector, tensors: Weights, metadata: dict[str, str],
+                version: int) -> RolloutEngine:  # fmt: skip
+    """The CUDA engine; ValueError naming why where it does not serve the policy."""
+    reason = _cuda_reason(metadata)
+    if reason is not None:
+        raise ValueError(f"TRACE_ROLLOUT_ENGINE=cuda: {reason}")
+    return _cuda_engine(sel, tensors, metadata, version)
+
+
+def _build_auto(sel: EngineSelector, tensors: Weights, metadata: dict[str, str],
+                version: int) -> RolloutEngine:  # fmt: skip
+    """The CUDA engine on a CUDA device where it serves the policy, else the PyTorch one."""
+    if sel.settings.device.type == "cuda":
+        reason = _cuda_reason(metadata)
+        if reason is None:
+            try:
+                return _cuda_engine(sel, tensors, metadata, version)
+            except (ValueError, ImportError, RuntimeError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+        sel.fall_back(reason)
+    return _build_native(sel, tensors, metadata, version)
+
+
+def _cuda_engine(sel: EngineSelector, tensors: Weights, metadata: dict[str, str],
+                 version: int) -> RolloutEngine:  # fmt: skip
+    from trace_common.rollout.cuda import CudaEngine
+
+    s = sel.settings
+    return CudaEngine(tensors, metadata, version, device=s.device, max_batch=s.max_batch,
+                      max_context=s.max_context, kernels=s.kernels)  # fmt: skip
+
+
+def _build_vllm(sel: EngineSelector, tensors: Weights, metadata: dict[str, str],
+                version: int) -> RolloutEngine:  # fmt: skip
+    from trace_common.rollout.vllm_engine import VllmEngine  # imports vllm lazily
+
+    return VllmEngine(tensors, metadata, version)
+
+
+def _cuda_reason(metadata: dict[str, str]) -> str | None:
+    """Why the CUDA engine cannot serve this policy, or None where it can."""
+    from trace_common.model.quant import policy_configs
+    from trace_common.rollout.cuda import unsupported_reason
+    from trace_common.rollout.meta import PolicyMeta
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    cfg, quant = policy_configs(metadata)
+    return unsupported_reason(cfg, quant, PolicyMeta.parse(metadata).guidance)
+
+
+ENGINES: dict[str, EngineEntry] = {
+    e.name: e
+    for e in (
+        EngineEntry("auto", "the CUDA engine on a CUDA device when it serves the policy, else "
+                    "the PyTorch engine (the reason is logged once)", _build_auto),
+        EngineEntry("native", "the PyTorch engine on the configured device", _build_native),
+        EngineEntry("cuda", "the CUDA engine; a policy it cannot serve is an error naming why",
+                    _build_cuda, reloads=True, needs_cuda=True),
+        EngineEntry("vllm", "vLLM with TRACE's FP4 numerics and records "
+                    "(`trace_common.rollout.vllm_engine`; needs vllm, docs/export.md)",
+                    _build_vllm, reloads=True),
+    )
+}  # fmt: skip
+
+
+def check_engine(name: str) -> str:
+    """`name` if it is an entry of ENGINES, else ValueError naming it and the entries."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout engine {name!r}; expected one of {tuple(ENGINES)}")
+    return name
+
+
+def engines_help() -> str:
+    """The choices and what each runs, for a setting's description."""
+    return "; ".join(f"{e.name}: {e.summary}" for e in ENGINES.values())
 
 
 def make_engine_factory(settings: EngineSettings) -> EngineSelector:
@@ -133,5 +201,5 @@ def make_engine_factory(settings: EngineSettings) -> EngineSelector:
     return EngineSelector(settings)
 
 
-__all__ = ["ENGINE_CHOICES", "EngineFactory", "EngineSelector", "EngineSettings",
-           "make_engine_factory"]  # fmt: skip
+__all__ = ["ENGINES", "EngineEntry", "EngineFactory", "EngineSelector", "EngineSettings",
+           "check_engine", "engines_help", "make_engine_factory"]  # fmt: skip

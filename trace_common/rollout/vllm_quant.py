@@ -53,8 +53,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
-from trace_common.fp4.guided import GuidanceRecord, concat_records
 from trace_common.fp4.nvfp4 import NVFP4Tensor
+from trace_common.fp4.record import GuidanceRecord, concat_records
 from trace_common.model.config import (
     ASITE_DOWN_IN,
     GSITE_K,

@@ -8,7 +8,7 @@ import pathlib
 
 import httpx
 
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
 
 LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
 # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex), and as ::ffff:127.0.0.1 in

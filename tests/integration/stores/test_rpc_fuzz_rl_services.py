@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
 from trace_common.service.grpc_server import AUTH_HEADER
 from trace_common.service.process import LocalService
 from trace_common.tasks import load_tokenizer

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from trace_common.fp4 import mxfp4, nvfp4
-from trace_common.fp4.guided import capture, guided_quantize
+from trace_common.fp4.guided import guided_quantize
+from trace_common.fp4.record import capture
 
 pytestmark = pytest.mark.gpu
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}

@@ -11,13 +11,12 @@ from trace_common.fp4 import mxfp4, nvfp4
 from trace_common.fp4.constants import E2M1_MAGNITUDES
 from trace_common.fp4.e2m1 import e2m1_to_f32, f32_to_e2m1
 from trace_common.fp4.guided import (
-    capture,
     guided_grid,
     guided_quantize,
-    make_record,
     record_scaled,
     rtn_with_record_scales,
 )
+from trace_common.fp4.record import capture, make_record
 
 SIGNED_GRID = torch.tensor(sorted({s * m for m in E2M1_MAGNITUDES for s in (-1.0, 1.0)}))
 EXAMPLES = settings(max_examples=100, deadline=None)

@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from trace_common.fp4 import nvfp4
-from trace_common.fp4.guided import (
+from trace_common.fp4.guided import guided_quantize, record_values
+from trace_common.fp4.record import (
     RECORD_MAGIC,
     GuidanceRecord,
     capture,
     concat_records,
-    guided_quantize,
     make_record,
     record_nbytes,
-    record_values,
 )
 
 HEADER_BYTES = struct.calcsize("<4sHBBB")

@@ -50,7 +50,7 @@ def test_fake_quantize_forward_and_ste(fmt, dtype) -> None:
     assert torch.equal(x.grad, w)
 
 
-def test_fake_quantize_tensor_granularity_via_format_object() -> None:
+def test_fake_quantize_tensor_granularity() -> None:
     x = torch.randn(3, 32)
-    y = get_format("nvfp4").fake_quantize(x, scale_granularity="tensor")
+    y = fake_quantize(x, "nvfp4", scale_granularity="tensor")
     assert torch.equal(y, nvfp4.dequantize(nvfp4.quantize(x)))

@@ -39,18 +39,17 @@ def _cache(fp4: bool, b: int, cap: int, seed: int):
 def _plans(b: int, cap: int, context: int, fp4: bool, chunk: int | None, monkeypatch):
     """(fused plan, split + reduce plan) for the same shape."""
     from trace_common.kernels import attention as attn
-    from trace_common.kernels import cuda_attn
 
-    planned = cuda_attn.fused_chunk
+    planned = attn.fused_chunk
     if chunk:
-        monkeypatch.setattr(cuda_attn, "fused_chunk", lambda *a, **k: chunk)
+        monkeypatch.setattr(attn, "fused_chunk", lambda *a, **k: chunk)
     kw = dict(batch=b, q_heads=32, kv_heads=4, capacity=cap, head_dim=128, context_hint=context,
               device=DEV, cuda_fp4=fp4)  # fmt: skip
     fused = attn.DecodeAttnPlan.make(**kw, fused=True)
     if fused.counters is None:  # long: the plan takes split + reduce; the kernel must still work
-        monkeypatch.setattr(cuda_attn, "fused_chunk", lambda *a, **k: 256)
+        monkeypatch.setattr(attn, "fused_chunk", lambda *a, **k: 256)
         fused = attn.DecodeAttnPlan.make(**kw, fused=True)
-    monkeypatch.setattr(cuda_attn, "fused_chunk", planned)
+    monkeypatch.setattr(attn, "fused_chunk", planned)
     assert fused.counters is not None
     if chunk:
         assert fused.chunk == chunk

@@ -20,7 +20,7 @@ def _rand(*shape: int, std: float = 1.0, seed: int = 0) -> torch.Tensor:
 
 
 def _rows(t: int, h: int, dq16: bool):
-    from trace_common.kernels.moe import FP4Rows
+    from trace_common.kernels.moe_layout import FP4Rows
 
     u8 = dict(dtype=torch.uint8, device=DEV)
     dq = torch.full((t, h), float("nan"), dtype=torch.float16, device=DEV) if dq16 else None

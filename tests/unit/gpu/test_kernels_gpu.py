@@ -51,7 +51,7 @@ def _to_cpu(q):
 @pytest.mark.parametrize("shape", [(33, 128), (5, 768), (64, 2048), (3, 4, 512)])
 def test_quantize_bit_exact(shape, dtype, gran):
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.guided import make_record
+    from trace_common.fp4.record import make_record
     from trace_common.kernels import quant
 
     x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + len(gran))
@@ -75,7 +75,8 @@ def test_fake_quantize_bit_exact_and_used_by_qat(shape, dtype, gran):
     """The kernel's fake quant equals the CPU reference's dequantize(quantize(x)) bit for bit;
     `fp4.fake.fake_quantize` takes it for CUDA tensors, with the straight-through gradient."""
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.fake import fake_quantize, gpu_path
+    from trace_common.fp4.fake import fake_quantize
+    from trace_common.fp4.fast_path import fast_path_for
     from trace_common.kernels import quant
 
     x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + len(gran) + 1)
@@ -86,7 +87,7 @@ def test_fake_quantize_bit_exact_and_used_by_qat(shape, dtype, gran):
     assert torch.equal(got.cpu().view(bits), ref.view(bits)), (
         "fake quant differs from the reference"
     )
-    assert gpu_path(x)
+    assert fast_path_for(x) is quant.FAST_PATH
     leaf = x.clone().requires_grad_(True)
     y = fake_quantize(leaf, "nvfp4", scale_granularity=gran)
     assert torch.equal(y.detach().cpu().view(bits), ref.view(bits))
@@ -106,7 +107,9 @@ def test_guided_quantize_kernel_bit_exact(shape, dtype):
     rounding equals the CPU reference bit for bit, and `guided_quantize` on CUDA takes it,
     with the straight-through gradient."""
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.guided import guided_quantize, make_record
+    from trace_common.fp4.fast_path import fast_path_for
+    from trace_common.fp4.guided import guided_quantize
+    from trace_common.fp4.record import make_record
     from trace_common.kernels import quant
 
     x = _nasty(shape, dtype, seed=sum(shape) + len(str(dtype)) + 2)
@@ -117,6 +120,7 @@ def test_guided_quantize_kernel_bit_exact(shape, dtype):
     bits = {4: torch.int32, 2: torch.int16}[x.element_size()]
     got = quant.guided_quantize(x, rec.to(DEV))
     assert torch.equal(got.cpu().view(bits), want.view(bits)), "guided rounding differs"
+    assert fast_path_for(x) is quant.FAST_PATH
     leaf = x.clone().requires_grad_(True)
     y = guided_quantize(leaf, rec.to(DEV))
     assert torch.equal(y.detach().cpu().view(bits), want.view(bits))
@@ -187,12 +191,12 @@ def test_quantize_given_row_scales():
 
 
 def test_capture_matches_guided_capture():
-    from trace_common.fp4 import guided
+    from trace_common.fp4 import record
     from trace_common.kernels import quant
 
     x = _nasty((17, 2048), torch.bfloat16, seed=5)
     for mode in ("compact", "full"):
-        xq_ref, rec_ref = guided.capture(x.cpu(), "nvfp4", mode)
+        xq_ref, rec_ref = record.capture(x.cpu(), "nvfp4", mode)
         xq, rec = quant.capture(x, mode)
         rec = rec.to("cpu")
         torch.testing.assert_close(xq.cpu(), xq_ref, rtol=0, atol=0)
@@ -202,7 +206,7 @@ def test_capture_matches_guided_capture():
 
 def test_kv_append_fp4_exact_and_capture():
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.guided import make_record
+    from trace_common.fp4.record import make_record
     from trace_common.kernels import attention as attn
     from trace_common.kernels.quant import CompactRecordBuffers
 
@@ -269,14 +273,14 @@ def test_route_align_matches_reference(t):
 
 
 def _moe_setup(t: int, seed: int, e: int = 16, h: int = 512, inter: int = 256, k: int = 4):
-    from trace_common.kernels import moe
+    from trace_common.kernels import moe, moe_layout
 
     torch.manual_seed(seed)
     block_m = moe.DECODE_BLOCK_M if t <= 64 else moe.PREFILL_BLOCK_M
     logits = torch.randn(t, e, device=DEV)
     ids, w = moe.route_reference(logits, k)
     sp, be = moe.align_reference(ids, e, block_m)
-    plan = moe.RoutePlan(ids, w, sp, be, block_m)
+    plan = moe_layout.RoutePlan(ids, w, sp, be, block_m)
     x = torch.randn(t, h, device=DEV).bfloat16()
     wgu = (torch.randn(e, 2 * inter, h, device=DEV) * 0.05).bfloat16()
     wd = (torch.randn(e, h, inter, device=DEV) * 0.05).bfloat16()
@@ -306,11 +310,11 @@ def _dequant_rows(rows) -> torch.Tensor:
 
 @pytest.mark.parametrize("t", [1, 64, 1024])
 def test_moe_gemm_bf16(t):
-    from trace_common.kernels import moe
+    from trace_common.kernels import moe, moe_layout
 
     plan, x, wgu, wd, k = _moe_setup(t, seed=t)
-    gu = moe.ExpertWeights(n=wgu.shape[1], k=wgu.shape[2], bf16=wgu)
-    dn = moe.ExpertWeights(n=wd.shape[1], k=wd.shape[2], bf16=wd)
+    gu = moe_layout.ExpertWeights(n=wgu.shape[1], k=wgu.shape[2], bf16=wgu)
+    dn = moe_layout.ExpertWeights(n=wd.shape[1], k=wd.shape[2], bf16=wd)
     act = moe.moe_gemm(x, gu, plan, gated=True, a_div=k, mul_route_w=False)
     y = moe.moe_gemm(act, dn, plan, gated=False, a_div=1, mul_route_w=True)
     ref = moe.moe_reference(x, plan.topk_ids, plan.topk_w, wgu.float(), wd.float(), False)
@@ -322,13 +326,13 @@ def test_moe_gemm_bf16(t):
 def test_moe_gemm_fp4_w4a4(t, decode):
     """Each stage on identical FP4 inputs: only accumulation order (and the bf16 output) differ
     from fp32 math on the dequantized operands."""
-    from trace_common.kernels import moe, quant
+    from trace_common.kernels import moe, moe_layout, quant
 
     plan, x, wgu, wd, k = _moe_setup(t, seed=100 + t)
     gu = moe.quantize_weights(wgu, shared_halves=True)
     dn = moe.quantize_weights(wd, shared_halves=False)
     wgu_dq, wd_dq = _dequant_experts(gu), _dequant_experts(dn)
-    xq = moe.FP4Rows(*quant.quantize_rows(x, scale_2=None))
+    xq = moe_layout.FP4Rows(*quant.quantize_rows(x, scale_2=None))
     act = moe.moe_gemm(xq, gu, plan, gated=True, a_div=k, mul_route_w=False, decode=decode)
     inter = wd.shape[2]
     e_of = plan.topk_ids.reshape(-1).long()
@@ -336,7 +340,7 @@ def test_moe_gemm_fp4_w4a4(t, decode):
     gu_ref = torch.einsum("ph,pnh->pn", x_dq, wgu_dq[e_of].float())
     act_ref = torch.nn.functional.silu(gu_ref[:, :inter]) * gu_ref[:, inter:]
     assert sqnr_db(act_ref, act) > 40, f"FP4 gate_up SQNR {sqnr_db(act_ref, act):.1f} dB <= 40"
-    aq = moe.FP4Rows(*quant.quantize_rows(act, scale_2=None))
+    aq = moe_layout.FP4Rows(*quant.quantize_rows(act, scale_2=None))
     y = moe.moe_gemm(aq, dn, plan, gated=False, a_div=1, mul_route_w=True, decode=decode)
     a_dq = _dequant_rows(aq)
     y_ref = torch.einsum("pi,phi->ph", a_dq, wd_dq[e_of].float()) * plan.topk_w.reshape(-1, 1)
@@ -370,13 +374,13 @@ def test_quantize_dq16_bit_exact(k):
 def test_moe_gemm_fp4_cuda(t, block_m, kernel, monkeypatch):
     """The CUDA kernels on identical FP4 operands: only accumulation order (and the bf16
     output) differ from fp32 math on the dequantized operands; and they match Triton."""
-    from trace_common.kernels import cuda_moe, moe, quant
+    from trace_common.kernels import cuda_moe, moe, moe_layout, quant
 
     monkeypatch.setattr(cuda_moe, "KERNEL_FOR", {})  # every shape: DEFAULT_CUDA_KERNEL
     monkeypatch.setattr(cuda_moe, "DEFAULT_CUDA_KERNEL", kernel)
 
     plan, x, wgu, wd, k = _moe_setup(t, seed=200 + t)
-    plan = moe.RoutePlan(plan.topk_ids, plan.topk_w,
+    plan = moe_layout.RoutePlan(plan.topk_ids, plan.topk_w,
                          *moe.align_reference(plan.topk_ids, 16, block_m), block_m)  # fmt: skip
     gu = moe.quantize_weights(wgu, shared_halves=True)
     dn = moe.quantize_weights(wd, shared_halves=False)
@@ -384,7 +388,7 @@ def test_moe_gemm_fp4_cuda(t, block_m, kernel, monkeypatch):
     gu.pack_for_cuda_(keep_rows=True)
     dn.pack_for_cuda_(keep_rows=True)
     h, inter = wgu.shape[2], wd.shape[2]
-    xq = moe.FP4Rows(*quant.quantize_rows(x, scale_2=None))
+    xq = moe_layout.FP4Rows(*quant.quantize_rows(x, scale_2=None))
     xq.dq16 = torch.empty(t, h, dtype=torch.float16, device=DEV)
     quant.quantize_rows(x, scale_2=None, dq16=xq.dq16)
     poison = torch.full((t * k, inter), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -396,11 +400,11 @@ def test_moe_gemm_fp4_cuda(t, block_m, kernel, monkeypatch):
     gu_ref = torch.einsum("ph,pnh->pn", x_dq, wgu_dq[e_of].float())
     act_ref = torch.nn.functional.silu(gu_ref[:, :inter]) * gu_ref[:, inter:]
     assert sqnr_db(act_ref, act) > 40, f"CUDA gate_up SQNR {sqnr_db(act_ref, act):.1f} dB <= 40"
-    act_tl = moe.moe_gemm(xq, gu, moe.RoutePlan(plan.topk_ids, plan.topk_w,
+    act_tl = moe.moe_gemm(xq, gu, moe_layout.RoutePlan(plan.topk_ids, plan.topk_w,
                           *moe.align_reference(plan.topk_ids, 16, 16), 16), gated=True,
                           a_div=k, mul_route_w=False, impl="triton")  # fmt: skip
     assert sqnr_db(act_tl, act) > 40, "CUDA and Triton gate_up disagree"
-    aq = moe.FP4Rows(*quant.quantize_rows(act, scale_2=None))
+    aq = moe_layout.FP4Rows(*quant.quantize_rows(act, scale_2=None))
     aq.dq16 = torch.empty(t * k, inter, dtype=torch.float16, device=DEV)
     quant.quantize_rows(act, scale_2=None, dq16=aq.dq16)
     y = moe.moe_gemm(aq, dn, plan, gated=False, a_div=1, mul_route_w=True, impl="cuda")
@@ -413,12 +417,12 @@ def _model_shape_gemms(t: int, block_m: int) -> tuple:
     """(plan, [(weights, activation rows, gated, a_div, mul_route_w, N_out)] for gate_up and
     down) at the model's expert shape: 128 experts, 2048 -> 2 x 768 -> 2048, top-8, `t`
     tokens routed at random, packed NVFP4 weights, NVFP4 rows with their dq16 operand."""
-    from trace_common.kernels import moe, quant
+    from trace_common.kernels import moe, moe_layout, quant
 
     torch.manual_seed(t)
     e, h, inter, k = 128, 2048, 768, 8
     ids, w = moe.route_reference(torch.randn(t, e, device=DEV), k)
-    plan = moe.RoutePlan(ids, w, *moe.align_reference(ids, e, block_m), block_m)
+    plan = moe_layout.RoutePlan(ids, w, *moe.align_reference(ids, e, block_m), block_m)
     gu = moe.quantize_weights((torch.randn(e, 2 * inter, h, device=DEV) * 0.02).bfloat16(),
                               shared_halves=True)  # fmt: skip
     dn = moe.quantize_weights((torch.randn(e, h, inter, device=DEV) * 0.02).bfloat16(),
@@ -432,7 +436,7 @@ def _model_shape_gemms(t: int, block_m: int) -> tuple:
         if name == "act":  # a row of zeros and one of one huge value: the scale_2 edge cases
             xin[0] = 0
             xin[-1, 5] = 3e4
-        rows[name] = moe.FP4Rows(*quant.quantize_rows(xin, scale_2=None, dq16=dq), dq)
+        rows[name] = moe_layout.FP4Rows(*quant.quantize_rows(xin, scale_2=None, dq16=dq), dq)
     cases = [(gu, rows["x"], True, k, False, inter), (dn, rows["act"], False, 1, True, h)]
     return plan, cases
 
@@ -485,17 +489,17 @@ def test_moe_gemm_fp4_mma_by_pairs(t, pdl):
     """The mma kernel by pairs (one block per pair from the top-k ids, the block layout unread:
     poisoned here) equals it by blocks bit for bit, at the model's expert shape, the gate_up
     with its act quantize fused (codes, scales, scale_2, dq16) and the down."""
-    from trace_common.kernels import cuda_moe, moe
+    from trace_common.kernels import cuda_moe, moe_layout
 
     plan, cases = _model_shape_gemms(t, 8)
-    no_layout = moe.RoutePlan(plan.topk_ids, plan.topk_w, torch.full_like(plan.sorted_pair, -7),
+    no_layout = moe_layout.RoutePlan(plan.topk_ids, plan.topk_w, torch.full_like(plan.sorted_pair, -7),
                               torch.full_like(plan.block_expert, -7), 8)  # fmt: skip
     for wt, a, gated, a_div, mrw, n_out in cases:
         outs = []
         for by_pairs, p in ((False, plan), (True, no_layout)):
             got = torch.full((p.n_pairs, n_out), float("nan"), dtype=torch.bfloat16, device=DEV)
             r = p.n_pairs
-            q = moe.FP4Rows(torch.zeros(r, n_out // 2, dtype=torch.uint8, device=DEV),
+            q = moe_layout.FP4Rows(torch.zeros(r, n_out // 2, dtype=torch.uint8, device=DEV),
                             torch.zeros(r, n_out // 16, dtype=torch.uint8, device=DEV),
                             torch.zeros(r, dtype=torch.float32, device=DEV),
                             torch.zeros(r, n_out, dtype=torch.float16, device=DEV)) if gated else None  # fmt: skip
@@ -542,9 +546,8 @@ def test_decode_attention_fp4_appends_in_kernel(b, cap, lens, capture, fused, mo
     256-key splits), at position 0, at the cache's end, fused and split + reduce plans."""
     pytest.importorskip("cupy", reason="the CUDA attention kernel is launched through CuPy")
     from trace_common.kernels import attention as attn
-    from trace_common.kernels import cuda_attn
 
-    monkeypatch.setattr(cuda_attn, "fused_chunk", lambda *a, **k: 256)
+    monkeypatch.setattr(attn, "fused_chunk", lambda *a, **k: 256)
     from trace_common.kernels.quant import CompactRecordBuffers
 
     hq, hkv, d = 32, 4, 128

@@ -136,14 +136,14 @@ def test_qkv_rope(h, t, nsum, pro):
                                             (8, 64, 4, 16, 8), (8, 256, 8, 8, 2),
                                             (3, 256, 8, 16, 1)])  # fmt: skip
 def test_router_topk(t, e, k, bm, warps, monkeypatch):
-    from trace_common.kernels import cuda_small, moe
+    from trace_common.kernels import cuda_small, moe, moe_layout
 
     monkeypatch.setitem(cuda_small.WARPS, "router", warps)
     h, eps = 2048, 1e-6
     resid, delta = _rand(t, h, seed=11), _rand(t, h, std=0.5, seed=12)
     ln_w = _norm_weight(h, seed=13)
     w = _rand(e, h, std=0.02, seed=14)
-    plan = moe.RoutePlan.allocate(t, e, k, bm, DEV)
+    plan = moe_layout.RoutePlan.allocate(t, e, k, bm, DEV)
     counter = torch.zeros(1, dtype=torch.int32, device=DEV)
     outs = []
     for _ in range(2):  # the second call must give the same (counter reset, deterministic)
@@ -184,7 +184,7 @@ def test_router_topk_ties_and_no_layout(t, e, cluster):
     logit, then by the lower index (a stable descending sort of the kernel's own logits), the
     weights are the reference's; without sorted_pair / block_expert the plan's layout is left
     untouched."""
-    from trace_common.kernels import cuda_small, moe
+    from trace_common.kernels import cuda_small, moe, moe_layout
 
     h, k, eps = 2048, 8, 1e-6
     resid, delta = _rand(t, h, seed=31), _rand(t, h, std=0.5, seed=32)
@@ -194,7 +194,7 @@ def test_router_topk_ties_and_no_layout(t, e, cluster):
     top = int((xn_ref[0].float() @ w.float().t()).argmax())
     for j in (0, top // 2, e - 1, (top + 5) % e):  # below and above the top expert's index
         w[j] = w[top]
-    plan = moe.RoutePlan.allocate(t, e, k, 8, DEV)
+    plan = moe_layout.RoutePlan.allocate(t, e, k, 8, DEV)
     plan.sorted_pair.fill_(-7)
     plan.block_expert.fill_(-7)
     counter = torch.zeros(1, dtype=torch.int32, device=DEV)
@@ -394,11 +394,11 @@ def test_engine_small_pdl_equals_plain_launches(fp4, gemm, batch):
 
 def _fp4_rows(rows: int, k: int):
     """Poisoned NVFP4 row buffers with the dq16 operand, and compact-record buffers."""
-    from trace_common.kernels import moe
+    from trace_common.kernels import moe_layout
     from trace_common.kernels.quant import CompactRecordBuffers
 
     u8 = dict(dtype=torch.uint8, device=DEV)
-    xq = moe.FP4Rows(torch.full((rows, k // 2), 0xA5, **u8), torch.full((rows, k // 16), 0xA5, **u8),
+    xq = moe_layout.FP4Rows(torch.full((rows, k // 2), 0xA5, **u8), torch.full((rows, k // 16), 0xA5, **u8),
                      _nan(rows, dtype=torch.float32), _nan(rows, k, dtype=torch.float16))  # fmt: skip
     rec = CompactRecordBuffers.allocate(rows, k, DEV)
     rec.mbits.fill_(0xA5)
@@ -430,7 +430,7 @@ def test_router_topk_quantizes_xn(t, e, h, capture):
     """router_topk with xq: its extra CTA's NVFP4 rows of xn (codes, scales, scale_2, dq16 and
     the compact record) equal quant.quantize_rows(xn) bit for bit; every other output equals
     the launch without it."""
-    from trace_common.kernels import cuda_small, moe
+    from trace_common.kernels import cuda_small, moe_layout
 
     eps, k, bm = 1e-6, 8, 8
     resid, delta = _rand(t, h, seed=31), _rand(t, h, std=0.5, seed=32)
@@ -441,7 +441,7 @@ def test_router_topk_quantizes_xn(t, e, h, capture):
     counter = torch.zeros(1, dtype=torch.int32, device=DEV)
     outs = {}
     for fused in (False, True):
-        plan = moe.RoutePlan.allocate(t, e, k, bm, DEV)
+        plan = moe_layout.RoutePlan.allocate(t, e, k, bm, DEV)
         r_out, xn, logits = _nan(t, h), _nan(t, h), _nan(t, e)
         xq, rec = _fp4_rows(t, h)
         cuda_small.router_topk(resid_in=resid, delta=delta, nsum=1, ln_w=ln_w, eps=eps,
@@ -465,7 +465,7 @@ def test_fp4_gate_up_quantizes_act(t, e, h, inter):
     """The CUDA FP4 gate_up with quant_out (each expert block's last CTA) and PDL: act equal to
     the plain launch, its NVFP4 rows equal quant.quantize_rows(act) bit for bit, the counters
     left at zero; the down GEMM after it (PDL) equal to the plain one."""
-    from trace_common.kernels import cuda_moe, moe
+    from trace_common.kernels import cuda_moe, moe, moe_layout
     from trace_common.kernels.quant import quantize_rows
 
     k = 8
@@ -473,7 +473,7 @@ def test_fp4_gate_up_quantizes_act(t, e, h, inter):
     dn = moe.quantize_weights(_rand(e, h, inter, std=0.05, seed=42), shared_halves=False)
     gu.pack_for_cuda_()
     dn.pack_for_cuda_()
-    plan = moe.RoutePlan.allocate(t, e, k, 8, DEV)
+    plan = moe_layout.RoutePlan.allocate(t, e, k, 8, DEV)
     ids, wts = moe.route_reference(torch.randn(t, e, device=DEV), k)
     plan.topk_ids.copy_(ids)
     plan.topk_w.copy_(wts)
@@ -542,7 +542,7 @@ def test_router_topk_cluster_equals_counter_path(t, e, h, quant):
     quantize in the last CTA) writes what the counter path writes, bit for bit: residual, xn,
     logits, routing, block layout, NVFP4 rows and record; PDL and plain launches, twice. (256
     experts = 16 CTAs, past the portable cluster size: the counter path runs.)"""
-    from trace_common.kernels import cuda_small, moe
+    from trace_common.kernels import cuda_small, moe_layout
 
     eps, k, bm = 1e-6, 8, 8
     resid, delta = _rand(t, h, seed=41), _rand(t, h, std=0.5, seed=42)
@@ -552,7 +552,7 @@ def test_router_topk_cluster_equals_counter_path(t, e, h, quant):
     outs = {}
     for cluster in (False, True):
         for pdl in (False, True):
-            plan = moe.RoutePlan.allocate(t, e, k, bm, DEV)
+            plan = moe_layout.RoutePlan.allocate(t, e, k, bm, DEV)
             plan.block_expert.fill_(-7)
             plan.sorted_pair.fill_(-7)
             r_out, xn, logits = _nan(t, h), _nan(t, h), _nan(t, e)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from trace_common.fp4.fake import fake_quantize
-from trace_common.fp4.guided import capture, guided_quantize
+from trace_common.fp4.guided import guided_quantize
+from trace_common.fp4.record import capture
 from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
 from trace_common.model.records import SampleRecords
 from trace_common.model.train_forward import forward_logprobs, pad_right

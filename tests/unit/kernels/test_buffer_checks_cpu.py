@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trace_common.kernels import cuda_moe, cuda_small
-from trace_common.kernels.moe import FP4Rows
+from trace_common.kernels.moe_layout import FP4Rows
 from trace_common.kernels.quant import CompactRecordBuffers
 
 
@@ -88,9 +88,10 @@ def test_ring_plan_keeps_one_wave_up_to_capacity(batch, context):
 def test_fused_chunk_floor(monkeypatch):
     """The fused plan's split is at least FUSED_MIN_CHUNK keys (the wave rule alone would cut
     1K into 17 splits of 64) and stays within FUSED_MAX_SPLITS splits, else 0 (split + reduce)."""
+    from trace_common.kernels import attention as attn
     from trace_common.kernels import cuda_attn
 
     monkeypatch.delenv("TRACE_ATTN_FUSED_CHUNK", raising=False)
     for fp4 in (False, True):
-        assert cuda_attn.fused_chunk(4, 1024, fp4=fp4, sms=132) == cuda_attn.FUSED_MIN_CHUNK
-        assert cuda_attn.fused_chunk(4, 32768, fp4=fp4, sms=132) == 0
+        assert attn.fused_chunk(4, 1024, fp4=fp4, sms=132) == cuda_attn.FUSED_MIN_CHUNK
+        assert attn.fused_chunk(4, 32768, fp4=fp4, sms=132) == 0

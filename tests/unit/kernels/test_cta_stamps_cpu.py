@@ -1,4 +1,4 @@
-"""bench/cta_stamps.py's source instrumentation and span table (no GPU needed)."""
+"""bench/experiments/cta_stamps.py's source instrumentation and span table (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "bench"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "bench" / "experiments"))
 
 from cta_stamps import SLOTS, instrument, span_table
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_common.kernels import cuda_moe
+from trace_common.kernels import cuda_moe, moe_layout
 
 # fp16 bits of E2M1 code c times 2**-14 (the kernel's decode): sign -> bit 15, e1 e0 m -> 11..9
 E2M1_FP16_BITS = [(c & 8) << 12 | (c & 7) << 9 for c in range(16)]
@@ -24,7 +24,7 @@ def test_fp16_bit_trick_is_value_times_2_pow_minus_14():
 
 
 def test_pack_bits_partition_the_word():
-    lut = cuda_moe._slot_lut("cpu")  # [8 slots, 16 codes]
+    lut = moe_layout._slot_lut("cpu")  # [8 slots, 16 codes]
     full = lut[:, 15]  # code 0b1111 sets all 4 bits of its slot
     assert int(full.sum()) == 0xFFFFFFFF, "slots must cover all 32 bits"
     for i in range(8):
@@ -37,7 +37,7 @@ def test_pack_and_decode_give_each_fragment_element(e, n, k):
     g = torch.Generator().manual_seed(e * n + k)
     codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
     scales = torch.randint(0, 127, (e, n, k // 16), dtype=torch.uint8, generator=g)
-    p = cuda_moe.pack_fp4_weights(codes, scales, chunk=2)
+    p = moe_layout.pack_fp4_weights(codes, scales, chunk=2)
     assert p.words.shape == (e, n // 16, k // 64, 32, 4)
     nib = torch.stack((codes & 15, codes >> 4), -1).reshape(e, n, k).long()
     want_bits = torch.tensor(E2M1_FP16_BITS)[nib]  # [e, n, k]
@@ -59,7 +59,7 @@ def test_pack_and_decode_give_each_fragment_element(e, n, k):
 
 def test_pack_rejects_bad_shapes():
     with pytest.raises(ValueError, match="N=24"):
-        cuda_moe.pack_fp4_weights(torch.zeros(1, 24, 32, dtype=torch.uint8),
+        moe_layout.pack_fp4_weights(torch.zeros(1, 24, 32, dtype=torch.uint8),
                                   torch.zeros(1, 24, 4, dtype=torch.uint8))  # fmt: skip
 
 
@@ -102,7 +102,7 @@ def test_block_m_and_configs():
     assert cuda_moe.block_m_for(256, 128) == 8  # batch 32
     assert cuda_moe.block_m_for(1024, 128) == 16  # batch 128
     for (k, bm, gated), (rw, wk, kgw, _minb) in cuda_moe.CONFIGS.items():
-        assert wk * kgw * cuda_moe.K_GROUP == k and bm in cuda_moe.BLOCK_MS
+        assert wk * kgw * moe_layout.K_GROUP == k and bm in cuda_moe.BLOCK_MS
         assert cuda_moe.smem_bytes(bm, rw, wk, gated) <= cuda_moe.SMEM_LIMIT
     rw, wk, kgw, _ = cuda_moe.default_config(512, 8, gated=False)
     assert wk * kgw * 64 == 512
@@ -194,7 +194,7 @@ def test_no_cupy_at_import_time():
 def test_stream_configs_fit():
     """Every streaming config (shipped, swept, or derived for another shape) tiles K exactly,
     copies its scales with <= 32 lanes and fits the opt-in shared memory of one CTA."""
-    import bench.rollout_gpu_kernels as bench
+    import bench.experiments.rollout_gpu_kernels as bench
 
     cases = [(key, cfg) for key, cfg in cuda_moe.STREAM_CONFIGS.items()]
     for bm in cuda_moe.BLOCK_MS:
@@ -211,7 +211,7 @@ def test_stream_configs_fit():
             rw = cases[-1][1][0]
             assert (n_out // 16) % rw == 0
     for (k, bm, gated), (rw, wk, kgw, stages, _minb) in cases:
-        assert wk * kgw * cuda_moe.K_GROUP == k and kgw * 4 <= 32 and stages >= 2
+        assert wk * kgw * moe_layout.K_GROUP == k and kgw * 4 <= 32 and stages >= 2
         smem = cuda_moe.stream_smem_bytes(bm, rw, wk, kgw, stages, gated)
         assert smem <= cuda_moe.STREAM_SMEM_MAX, (k, bm, gated, rw, wk, kgw, stages)
 
@@ -331,7 +331,7 @@ def test_wg_configs_fit():
     tiles N_out into 64-feature items and fits the opt-in shared memory; off sm_90 (here: a CPU
     device) the per-shape default falls back to the stream kernel."""
     for (k, bm, gated), (kgw, stages, nwg) in cuda_moe.WG_CONFIGS.items():
-        assert k % (cuda_moe.K_GROUP * kgw) == 0 and 2 <= kgw <= 8 and stages >= 2
+        assert k % (moe_layout.K_GROUP * kgw) == 0 and 2 <= kgw <= 8 and stages >= 2
         n_out = 768 if gated else 2048
         assert n_out % 64 == 0 and 1 <= nwg <= 8 and bm in cuda_moe.BLOCK_MS
         assert cuda_moe.wg_smem_bytes(k, kgw, stages, gated, nwg, bm) <= cuda_moe.STREAM_SMEM_MAX

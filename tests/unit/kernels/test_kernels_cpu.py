@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import engine, moe
+from trace_common.kernels import engine, moe, moe_layout
 
 
 def test_align_reference_layout_by_hand():
     # 2 tokens, top-2, 4 experts, blocks of 2: pairs p = t*2 + j
     ids = torch.tensor([[0, 1], [1, 3]], dtype=torch.int32)  # pair 0->e0, 1->e1, 2->e1, 3->e3
     sp, be = moe.align_reference(ids, num_experts=4, block_m=2)
-    assert moe.max_blocks(4, 4, 2) == 2 + 4
+    assert moe_layout.max_blocks(4, 4, 2) == 2 + 4
     # e0: [0, pad], e1: pairs ordered by (j, t): pair 2 (t=1, j=0) then pair 1 (t=0, j=1); e3: [3, pad]
     assert sp.tolist() == [0, 4, 2, 1, 3, 4, 4, 4, 4, 4, 4, 4]
     assert be.tolist() == [0, 1, 3, -1, -1, -1]
@@ -106,7 +106,7 @@ _INTERPRETED = textwrap.dedent(
     """
     import torch
     from trace_common.fp4 import nvfp4
-    from trace_common.fp4.guided import make_record
+    from trace_common.fp4.record import make_record
     from trace_common.kernels import quant
     torch.manual_seed(0)
     for shape, gran, dt in [((6, 64), "row", torch.float32), ((3, 48), "tensor", torch.bfloat16),

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from trace_common.fp4.guided import GuidanceRecord
+from trace_common.fp4.record import GuidanceRecord
 from trace_common.model import (
     GuidanceConfig,
     MoECausalLM,

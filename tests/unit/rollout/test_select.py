@@ -65,3 +65,43 @@ def test_unsupported_reasons_name_what_the_cuda_engine_refuses() -> None:
     assert "shared_expert" in unsupported_reason(shared, QuantConfig.none(), None)
     assert unsupported_reason(cfg, QuantConfig.none(), None) is None
     assert "needs FP4" in unsupported_reason(cfg, QuantConfig.none(), GuidanceConfig())
+
+
+class _ReloadingEngine:
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+
+    def load_version(self, tensors, metadata, version: int) -> _ReloadingEngine:
+        self.versions.append(version)
+        return self
+
+
+def test_a_table_entry_is_all_a_new_engine_needs(monkeypatch) -> None:
+    """An entry in ENGINES is a choice the replica's settings, the demo and the selector all
+    take: built for the first version, reloaded in place where the entry says so."""
+    from services.rollout.config import RolloutSettings
+    from trace_common.launch.demo import DemoConfig
+    from trace_common.rollout import select
+
+    monkeypatch.setitem(select.ENGINES, "fake", select.EngineEntry(
+        "fake", "a test engine", lambda sel, t, m, v: _ReloadingEngine(), reloads=True))  # fmt: skip
+    required = {"weight_sync_address": "127.0.0.1:1", "quant_cache_address": "127.0.0.1:2",
+                "auth_token": "t"}  # fmt: skip
+    assert RolloutSettings(**required, rollout_engine="fake").rollout_engine == "fake"
+    assert DemoConfig.load(rollout_engine="fake").rollout_engine == "fake"
+    factory = make_engine_factory(EngineSettings(engine="fake"))
+    first = factory({}, {}, 0)
+    assert factory({}, {}, 1) is first and first.versions == [1] and factory.name == "fake"
+    with pytest.raises(ValueError, match="rollout engine 'tensorrt'; expected one of"):
+        RolloutSettings(**required, rollout_engine="tensorrt")
+
+
+def test_built_engines_are_named_by_their_entries() -> None:
+    from trace_common.rollout.cuda import CudaEngine
+    from trace_common.rollout.select import ENGINES
+
+    assert list(ENGINES) == ["auto", "native", "cuda", "vllm"]
+    assert not ENGINES[NativeEngine.name].reloads and ENGINES[CudaEngine.name].reloads
+    assert ENGINES["cuda"].needs_cuda and ENGINES["vllm"].reloads

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.app import build_model
+from services.trainer.build import build_model
 from services.trainer.config import TrainerSettings
 from trace_common.model import GuidanceConfig, QuantConfig
 from trace_common.rl.core import TrainerConfig, TrainerCore

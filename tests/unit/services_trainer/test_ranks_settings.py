@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.trainer.build import build_learner
 from services.trainer.config import TrainerSettings
-from services.trainer.ranks import build_learner
 from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
 
 REQUIRED = {"weight_sync_address": "127.0.0.1:1", "quant_cache_address": "127.0.0.1:2"}

@@ -7,7 +7,7 @@ import json
 import pathlib
 
 from services.trainer.metrics import TrainerMetrics
-from trace_common.rl.plots import read_metrics
+from trace_common.launch.plots import read_metrics
 from trace_common.service import Metrics
 
 
@@ -46,7 +46,7 @@ def test_reward_failures_skips_and_evaluations_reach_prometheus_and_the_jsonl(
 ) -> None:
     from prometheus_client import generate_latest
 
-    from trace_common.rl.plots import read_evals
+    from trace_common.launch.plots import read_evals
 
     path = tmp_path / "metrics.jsonl"
     metrics = Metrics("trainer")

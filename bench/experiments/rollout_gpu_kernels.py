@@ -6,9 +6,9 @@ head_dim 128), BF16 vs FP4: Triton with each FP4 decode ("bits": plain Triton in
 Expert selections rotate over many router draws so the weights do not sit in L2 between
 repetitions; every call is timed inside a CUDA graph (no Python launch cost).
 
-    python bench/rollout_gpu_kernels.py                 # tables
-    python bench/rollout_gpu_kernels.py --cuda-sweep    # + launch configs (--cuda-sweep wg: one kernel's)
-    python bench/rollout_gpu_kernels.py --attention-only --attn-cold  # attention from HBM
+    python bench/experiments/rollout_gpu_kernels.py                 # tables
+    python bench/experiments/rollout_gpu_kernels.py --cuda-sweep    # + launch configs (--cuda-sweep wg: one kernel's)
+    python bench/experiments/rollout_gpu_kernels.py --attention-only --attn-cold  # attention from HBM
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 
 from trace_common.kernels import attention as attn
-from trace_common.kernels import cuda_launch, cuda_moe, moe
+from trace_common.kernels import cuda_launch, cuda_moe, moe, moe_layout
 from trace_common.kernels.quant import quantize_rows
 
 E, H, INTER, TOPK = 128, 2048, 768, 8
@@ -41,9 +41,9 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-def _fp4_rows(x: torch.Tensor) -> moe.FP4Rows:
+def _fp4_rows(x: torch.Tensor) -> moe_layout.FP4Rows:
     dq = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-    return moe.FP4Rows(*quantize_rows(x, scale_2=None, dq16=dq), dq)
+    return moe_layout.FP4Rows(*quantize_rows(x, scale_2=None, dq16=dq), dq)
 
 
 def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -75,7 +75,10 @@ def bench_moe(bw: float, sweep: frozenset[str], write_configs: pathlib.Path | No
         0, 0.02, generator=g
     )
     wd = torch.empty(E, H, INTER, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02, generator=g)
-    w16 = (moe.ExpertWeights(n=2 * INTER, k=H, bf16=wgu), moe.ExpertWeights(n=H, k=INTER, bf16=wd))
+    w16 = (
+        moe_layout.ExpertWeights(n=2 * INTER, k=H, bf16=wgu),
+        moe_layout.ExpertWeights(n=H, k=INTER, bf16=wd),
+    )
     w4 = (
         moe.quantize_weights(wgu, shared_halves=True),
         moe.quantize_weights(wd, shared_halves=False),

@@ -10,7 +10,7 @@ per 16 tokens? Times, in isolation (CUDA graphs, every call reading its cache fr
   anything; the engine must not run it;
 - `read`: a plain streaming read of the record buffer's bytes (the read-only roofline).
 
-    python bench/attn_layout_probe.py
+    python bench/experiments/attn_layout_probe.py
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 
 from rollout_gpu_kernels import _graph_us_per_call, cold_copies, copy_bandwidth
 

@@ -44,14 +44,14 @@ from trace_common.config import (
     read_recipe,
     run_config_dict,
 )
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
+from trace_common.rollout.select import check_engine
 
 if TYPE_CHECKING:
     from trace_common.tasks import Problem, Tokenizer
 
 POLL_S = 0.5
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
-ROLLOUT_ENGINES = ("auto", "native", "cuda", "vllm")  # vllm: run the demo where vllm is installed
 DEMO_CPU_RECIPE = RECIPES_DIR / "demo-cpu.toml"  # the default: a few minutes on 2 CPU cores
 DEMO_GPU_RECIPE = RECIPES_DIR / "demo-gpu.toml"  # `--device cuda`: mid-1b on one GPU
 
@@ -85,7 +85,7 @@ class DemoConfig:
     warmstart_max_steps: int = 300
     warmstart_lr: float = 3e-3
     eval_prompts: int = 256  # held-out prompts of the warm-start and final evaluations
-    rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas: auto|native|cuda|vllm
+    rollout_engine: str = "auto"  # TRACE_ROLLOUT_ENGINE of the replicas (rollout.select.ENGINES)
     rollout_dtype: str = "auto"  # PyTorch engine's dtype (auto: bf16 on CUDA, else fp32)
     export_hp_dtype: str = "auto"  # the trainer's TRACE_EXPORT_HP_DTYPE (auto: bf16 on CUDA)
     warmstart: bool = True  # supervised warm start first (`trace-rl train`: only if asked)
@@ -95,8 +95,7 @@ class DemoConfig:
 
         if not DEVICE_RE.match(self.device):
             raise ValueError(f"device {self.device!r}: expected {DEVICE_HELP}")
-        if self.rollout_engine not in ROLLOUT_ENGINES:
-            raise ValueError(f"rollout engine {self.rollout_engine!r}: one of {ROLLOUT_ENGINES}")
+        check_engine(self.rollout_engine)
         if self.rollout_dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"rollout dtype {self.rollout_dtype!r}: one of {ROLLOUT_DTYPES}")
         if self.export_hp_dtype not in ROLLOUT_DTYPES:
@@ -378,8 +377,8 @@ def run_demo(cfg: DemoConfig) -> pathlib.Path:
     the run directory."""
     from rich.console import Console
 
+    from trace_common.launch.plots import plot_run, read_evals, read_metrics
     from trace_common.rl.checkpoint import latest_checkpoint, load_checkpoint
-    from trace_common.rl.plots import plot_run, read_evals, read_metrics
 
     console = Console()
     out = cfg.out or default_out_dir()

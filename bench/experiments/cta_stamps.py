@@ -11,7 +11,7 @@ head's GEMV is an instance of its own). Where a kernel's time goes after its wai
 critical path that `bench/step_profile.py --timeline` shows from the outside) and, with
 anchors, inside it:
 
-    python bench/cta_stamps.py --engine bf16 --batch 1 \\
+    python bench/experiments/cta_stamps.py --engine bf16 --batch 1 \\
         --anchor "cluster_wait_acquire();  // phase 1: every CTA's logits are in s_lg=4"
 
 An anchor is TEXT=SLOT: the stamp goes after the (single) line containing TEXT, in whichever
@@ -26,7 +26,8 @@ import pathlib
 import re
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 
 SLOTS = 8  # 0 entry, 1 after the PDL wait, 2-6 anchors, 7 exit
 MAX_CTAS = 8192

@@ -8,7 +8,7 @@ import pathlib
 import matplotlib
 import pytest
 
-from trace_common.rl import plots
+from trace_common.launch import plots
 
 matplotlib.use("Agg")  # plots imports pyplot lazily, so this takes effect
 

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import pytest
 
 from trace_common.config import ConfigError, load_run_config
-from trace_common.rl import cluster as cluster_mod
-from trace_common.rl.cluster import ClusterConfig, LocalCluster
+from trace_common.launch import cluster as cluster_mod
+from trace_common.launch.cluster import ClusterConfig, LocalCluster
 
 
 class FakeService:

@@ -3,7 +3,7 @@ dependent launches (each kernel's `griddepcontrol.wait`), or PDL launches whose 
 on a done-counter the previous kernel's CTAs bump (fence + atomic; thread 0 spins with
 ld.acquire) instead of the grid-completion wait. Each kernel reads `--kb` KB per CTA.
 
-    python bench/pdl_chain.py            # a table: grid x bytes -> us per kernel, per mode
+    python bench/experiments/pdl_chain.py            # a table: grid x bytes -> us per kernel, per mode
 
 The question it answers: would a kernel starting on a flag set by its predecessor's CTAs
 (before that grid completes) shorten the decode step's chain of small kernels?
@@ -16,7 +16,7 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 
 SOURCE = r"""
 __device__ __forceinline__ int ld_acquire(const int* p) {

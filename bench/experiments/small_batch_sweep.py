@@ -9,7 +9,7 @@ many threads) is reported and skipped. Then an interleaved A/B of the defaults a
 best found, BF16 at each context and FP4 at the first. The best is what
 `KernelSettings(small_launch=...)` takes:
 
-    python3 bench/small_batch_sweep.py --contexts 1024 32768
+    python3 bench/experiments/small_batch_sweep.py --contexts 1024 32768
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 
 from rollout_gpu import time_engine
 

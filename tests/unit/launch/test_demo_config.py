@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from trace_common.cli import app
 from trace_common.config import dump_toml, load_run_config
-from trace_common.rl.cluster import ClusterConfig
-from trace_common.rl.demo import (
+from trace_common.launch.cluster import ClusterConfig
+from trace_common.launch.demo import (
     DEMO_CPU_RECIPE,
     DEMO_GPU_RECIPE,
     DemoConfig,
@@ -118,7 +118,7 @@ def test_every_process_gets_the_run_device_and_engine(tmp_path: pathlib.Path) ->
 
 def test_the_command_line_reads_a_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
     got: list[DemoConfig] = []
-    monkeypatch.setattr("trace_common.rl.demo.run_demo", got.append)
+    monkeypatch.setattr("trace_common.launch.demo.run_demo", got.append)
     help_ = CliRunner().invoke(app, ["demo", "--config", str(DEMO_CPU_RECIPE), "--help"])
     assert help_.exit_code == 0 and "--config" in help_.output
     args = ["demo", "--config", str(DEMO_GPU_RECIPE), "--device", "cpu", "--steps", "7"]
