@@ -30,7 +30,7 @@ from trace_common.rl.objective import (
     filter_stale,
     grpo_advantages,
 )
-from trace_common.rl.types import TRAIN_MODES, DispatchStats, RolloutSample, TrainSample
+from trace_common.rl.types import DispatchStats, RolloutSample, TrainSample, mode_spec
 from trace_common.rollout.types import SamplingConfig
 from trace_common.tasks.prompts import Prompt, PromptStream
 from trace_common.tasks.tasks import completion_text
@@ -183,8 +183,7 @@ class TrainerConfig:
     overlap_push: bool = False  # push in the background during the next step (max_staleness >= 1)
 
     def __post_init__(self) -> None:
-        if self.mode not in TRAIN_MODES:
-            raise ValueError(f"unknown training mode {self.mode!r}; expected one of {TRAIN_MODES}")
+        mode_spec(self.mode)  # ValueError for an unknown mode
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for GRPO, got {self.group_size}")
         if self.prompts_per_step < 1:
@@ -204,8 +203,8 @@ class TrainerConfig:
 
     @property
     def writes_records(self) -> bool:
-        """TRACE consumes guidance and routing records; other modes only to measure."""
-        return self.mode == "trace" or self.measure_records
+        """A guided mode consumes guidance and routing records; other modes only measure."""
+        return mode_spec(self.mode).guided or self.measure_records
 
 
 class TrainerCore:

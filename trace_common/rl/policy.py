@@ -45,10 +45,9 @@ from trace_common.model.discrepancy import (
 )
 from trace_common.model.train_forward import TrainForwardOutput, pad_right
 from trace_common.rl.objective import DEFAULT_CLIP_EPS, DEFAULT_TIS_CAP, clipped_policy_loss
-from trace_common.rl.types import TrainSample
+from trace_common.rl.types import MODES, ModeSpec, TrainSample, mode_spec
 from trace_common.rollout.meta import PolicyMeta
 
-QAT_OF_MODE = {"bf16": "none", "fp4": "none", "rtn": "rtn", "trace": "trace"}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # Optimizer param-group keys that pick an implementation for this device, not a training
 # hyperparameter: a checkpoint written elsewhere must not carry them over.
@@ -76,14 +75,17 @@ class LearnerConfig:
     # instead of keeping its activations (less memory, about one more forward of time)
 
     def __post_init__(self) -> None:
-        if self.mode not in QAT_OF_MODE:
-            raise ValueError(f"unknown mode {self.mode!r}; expected one of {sorted(QAT_OF_MODE)}")
+        mode_spec(self.mode)  # ValueError for an unknown mode
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"unknown compute_dtype {self.compute_dtype!r}; expected one of {COMPUTE_DTYPES}"
             )
+
+    @property
+    def spec(self) -> ModeSpec:
+        return MODES[self.mode]
 
     def autocast_dtype(self, device: torch.device) -> torch.dtype | None:
         """The autocast dtype on `device`, or None for plain fp32."""
@@ -141,10 +143,9 @@ class ModelLearner:
         self.model = self._place(model)
         self.config = config
         self.autocast_dtype = config.autocast_dtype(self.device)
-        # bf16 mode: everything high precision, on both sides.
-        self.quant = QuantConfig.none() if config.mode == "bf16" else quant
-        wants = config.mode == "trace" or (config.measure_records and config.mode != "bf16")
-        self.guidance = guidance if wants else None
+        spec = config.spec  # bf16: everything high precision, on both sides
+        self.quant = quant if spec.fp4_policy else QuantConfig.none()
+        self.guidance = guidance if spec.wants_records(config.measure_records) else None
         self.eos_id = eos_id
         self.pad_id = pad_id
         # Fused AdamW on CUDA: one kernel over all parameters instead of a launch per tensor.
@@ -232,7 +233,7 @@ class ModelLearner:
         """Train on `samples` (this rank's), minibatch i being `samples[chunks[i]]`; every
         minibatch's loss is a token mean over the whole minibatch, across ranks."""
         cfg = self.config
-        qat = QAT_OF_MODE[cfg.mode]
+        spec = cfg.spec
         seqs = [
             list(ts.rollout.prompt_tokens) + list(ts.rollout.completion_tokens) for ts in samples
         ]
@@ -252,21 +253,23 @@ class ModelLearner:
         dev = self.device
         tokens, lengths = tokens.to(dev), lengths.to(dev)
         logp_rollout, comp_mask, adv = logp_rollout.to(dev), comp_mask.to(dev), adv.to(dev)
-        if cfg.mode == "trace" and any(ts.records is None and not ts.unguided for ts in samples):
-            raise ValueError("trace mode needs every sample's records (or the sample unguided)")
+        if spec.guided and any(ts.records is None and not ts.unguided for ts in samples):
+            raise ValueError(
+                f"{spec.name} mode needs every sample's records (or the sample unguided)"
+            )
         measured = None  # records for the discrepancy metrics (any mode, when present)
         if all(ts.records is not None for ts in samples):
             measured = [SampleRecords.from_bytes(ts.records) for ts in samples]  # type: ignore[arg-type]
         records = None  # records that steer training
-        unguided: list[int] = []  # trace mode: samples whose records were lost, trained rtn
-        if cfg.mode == "trace":
+        unguided: list[int] = []  # guided: samples whose records were lost, trained rtn
+        if spec.guided:
             unguided = [i for i, ts in enumerate(samples) if ts.records is None]
             records = measured or [
                 None if ts.records is None else SampleRecords.from_bytes(ts.records)
                 for ts in samples
             ]
-        replay = cfg.mode == "trace" and cfg.routing_replay
-        kw = dict(qat_mode=qat, routing_replay=replay, temperature=cfg.temperature)
+        replay = spec.replays_routing and cfg.routing_replay
+        kw = dict(qat_mode=spec.qat, routing_replay=replay, temperature=cfg.temperature)
 
         self.model.train()
         with torch.no_grad(), self.compute():

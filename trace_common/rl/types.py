@@ -3,17 +3,56 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
 from trace_common.rollout.types import FinishReason
 
-# The training modes (docs/design.md, "Training modes"), declared once: the type and its values.
-#   bf16   high-precision rollout and trainer (no quantization)
-#   fp4    FP4 rollout, high-precision trainer without QAT
-#   rtn    FP4 rollout, vanilla QAT (the trainer rounds to nearest with its own scales)
-#   trace  FP4 rollout with records, rollout-guided QAT with routing replay
+# The training modes (docs/design.md, "Training modes"): the type, and MODES below.
 TrainMode = Literal["bf16", "fp4", "rtn", "trace"]
-TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
+
+
+@dataclass(frozen=True, slots=True)
+class ModeSpec:
+    """What a training mode does. The learner and the trainer ask this, never the mode's
+    name: a new mode is one entry of MODES (and its name in TrainMode)."""
+
+    name: str
+    summary: str
+    fp4_policy: bool  # the rollout serves the FP4 policy (else high precision on both sides)
+    qat: Literal["none", "rtn", "trace"]  # the trainer's forward (model.runtime's QatMode):
+    # none = the high-precision weights, rtn = fake-quantized to nearest with its own scales,
+    # trace = rounded toward the rollout's records
+    guided: bool  # the records steer training: every sample needs them (or is trained unguided)
+    replays_routing: bool  # the trainer replays the rollout's expert choices (routing_replay)
+
+    def wants_records(self, measure: bool) -> bool:
+        """Whether the learner reads records: to steer (guided), or only to measure the
+        rollout/trainer mismatch of an FP4 policy (`measure`)."""
+        return self.guided or (measure and self.fp4_policy)
+
+
+_SPECS = (
+    ModeSpec(name="bf16", summary="high-precision rollout and trainer (no quantization)",
+             fp4_policy=False, qat="none", guided=False, replays_routing=False),
+    ModeSpec(name="fp4", summary="FP4 rollout, high-precision trainer without QAT",
+             fp4_policy=True, qat="none", guided=False, replays_routing=False),
+    ModeSpec(name="rtn", summary="FP4 rollout, vanilla QAT (the trainer rounds to nearest "
+             "with its own scales)", fp4_policy=True, qat="rtn", guided=False,
+             replays_routing=False),
+    ModeSpec(name="trace", summary="FP4 rollout with records, rollout-guided QAT with "
+             "routing replay", fp4_policy=True, qat="trace", guided=True,
+             replays_routing=True),
+)  # fmt: skip
+MODES: dict[str, ModeSpec] = {m.name: m for m in _SPECS}
+TRAIN_MODES: tuple[str, ...] = tuple(MODES)
+
+
+def mode_spec(mode: str) -> ModeSpec:
+    """The spec of `mode`; ValueError naming it and the modes for an unknown one."""
+    try:
+        return MODES[mode]
+    except KeyError:
+        raise ValueError(f"unknown training mode {mode!r}; expected one of {TRAIN_MODES}") from None
 
 
 @dataclass(kw_only=True, slots=True)
