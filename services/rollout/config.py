@@ -12,20 +12,12 @@ from pydantic import Field, field_validator, model_validator
 from trace_common.device import DEVICE_HELP, DEVICE_RE
 from trace_common.kernels.settings import KernelSettings
 from trace_common.rollout.select import check_engine, engines_help
-from trace_common.service import ServiceSettings
-from trace_common.service.config import ENV_PREFIX
+from trace_common.service.config import ENV_PREFIX, StoreClientSettings
 
 
-class RolloutSettings(ServiceSettings):
+class RolloutSettings(StoreClientSettings):
     grpc_port: int = Field(50053, ge=0, le=65535)
     http_port: int = Field(8053, ge=0, le=65535)
-    weight_sync_address: str = Field(..., description="host:port of weight-sync (required)")
-    quant_cache_address: str = Field(..., description="host:port of quant-cache (required)")
-    quant_cache_data_path: Literal["auto", "direct", "grpc"] = Field(
-        "auto",
-        description="record bytes straight to/from Redis (direct, coordinates from quant-cache) "
-        "or through quant-cache (grpc); auto = direct when Redis is reachable",
-    )
     weight_sync_data_path: Literal["auto", "direct", "grpc"] = Field(
         "auto",
         description="policy pulls over weight-sync's bulk data plane (direct: ticket over gRPC, "

@@ -26,19 +26,12 @@ from trace_common.config import (
     run_env_names,
 )
 from trace_common.device import DEVICE_HELP, DEVICE_RE
-from trace_common.service import ServiceSettings
+from trace_common.service.config import StoreClientSettings
 
 
-class TrainerSettings(ServiceSettings):
+class TrainerSettings(StoreClientSettings):
     grpc_port: int = Field(50054, ge=0, le=65535)
     http_port: int = Field(8054, ge=0, le=65535)
-    weight_sync_address: str = Field(..., description="host:port of weight-sync (required)")
-    quant_cache_address: str = Field(..., description="host:port of quant-cache (required)")
-    quant_cache_data_path: Literal["auto", "direct", "grpc"] = Field(
-        "auto",
-        description="record bytes straight to/from Redis (direct, coordinates from quant-cache) "
-        "or through quant-cache (grpc); auto = direct when Redis is reachable",
-    )
     weight_deltas: bool = Field(
         True,
         description="push each policy version as a delta against the one pushed before it "

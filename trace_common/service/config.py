@@ -11,7 +11,7 @@ import os
 import pathlib
 import re
 import sys
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import (
@@ -105,6 +105,18 @@ class ServiceSettings(BaseSettings):
 
 
 S = TypeVar("S", bound=ServiceSettings)
+
+
+class StoreClientSettings(ServiceSettings):
+    """A service that is a client of both stores (the trainer, a rollout replica)."""
+
+    weight_sync_address: str = Field(..., description="host:port of weight-sync (required)")
+    quant_cache_address: str = Field(..., description="host:port of quant-cache (required)")
+    quant_cache_data_path: Literal["auto", "direct", "grpc"] = Field(
+        "auto",
+        description="record bytes straight to/from Redis (direct, coordinates from quant-cache) "
+        "or through quant-cache (grpc); auto = direct when Redis is reachable",
+    )
 
 
 def describe_errors(exc: ValidationError) -> list[str]:

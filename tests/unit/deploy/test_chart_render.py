@@ -161,8 +161,10 @@ def test_containers_run_real_services_with_real_settings(rendered: tuple[str, li
         (settings,) = [
             v
             for v in vars(config).values()
-            if isinstance(v, type) and issubclass(v, ServiceSettings) and v is not ServiceSettings
-        ]
+            if isinstance(v, type)
+            and issubclass(v, ServiceSettings)
+            and v.__module__ == config.__name__
+        ]  # the service's own class, not the bases it builds on
         names = {e["name"] for e in c["env"]} | set(configmap["data"])
         unknown = sorted(
             n for n in names if n.startswith("TRACE_") and n not in settings.env_names()

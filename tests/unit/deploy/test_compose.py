@@ -194,8 +194,10 @@ def settings_class(name: str) -> type:
     classes = [
         c
         for c in vars(config).values()
-        if isinstance(c, type) and issubclass(c, ServiceSettings) and c is not ServiceSettings
-    ]
+        if isinstance(c, type)
+        and issubclass(c, ServiceSettings)
+        and c.__module__ == config.__name__
+    ]  # the service's own class, not the bases it builds on
     assert len(classes) == 1, f"{package}.config: expected one settings class, got {classes}"
     return classes[0]
 
