@@ -1,7 +1,7 @@
 """One trainer step on the GPU for a named shape (default mid-1b): forward_logprobs +
 backward + AdamW over B sequences x T tokens with routing replay, per configuration:
 
-  fp32 / trace        fp32 eager (no autocast): the baseline of issue 27's first probe
+  fp32 / trace        fp32 eager (no autocast): the baseline
   bf16 / none|rtn|trace   bf16 autocast over fp32 master weights; none = no fake quant (what
                       the FP4 sites cost is rtn - none), trace = guided QAT from records
   ... + ckpt          the same with activation checkpointing per decoder layer

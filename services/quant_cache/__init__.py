@@ -1,1 +1,1 @@
-"""quant-cache: stores rollout guidance and routing records in Redis (see DESIGN.md section 4)."""
+"""quant-cache: stores rollout guidance and routing records in Redis (docs/design.md, "The system")."""

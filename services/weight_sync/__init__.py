@@ -1,1 +1,1 @@
-"""weight-sync: versioned policy weights from the trainer to the rollout replicas (DESIGN.md section 4)."""
+"""weight-sync: versioned policy weights from the trainer to the rollout replicas (docs/design.md, "The system")."""

@@ -1,4 +1,4 @@
-"""Faults injected into a running system (issue 28): real processes, a real Redis, gRPC over
+"""Faults injected into a running system: real processes, a real Redis, gRPC over
 loopback. Each case asserts that the run finishes with one metrics row per step and every
 sample trained exactly once, or counted as regenerated or unguided (none dropped)."""
 

@@ -1,5 +1,5 @@
 """The whole system with real processes, a real Redis and real gRPC: a local Redis,
-quant-cache, weight-sync, the trainer and two rollout replicas (issue 5's "must be true").
+quant-cache, weight-sync, the trainer and two rollout replicas.
 
 One cluster serves the module; the tests run in file order and each starts its own trainer
 run (a fresh run id and directories), so they do not depend on each other's results.

@@ -1,4 +1,4 @@
-"""The whole system on one GPU machine (issue 27): a local Redis, quant-cache, weight-sync, the
+"""The whole system on one GPU machine: a local Redis, quant-cache, weight-sync, the
 trainer and two rollout replicas as processes, the trainer and both replicas on the GPU
 (TRACE_DEVICE=cuda, TRACE_ROLLOUT_ENGINE=auto).
 

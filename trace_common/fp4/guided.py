@@ -1,5 +1,5 @@
 """Rollout-guided rounding: the trainer's quantizer that follows the FP4 rollout's records
-(`record.GuidanceRecord`; DESIGN.md section 2).
+(`record.GuidanceRecord`; docs/design.md, "Guided rounding").
 
 `guided_quantize(x_train, record)`:
   1. z = clip(x_train / s_rollout, -6, 6), s_rollout = block scale * row scale (fp32, same ops

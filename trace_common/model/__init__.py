@@ -1,4 +1,4 @@
-"""The MoE policy both sides of TRACE run (DESIGN.md section 2).
+"""The MoE policy both sides of TRACE run (docs/design.md, "FP4 formats" to "Routing replay").
 
 Public API:
   config:        ModelConfig, get_config(name), QuantConfig, GuidanceConfig

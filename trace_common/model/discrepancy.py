@@ -1,4 +1,4 @@
-"""Train-rollout discrepancy measures (DESIGN.md section 2), used by tests, benches and the
+"""Train-rollout discrepancy measures (docs/design.md, "Training modes"), used by tests, benches and the
 trainer's per-step logging.
 
 Activation measures compare, at one (layer, site), the value the training path used

@@ -1,4 +1,4 @@
-"""The RL objective of DESIGN.md section 2, as pure functions on tensors.
+"""The RL objective (docs/design.md, "The RL objective"), as pure functions on tensors.
 
 - GRPO: advantages normalized within each group of completions of one prompt.
 - Token-level clipped policy ratio (PPO-style), averaged over all valid tokens of the batch.

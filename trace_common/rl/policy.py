@@ -1,7 +1,7 @@
 """The MoE policy's learner (master weights + optimizer): the train step in one of the four
 modes, and the export of the quantized policy the rollout engines load.
 
-Modes (DESIGN.md / issue 5):
+Modes (docs/design.md, "Training modes"; rl.types.MODES):
   bf16   rollout in high precision, trainer high precision: the no-quantization baseline
   fp4    FP4 rollout (W4A4 + FP4 KV), trainer high precision without QAT
   rtn    FP4 rollout, trainer vanilla QAT (its own round-to-nearest fake quant)

@@ -25,7 +25,7 @@ DIM_BYTES = 8
 @pytest.mark.parametrize(
     ("fmt", "mode", "k", "per_row"),
     [
-        ("nvfp4", "compact", 2048, 2048 // 8 + 2048 // 16 + 4),  # 388: DESIGN.md's example
+        ("nvfp4", "compact", 2048, 2048 // 8 + 2048 // 16 + 4),  # 388 bytes per 2048-element row
         ("nvfp4", "full", 2048, 2048 // 2 + 2048 // 16 + 4),
         ("nvfp4", "compact", 16, 2 + 1 + 4),
         ("mxfp4", "compact", 64, 64 // 8 + 64 // 32),
