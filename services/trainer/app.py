@@ -116,13 +116,9 @@ class TrainerApp:
             s, model, quant=quant, guidance=guidance, eos_id=tok.eos_id, pad_id=tok.pad_id,
             records=records,
         )  # fmt: skip
-        if isinstance(self.learner, ModelLearner):
+        if isinstance(self.learner, ModelLearner):  # offers share the export's GPU buffer
             on_cuda = self.learner.device.type == "cuda"
-            self.learner.export_on_device = on_cuda and self.publisher.cuda_ipc  # offers share it
-            hp = {"auto": "bfloat16" if on_cuda else "float32"}.get(
-                s.export_hp_dtype, s.export_hp_dtype
-            )
-            self.learner.export_hp_dtype = None if hp == "float32" else getattr(torch, hp)
+            self.learner.export_on_device = on_cuda and self.publisher.cuda_ipc
         if run.checkpoint.export and isinstance(self.learner, LeaderLearner):
             raise ValueError(
                 "checkpoint.export needs an unsharded trainer: sharded (torchrun) "

@@ -73,7 +73,9 @@ def build_learner(
     device = resolve_device(s.device)
     kw: dict[str, Any] = dict(quant=quant, guidance=guidance, eos_id=eos_id, pad_id=pad_id)
     if not under_torchrun():
-        return ModelLearner(model, s.run.objective, device=device, **kw)
+        learner = ModelLearner(model, s.run.objective, device=device, **kw)
+        learner.export_hp_dtype = export_hp_dtype(s, learner.device)
+        return learner
     if s.run.stores.lost_records == "unguided":
         # an unguided group runs its own forward pass, on the ranks that train it only: the
         # ranks' FSDP collectives would no longer pair up
@@ -90,5 +92,16 @@ def build_learner(
     sharded = ShardedLearner(
         model, s.run.objective, device=device, records=records, run_id=s.run.run_id, **kw
     )
+    sharded.export_hp_dtype = export_hp_dtype(s, sharded.device)  # rank 0 holds the export
     log.info("rank joined", extra={"rank": env.rank, "world_size": env.world_size})
     return LeaderLearner(sharded) if env.rank == 0 else sharded
+
+
+def export_hp_dtype(s: TrainerSettings, device: torch.device) -> torch.dtype | None:
+    """TRACE_EXPORT_HP_DTYPE on `device`: the dtype of the exported high-precision weights
+    (None: fp32, as trained). auto: bfloat16 on CUDA, where the rollout engines compute in
+    it, float32 elsewhere."""
+    hp = s.export_hp_dtype
+    if hp == "auto":
+        hp = "bfloat16" if device.type == "cuda" else "float32"
+    return None if hp == "float32" else getattr(torch, hp)

@@ -4,6 +4,7 @@ codes, block scales and per-tensor scales are the same bytes as the fp32 export'
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_learner_device import learner
 
@@ -49,3 +50,21 @@ def test_a_bf16_engine_serves_both_exports_alike() -> None:
     assert [(s.completion_tokens, s.logprobs) for s in out[0]] == [
         (s.completion_tokens, s.logprobs) for s in out[1]
     ]
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "dtype"),
+    [
+        ("auto", "cpu", None),
+        ("auto", "cuda", torch.bfloat16),
+        ("float32", "cuda", None),
+        ("bfloat16", "cpu", torch.bfloat16),
+    ],
+)
+def test_the_trainer_setting_picks_the_export_dtype(setting, device, dtype) -> None:
+    from types import SimpleNamespace
+
+    from services.trainer.build import export_hp_dtype
+
+    got = export_hp_dtype(SimpleNamespace(export_hp_dtype=setting), torch.device(device))
+    assert got is dtype
