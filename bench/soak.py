@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import pathlib
 import random
 import sys
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import psutil
 import redis
 from rich.console import Console
@@ -172,7 +174,7 @@ def percentile(xs: Sequence[float], q: float) -> float:
     if not xs:
         return float("nan")
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
 class RecentRecords:
@@ -300,8 +302,12 @@ class Faults:
     def inject(self, t: float) -> dict[str, Any]:
         kind = self._next_kind()
         t0 = time.monotonic()
-        detail = getattr(self, "_" + kind.replace("-", "_"))()
-        event = {"t_s": round(t, 1), "fault": kind, "detail": detail,
+        try:
+            detail, ok = getattr(self, "_" + kind.replace("-", "_"))(), True
+        except Exception as exc:  # a service that does not come back: reported, soak goes on
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            detail, ok = f"not recovered: {type(exc).__name__}: {first[:200]}", False
+        event = {"t_s": round(t, 1), "fault": kind, "detail": detail, "recovered": ok,
                  "recovery_s": round(time.monotonic() - t0, 2)}  # fmt: skip
         self.done.append(event)
         self.next_at = t + (time.monotonic() - t0) + self._gap()
@@ -352,23 +358,40 @@ class MemorySamples:
 
     def report(self, warmup_s: float) -> dict[str, dict[str, Any]]:
         """Per service: the RSS of its last process `warmup_s` after it started (first seen)
-        and at the end, and the growth; a process younger than that has no growth."""
+        and at the end, and the growth between them; "max_growth" is the largest such growth
+        of any of its processes (one restarted by a fault included). A process that ended
+        before `warmup_s` has no growth."""
         out = {}
         for name, xs in sorted(self.samples.items()):
-            t_end, pid, end = xs[-1]
-            own = [x for x in xs if x[1] == pid]
-            born = own[0][0]
-            warm = [x for x in own if x[0] >= born + warmup_s]
-            start = warm[0][2] if warm and warm[0][0] < t_end else None
+            lives: dict[int, list[tuple[float, int, int]]] = {}
+            for x in xs:
+                lives.setdefault(x[1], []).append(x)
+            growth = {pid: _growth(own, warmup_s) for pid, own in lives.items()}
+            _, pid, end = xs[-1]
+            judged = [g for g, _ in growth.values() if g is not None]
             out[name] = {
                 "pid": pid,
-                "restarts": len({x[1] for x in xs}) - 1,
-                "started_s": round(born, 1),
-                "start_rss_bytes": start,
+                "restarts": len(lives) - 1,
+                "started_s": round(lives[pid][0][0], 1),
+                "start_rss_bytes": growth[pid][1],
                 "end_rss_bytes": end,
-                "growth": (end - start) / start if start else None,
+                "growth": growth[pid][0],
+                "max_growth": max(judged) if judged else None,
+                "processes_judged": len(judged),
             }
         return out
+
+
+def _growth(
+    own: Sequence[tuple[float, int, int]], warmup_s: float
+) -> tuple[float | None, int | None]:
+    """(growth from the first sample `warmup_s` after the process was first seen to its last
+    sample, that first RSS); (None, None) if it has no sample that late before its last."""
+    warm = [x for x in own if x[0] >= own[0][0] + warmup_s]
+    if not warm or warm[0][0] >= own[-1][0]:
+        return None, None
+    start = warm[0][2]
+    return (own[-1][2] - start) / start, start
 
 
 # ------------------------------------------------------------------------------------- run
@@ -459,7 +482,9 @@ def soak(cfg: SoakConfig, console: Console) -> dict[str, Any]:
             _loop(run, cfg, console)
         finally:
             run.load.stop()
-        cluster.pause_trainer("soak finished")
+        # a trainer that failed refuses the pause; its state is in the report
+        with contextlib.suppress(grpc.RpcError):
+            cluster.pause_trainer("soak finished")
         final = cluster.settled_status()
         up = alive(cluster)
         run.memory.take(cfg.duration_s, cluster.processes())
@@ -480,12 +505,13 @@ def build_report(
     )  # fmt: skip
     step_s = [r["step_time_s"] for r in rows if r["step"] <= steps]
     memory = run.memory.report(cfg.warmup)
-    growth = {n: m["growth"] for n, m in memory.items() if m["growth"] is not None}
+    growth = {n: m["max_growth"] for n, m in memory.items() if m["max_growth"] is not None}
     targets = {
         "0 samples lost": samples["lost"] == 0,
         "0 samples duplicated": samples["duplicated"] == 0,
         "0 trained records unmatched": samples["unmatched"] == 0,
         "every service alive": all(up.values()),
+        "every fault recovered": all(f["recovered"] for f in run.faults.done),
         f"RSS growth < {cfg.max_memory_growth:.0%}": all(
             g < cfg.max_memory_growth for g in growth.values()
         ),
@@ -571,14 +597,17 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                      f"{r['p99_ms']:.1f}", errors)  # fmt: skip
     console.print(rpcs)
 
-    mem = Table(title=f"RSS (start = {report['warmup_s']:.0f} s after the process started)")
-    for col in ("service", "restarts", "start MiB", "end MiB", "growth", "alive"):
+    mem = Table(title=f"RSS of the last process ({report['warmup_s']:.0f} s after it started, "
+                "and at the end); max growth: of any of the service's processes")  # fmt: skip
+    for col in ("service", "restarts", "start MiB", "end MiB", "growth", "max growth", "alive"):
         mem.add_column(col, justify="left" if col == "service" else "right")
     for name, m in report["memory"].items():
         start = "-" if m["start_rss_bytes"] is None else f"{m['start_rss_bytes'] / 2**20:.1f}"
-        growth = "too young" if m["growth"] is None else f"{m['growth']:+.1%}"
+        growth, most = (
+            "too young" if g is None else f"{g:+.1%}" for g in (m["growth"], m["max_growth"])
+        )
         mem.add_row(name, str(m["restarts"]), start, f"{m['end_rss_bytes'] / 2**20:.1f}",
-                    growth, str(report["alive"].get(name, "?")))  # fmt: skip
+                    growth, most, str(report["alive"].get(name, "?")))  # fmt: skip
     console.print(mem)
 
     targets = Table(title="targets")
