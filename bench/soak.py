@@ -280,7 +280,9 @@ class ClientLoad:
 
 
 class Faults:
-    """The seeded fault schedule and what each fault does to the cluster."""
+    """The seeded fault schedule and what each fault does to the cluster. A fault's "took_s"
+    is how long the soak spent on it: the kill, and the restart until the new process
+    answers (a replica: its ports; the others: grpc.health SERVING)."""
 
     def __init__(self, cluster: LocalCluster, cfg: SoakConfig, workdir: pathlib.Path) -> None:
         self.cluster = cluster
@@ -313,7 +315,7 @@ class Faults:
             first = str(exc).splitlines()[0] if str(exc) else ""
             detail, ok = f"not recovered: {type(exc).__name__}: {first[:200]}", False
         event = {"t_s": round(t, 1), "fault": kind, "detail": detail, "recovered": ok,
-                 "recovery_s": round(time.monotonic() - t0, 2)}  # fmt: skip
+                 "took_s": round(time.monotonic() - t0, 2)}  # fmt: skip
         self.done.append(event)
         self.next_at = t + (time.monotonic() - t0) + self._gap()
         return event
@@ -335,10 +337,10 @@ class Faults:
         assert self.cluster.trainer is not None
         self.cluster.trainer.kill()
         life = TrainerLife(audit=self.workdir / f"trainer-audit-{len(self.lives) + 1}.jsonl")
+        self.lives.append(life)  # listed before it starts: whatever it trains is accounted
         self.cluster.start_trainer(wait=True, env={"TRACE_RECORD_AUDIT_FILE": str(life.audit)})
         resumed = self.cluster.trainer_status().get("resumed_from")
         life.resumed_step = int(resumed.rsplit("-", 1)[1]) if resumed else 0
-        self.lives.append(life)
         return f"resumed from step {life.resumed_step}"
 
 
@@ -597,7 +599,7 @@ def _loop(run: Running, cfg: SoakConfig, console: Console) -> None:
             if run.faults.due(t):
                 event = run.faults.inject(t)
                 progress.console.print(f"[{event['t_s']:7.1f}s] fault {event['fault']}: "
-                                       f"{event['detail']} ({event['recovery_s']} s)")  # fmt: skip
+                                       f"{event['detail']} ({event['took_s']} s)")  # fmt: skip
             st = _status_or_none(run.cluster)
             step = "?" if st is None else f"{st['step']} ({st['state']})"
             progress.update(task, completed=min(t, cfg.duration_s), description=(
