@@ -559,6 +559,7 @@ def build_report(
         "0 samples lost": samples["lost"] == 0,
         "0 samples duplicated": samples["duplicated"] == 0,
         "0 trained records unmatched": samples["unmatched"] == 0,
+        "0 trained samples unaudited": samples["unaudited"] == 0,
         "every service alive": all(up.values()),
         "every fault recovered": all(f["recovered"] for f in run.faults.done),
         f"RSS growth < {cfg.max_memory_growth:.0%}": all(
@@ -628,7 +629,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     summary = Table(title=f"soak: {report['steps']} steps, {len(report['faults'])} faults")
     summary.add_column("measure")
     summary.add_column("value", justify="right")
-    for k in ("expected", "trained", "lost", "duplicated", "unmatched", "regenerated",
+    for k in ("expected", "trained", "lost", "duplicated", "unmatched", "unaudited", "regenerated",
               "records_audited", "rollout_records_written"):  # fmt: skip
         summary.add_row(f"samples {k}", str(s[k]))
     summary.add_row("step time p50 / p99 (s)",

@@ -88,7 +88,9 @@ def account_samples(
     - lost: a step's row missing, or fewer samples trained than prompts x group size;
     - duplicated: more samples trained than that; a (version, sample id) read for training
       twice; or two attempts of the same first-round slot (step, unit, prompt, completion);
-    - unmatched: a blob read for training whose sha256 no rollout wrote under its key.
+    - unmatched: a blob read for training whose sha256 no rollout wrote under its key;
+    - unaudited: a step's samples trained with records (all but the unguided ones) outnumber
+      the blobs its trainer process read for it (an audit that misses what was trained).
     """
     per_step = prompts_per_step * group_size
     by_step = {r["step"]: r for r in rows if r["step"] <= steps}
@@ -103,6 +105,7 @@ def account_samples(
     ids: collections.Counter[tuple[int, str]] = collections.Counter()
     slots: dict[tuple[int, ...], set[int]] = collections.defaultdict(set)
     unmatched = 0
+    read_for: collections.Counter[int] = collections.Counter()  # step -> blobs read
     for k, life in enumerate(lives):
         last = lives[k + 1].resumed_step if k + 1 < len(lives) else steps
         for a in read_audit(life.audit) if life.audit.exists() else []:
@@ -115,10 +118,15 @@ def account_samples(
             if not life.resumed_step < step <= last:
                 continue  # run again by the next trainer process, or after `steps`
             ids[(a["version"], a["sample_id"])] += 1
+            read_for[step] += 1
             if unit < prompts_per_step:  # first round; regenerations number units after it
                 slots[(step, unit, prompt, completion)].add(attempt)
             if produced.get((a["version"], a["sample_id"])) != a["sha256"]:
                 unmatched += 1
+    unaudited = sum(
+        max(0, r["samples_trained"] - r["samples_unguided"] - read_for[s])
+        for s, r in by_step.items()
+    )
     dup_ids = sum(n - 1 for n in ids.values())
     dup_slots = sum(len(a) - 1 for a in slots.values())
     return {
@@ -130,6 +138,7 @@ def account_samples(
         "duplicated_ids": dup_ids,
         "duplicated_slots": dup_slots,
         "unmatched": unmatched,
+        "unaudited": unaudited,
         "regenerated": sum(r["samples_regenerated"] for r in by_step.values()),
         "unguided": sum(r["samples_unguided"] for r in by_step.values()),
         "records_audited": sum(ids.values()),

@@ -86,3 +86,21 @@ def test_a_blob_no_rollout_wrote_is_unmatched(audits) -> None:
     trainer.log("run", 1, sid, b"other bytes")
     got = _account(_rows(range(1, 2)), [TrainerLife(audit=audits["t1"])], audits["rollout"], 1)
     assert got["unmatched"] == 1 and got["duplicated_ids"] == 1, got
+
+
+def test_trained_samples_missing_from_the_audit_are_unaudited(audits) -> None:
+    """Rows say step 2 trained 4 samples but its trainer read no blob for it."""
+    _write_steps(RecordAudit(audits["t1"]), RecordAudit(audits["rollout"]), range(1, 2))
+    got = _account(_rows(range(1, 3)), [TrainerLife(audit=audits["t1"])], audits["rollout"], 2)
+    assert got["unaudited"] == 4 and got["lost"] == 0, got
+
+
+def test_a_lineage_that_does_not_fit_the_audits_is_unaudited(audits) -> None:
+    """The second trainer said to have started fresh (it resumed from step 3): steps 1-3 are
+    then its own, and it read nothing for them."""
+    rollout = RecordAudit(audits["rollout"])
+    _write_steps(RecordAudit(audits["t1"]), rollout, range(1, 6))
+    _write_steps(RecordAudit(audits["t2"]), rollout, range(4, 7))
+    lives = [TrainerLife(audit=audits["t1"]), TrainerLife(audit=audits["t2"], resumed_step=0)]
+    got = _account(_rows(range(1, 7)), lives, audits["rollout"], 6)
+    assert got["unaudited"] == 3 * PROMPTS * GROUP, got
