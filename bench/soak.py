@@ -31,6 +31,7 @@ import logging
 import math
 import pathlib
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -53,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from trace_common.clients import QuantCacheClient, WeightSyncClient  # noqa: E402
 from trace_common.rl.audit import TrainerLife, account_samples  # noqa: E402
+from trace_common.rl.checkpoint import latest_checkpoint  # noqa: E402
 from trace_common.rl.cluster import ClusterConfig, LocalCluster  # noqa: E402
 from trace_common.rl.plots import read_metrics  # noqa: E402
 
@@ -74,6 +76,7 @@ TICK_S = 0.5
 HEALTH_TIMEOUT_S = 15.0
 RECENT_RECORDS = 512  # record keys the quant-cache clients choose from
 RECORDS_PER_GET = 4
+KEEP_CHECKPOINTS = 3  # the trainer resumes from the latest
 
 
 @dataclass(kw_only=True, slots=True)
@@ -597,6 +600,7 @@ def _loop(run: Running, cfg: SoakConfig, console: Console) -> None:
             if t >= next_memory:
                 run.memory.take(t, run.cluster.processes())
                 next_memory = t + MEMORY_EVERY_S
+                prune_checkpoints(run.faults.workdir / "ckpt")
             if run.faults.due(t):
                 event = run.faults.inject(t)
                 progress.console.print(f"[{event['t_s']:7.1f}s] fault {event['fault']}: "
@@ -606,6 +610,18 @@ def _loop(run: Running, cfg: SoakConfig, console: Console) -> None:
             progress.update(task, completed=min(t, cfg.duration_s), description=(
                 f"step {step}  faults {len(run.faults.done)}  "
                 f"client errors {run.load.calls.error_total()}"))  # fmt: skip
+
+
+def prune_checkpoints(root: pathlib.Path, keep: int = KEEP_CHECKPOINTS) -> None:
+    """Remove all but the newest `keep` checkpoints (never the one `latest` names): the
+    trainer keeps every one, a few MiB each in the debug shape, and a long soak writes
+    thousands."""
+    if not root.is_dir():
+        return
+    current = latest_checkpoint(root)
+    for path in sorted(root.glob("step-*"))[:-keep]:
+        if path != current:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _ticks(t0: float, duration_s: float) -> Iterator[float]:

@@ -53,3 +53,16 @@ def test_bad_settings_are_refused(soak) -> None:
         soak.SoakConfig(faults=("disk",))
     with pytest.raises(ValueError, match="minutes"):
         soak.SoakConfig(minutes=0)
+
+
+def test_old_checkpoints_are_pruned_but_never_the_latest(soak, tmp_path: pathlib.Path) -> None:
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / f"step-{step:06d}").mkdir()
+        (tmp_path / f"step-{step:06d}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "latest").write_text("step-000004")  # behind the newest (a resumed trainer)
+    soak.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        "step-000004",
+        "step-000008",
+        "step-000010",
+    ]
