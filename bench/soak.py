@@ -458,7 +458,8 @@ def alive(cluster: LocalCluster) -> dict[str, bool]:
             out[svc.name] = svc.alive()
         except RuntimeError:
             out[svc.name] = False
-    out["trainer"] = out["trainer"] and cluster.trainer_status()["state"] != "failed"
+    st = _status_or_none(cluster)
+    out["trainer"] = out["trainer"] and st is not None and st["state"] != "failed"
     assert cluster.redis is not None
     client = redis.Redis.from_url(cluster.redis.url, socket_timeout=5)
     try:
@@ -535,7 +536,10 @@ def soak(cfg: SoakConfig, console: Console) -> dict[str, Any]:
         # a trainer that failed refuses the pause; its state is in the report
         with contextlib.suppress(grpc.RpcError):
             cluster.pause_trainer("soak finished")
-        final = cluster.settled_status()
+        try:
+            final = cluster.settled_status()
+        except httpx.HTTPError:  # no trainer answering: account the steps it wrote
+            final = {"step": None, "state": "unreachable"}
         up = alive(cluster)
         served = server_rpcs(cluster)
         run.memory.take(cfg.duration_s, cluster.processes())
@@ -550,7 +554,9 @@ def build_report(
 ) -> dict[str, Any]:
     """The soak's measurements and targets, from the run directory and what `run` held."""
     rows = read_metrics(workdir / "metrics.jsonl") if (workdir / "metrics.jsonl").exists() else []
-    steps = final["step"]
+    steps = (
+        final["step"] if final["step"] is not None else max((r["step"] for r in rows), default=0)
+    )
     samples = account_samples(
         rows, run.faults.lives, workdir / "rollout-audit.jsonl", steps=steps,
         prompts_per_step=RUN["prompts_per_step"], group_size=RUN["group_size"],
