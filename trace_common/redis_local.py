@@ -114,6 +114,11 @@ class LocalRedis:
                     raise RuntimeError(f"redis-server did not answer on {self.url}") from None
                 time.sleep(0.02)
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
     def kill(self) -> None:
         """SIGKILL: gone at once (a SIGTERMed Redis serves on until its next cron tick)."""
         if self._proc is not None and self._proc.poll() is None:

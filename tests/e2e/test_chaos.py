@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 import redis
@@ -18,9 +17,7 @@ import redis
 from trace_common.clients import WeightSyncClient
 from trace_common.launch.cluster import ClusterConfig, LocalCluster
 from trace_common.launch.plots import read_metrics
-from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trace_common.rl.audit import read_audit
-from trace_common.service.grpc_server import AUTH_HEADER
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -49,15 +46,6 @@ def cluster(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
         yield c
 
 
-def _auth(c: LocalCluster) -> tuple[tuple[str, str]]:
-    return ((AUTH_HEADER, f"Bearer {c.config.token}"),)
-
-
-def _trainer(c: LocalCluster) -> trainer_pb2_grpc.TrainerStub:
-    assert c.trainer is not None
-    return trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(c.trainer.grpc_address))
-
-
 def _wait(c: LocalCluster, done, what: str) -> dict:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
@@ -69,18 +57,6 @@ def _wait(c: LocalCluster, done, what: str) -> dict:
         time.sleep(0.2)
 
 
-def _settled(c: LocalCluster, quiet_s: float = 2.0) -> dict:
-    """The paused trainer's status once its step in flight (if any) has finished: "paused"
-    is reported at once, the loop stops between steps."""
-    st = c.trainer_status()
-    while True:
-        time.sleep(quiet_s)
-        now = c.trainer_status()
-        if (now["step"], now["policy_version"]) == (st["step"], st["policy_version"]):
-            return now
-        st = now
-
-
 def _start_run(
     c: LocalCluster,
     tmp_path: pathlib.Path,
@@ -90,7 +66,7 @@ def _start_run(
     stop: bool = True,
     run: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
-) -> trainer_pb2_grpc.TrainerStub:
+) -> None:
     """Replace the fixture's trainer (stopped first unless `stop` is false: it was killed) by
     one for run `run_id` with the recipe keys `run` and the settings `env` (metrics.jsonl and
     the record audit under `tmp_path`); let it run."""
@@ -100,9 +76,7 @@ def _start_run(
     env = {"TRACE_METRICS_FILE": str(tmp_path / "metrics.jsonl"),
            "TRACE_RECORD_AUDIT_FILE": str(tmp_path / "trainer-audit.jsonl"), **(env or {})}  # fmt: skip
     c.start_trainer(wait=True, run={"run_id": run_id, "steps": steps, **(run or {})}, env=env)
-    stub = _trainer(c)
-    stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(c), timeout=10)
-    return stub
+    c.resume_trainer()
 
 
 def _assert_every_sample_trained(tmp_path: pathlib.Path, steps: int) -> dict[str, int]:
@@ -129,16 +103,16 @@ def test_weight_sync_restart_mid_run_loses_nothing(
     replica can only load the version the trainer publishes again), once in the middle of
     the run. Replicas register again by themselves; the run finishes with nothing lost."""
     steps = 8
-    stub = _start_run(cluster, tmp_path, "chaos-ws", steps)
+    _start_run(cluster, tmp_path, "chaos-ws", steps)
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
-    stub.Pause(trainer_pb2.PauseRequest(reason="chaos"), metadata=_auth(cluster), timeout=10)
+    cluster.pause_trainer("chaos")
     _wait(cluster, lambda st: st["state"] == "paused", "the pause")
-    before = _settled(cluster)
+    before = cluster.settled_status()
 
     # 1. weight-sync and the only replica die together; both come back empty.
     cluster.restart_weight_sync(down_s=0.5)
     cluster.restart_replica(0)
-    stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(cluster), timeout=10)
+    cluster.resume_trainer()
     _wait(cluster, lambda st: st["step"] >= before["step"] + 2, "two more steps")
 
     # 2. weight-sync dies mid-run; the replica keeps its weights and registers again.
@@ -268,12 +242,10 @@ def test_redis_memory_pressure_finishes_or_fails_loudly(
     metrics = tmp_path / "metrics.jsonl"
     # any sample left untrained fails the run (the default tolerates half of them, and a step
     # whose regenerated records are evicted too stays under that on a loaded machine)
-    stub = _start_run(
-        cluster, tmp_path, "chaos-memory", steps, run={"stores.max_dropped_fraction": 0}
-    )
+    _start_run(cluster, tmp_path, "chaos-memory", steps, run={"stores.max_dropped_fraction": 0})
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")  # every client has connected
-    stub.Pause(trainer_pb2.PauseRequest(reason="chaos"), metadata=_auth(cluster), timeout=10)
-    _settled(cluster)
+    cluster.pause_trainer("chaos")
+    cluster.settled_status()
     assert cluster.redis is not None
     admin = redis.Redis.from_url(cluster.redis.url)
     records = sum(admin.memory_usage(k) or 0 for k in admin.keys("trace:qc:chaos-memory:*"))
@@ -283,7 +255,7 @@ def test_redis_memory_pressure_finishes_or_fails_loudly(
     # other branch below; see the README's fault table)
     bound = int(admin.info("memory")["used_memory"]) - records + 3000
     admin.config_set("maxmemory", bound)
-    stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(cluster), timeout=10)
+    cluster.resume_trainer()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     seen_step, bitten = 1, False
     while (st := cluster.trainer_status())["state"] not in ("finished", "failed"):
@@ -323,16 +295,16 @@ def test_redis_too_full_for_one_record_fails_the_run_loudly_and_soon(
     regenerates the groups, those are refused too and dropped, and the run fails past
     stores.max_dropped_fraction within a step or two instead of retrying units for minutes."""
     metrics = tmp_path / "metrics.jsonl"
-    stub = _start_run(cluster, tmp_path, "chaos-full", 6)
+    _start_run(cluster, tmp_path, "chaos-full", 6)
     _wait(cluster, lambda st: st["step"] >= 1, "step 1")
-    stub.Pause(trainer_pb2.PauseRequest(reason="chaos"), metadata=_auth(cluster), timeout=10)
-    _settled(cluster)
+    cluster.pause_trainer("chaos")
+    cluster.settled_status()
     assert cluster.redis is not None
     admin = redis.Redis.from_url(cluster.redis.url)
     admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) // 2)
     admin.close()
     t0 = time.monotonic()
-    stub.Resume(trainer_pb2.ResumeRequest(), metadata=_auth(cluster), timeout=10)
+    cluster.resume_trainer()
     st = _wait(cluster, lambda st: st["state"] in ("finished", "failed"), "the run's end")
     took = time.monotonic() - t0
     assert st["state"] == "failed" and "stores.max_dropped_fraction" in st["detail"], st

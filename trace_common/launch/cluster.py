@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import httpx
 
 from trace_common.config import (
@@ -24,7 +25,9 @@ from trace_common.config import (
     flatten,
     recipe_of,
 )
+from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trace_common.redis_local import LocalRedis, LocalRedisConfig
+from trace_common.service.grpc_server import AUTH_HEADER
 from trace_common.service.process import LocalService
 
 STATUS_TIMEOUT_S = 5.0
@@ -192,6 +195,42 @@ class LocalCluster:
     def trainer_status(self) -> dict:
         assert self.trainer is not None
         return httpx.get(f"{self.trainer.http_url}/status", timeout=STATUS_TIMEOUT_S).json()
+
+    def auth_metadata(self) -> tuple[tuple[str, str]]:
+        """The gRPC metadata that authenticates a call to any of the cluster's services."""
+        return ((AUTH_HEADER, f"Bearer {self.config.token}"),)
+
+    def trainer_stub(self) -> trainer_pb2_grpc.TrainerStub:
+        assert self.trainer is not None
+        return trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(self.trainer.grpc_address))
+
+    def pause_trainer(self, reason: str) -> None:
+        """Ask the trainer to stop between steps (`settled_status` waits for that)."""
+        req = trainer_pb2.PauseRequest(reason=reason)
+        self.trainer_stub().Pause(req, metadata=self.auth_metadata(), timeout=10)
+
+    def resume_trainer(self) -> None:
+        req = trainer_pb2.ResumeRequest()
+        self.trainer_stub().Resume(req, metadata=self.auth_metadata(), timeout=10)
+
+    def settled_status(self, quiet_s: float = 2.0) -> dict:
+        """The paused trainer's status once its step in flight (if any) has finished: "paused"
+        is reported at once, the loop stops between steps."""
+        st = self.trainer_status()
+        while True:
+            time.sleep(quiet_s)
+            now = self.trainer_status()
+            if (now["step"], now["policy_version"]) == (st["step"], st["policy_version"]):
+                return now
+            st = now
+
+    def processes(self) -> dict[str, int]:
+        """The process id of every service running now, by name (Redis as "redis")."""
+        services = [self.quant_cache, self.weight_sync, self.trainer, *self.rollouts]
+        out = {s.name: s.proc.pid for s in services if s is not None and s.proc and s.alive()}
+        if self.redis is not None and self.redis.pid is not None:
+            out["redis"] = self.redis.pid
+        return out
 
     def stop(self) -> None:
         for svc in [*self.rollouts, self.trainer, self.weight_sync, self.quant_cache]:
