@@ -39,8 +39,8 @@ from rich.table import Table
 from trace_common.clients import QuantCacheClient, WeightSyncClient
 from trace_common.clients.quant_cache import DEFAULT_CHUNK_BYTES as QC_DEFAULT_CHUNK
 from trace_common.clients.tensors import tensor_to_wire
-from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores.redis_local import LocalRedis, LocalRedisConfig
 
 TOKEN = "bench-token"
 KIB, MIB = 1 << 10, 1 << 20

@@ -11,9 +11,9 @@ from services.quant_cache.data_plane import data_plane_user
 from services.quant_cache.servicer import CODECS, QuantCacheServicer
 from services.quant_cache.sweep import Sweeper
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc
-from trace_common.quant_cache_store import SOCKET_READ_BYTES, RedisRecordStore
-from trace_common.redis_local import LocalRedis, LocalRedisConfig, redact_url
 from trace_common.service import ServiceError, ServiceRuntime, load_settings
+from trace_common.stores.quant_cache_store import SOCKET_READ_BYTES, RedisRecordStore
+from trace_common.stores.redis_local import LocalRedis, LocalRedisConfig, redact_url
 
 log = logging.getLogger("services.quant_cache")
 

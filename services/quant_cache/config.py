@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from trace_common.redis_local import DEFAULT_MAXMEMORY_BYTES, DEFAULT_POLICY
 from trace_common.service import ServiceSettings
+from trace_common.stores.redis_local import DEFAULT_MAXMEMORY_BYTES, DEFAULT_POLICY
 
 
 class QuantCacheSettings(ServiceSettings):

@@ -11,7 +11,7 @@ import urllib.parse
 
 import redis
 
-from trace_common.quant_cache_store import record_pattern
+from trace_common.stores.quant_cache_store import record_pattern
 
 log = logging.getLogger("services.quant_cache")
 

@@ -11,11 +11,17 @@ from collections.abc import Iterable, Iterator
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trace_common.checksum import crc32
-from trace_common.chunk_wire import bytes_field_codec, with_bytes_field
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
-from trace_common.quant_cache_store import (
+from trace_common.service import (
+    Metrics,
+    ServiceError,
+    check_id,
+    check_non_negative,
+    failed_precondition,
+    invalid,
+)
+from trace_common.stores.quant_cache_store import (
     HEADER_BYTES,
     LAYOUT_VERSION,
     PUT_FLUSH_BYTES,
@@ -28,14 +34,8 @@ from trace_common.quant_cache_store import (
     check_size,
     encode_header,
 )
-from trace_common.service import (
-    Metrics,
-    ServiceError,
-    check_id,
-    check_non_negative,
-    failed_precondition,
-    invalid,
-)
+from trace_common.wire.checksum import crc32
+from trace_common.wire.chunk_wire import bytes_field_codec, with_bytes_field
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import logging
 import threading
 import time
 
-from trace_common.quant_cache_store import SWEEP_ACTIONS, RedisRecordStore
 from trace_common.service import Metrics, ServiceError
+from trace_common.stores.quant_cache_store import SWEEP_ACTIONS, RedisRecordStore
 
 log = logging.getLogger("services.quant_cache")
 

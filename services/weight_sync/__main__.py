@@ -9,7 +9,7 @@ from services.weight_sync.servicer import CODECS, WeightSyncServicer
 from services.weight_sync.versions import VersionStore
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc
 from trace_common.service import ServiceRuntime, load_settings
-from trace_common.ws_data_plane import server_ssl_context
+from trace_common.stores.ws_data_plane import server_ssl_context
 
 STATUS_REPLICAS = 64  # replicas listed on /status at most (ListReplicas has them all)
 

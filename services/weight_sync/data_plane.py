@@ -1,6 +1,6 @@
 """weight-sync's bulk data plane: a plain TCP (or TLS) listener that sends a version's
 stored bytes (or its stored delta against the replica's base) to a replica holding a ticket from `GetPullTicket` (framing and protocol:
-trace_common/ws_data_plane.py).
+trace_common/stores/ws_data_plane.py).
 
 The bytes go from the version's stored chunks to the socket with `sendall` of memoryviews:
 no protobuf, no HTTP/2 framing, no copies. Tickets are random, single-use and short-lived;
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.weight_sync.versions import StoredDelta, StoredVersion
-from trace_common import ws_data_plane as wire
 from trace_common.service import Metrics, exhausted
+from trace_common.stores import ws_data_plane as wire
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from services.weight_sync.versions import (
     check_manifest,
     notice_rank,
 )
-from trace_common.chunk_wire import ChunkView, chunk_codec
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
@@ -33,6 +32,7 @@ from trace_common.service import (
     invalid,
     not_found,
 )
+from trace_common.wire.chunk_wire import ChunkView, chunk_codec
 
 log = logging.getLogger(__name__)
 

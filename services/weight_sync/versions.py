@@ -18,9 +18,6 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from trace_common import weight_delta as delta
-from trace_common.checksum import crc32
-from trace_common.chunk_wire import ChunkView, chunk_codec, encode_chunk
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.service import (
@@ -31,7 +28,10 @@ from trace_common.service import (
     invalid,
     not_found,
 )
-from trace_common.tensor_wire import expected_nbytes
+from trace_common.wire import weight_delta as delta
+from trace_common.wire.checksum import crc32
+from trace_common.wire.chunk_wire import ChunkView, chunk_codec, encode_chunk
+from trace_common.wire.tensor_wire import expected_nbytes
 
 _PULL_DECODE, _ = chunk_codec(pb.PullChunk)
 # Largest version a push may publish, and so the largest a replica can hold: versions are

@@ -9,7 +9,7 @@ Two data paths, same records, same errors:
 
 - direct: the client asks the service for the data plane once (GetDataPlane: Redis URL,
   key prefix, TTL, size limit, layout version) and then reads and writes Redis itself in
-  the service's storage layout (trace_common.quant_cache_store, the one codec both use):
+  the service's storage layout (trace_common.stores.quant_cache_store, the one codec both use):
   one hop for the bytes instead of two.
 - grpc: every byte goes through the service (PutRecords / GetRecords streams), for clients
   that cannot reach Redis.
@@ -46,17 +46,17 @@ from collections.abc import Iterator, Mapping, Sequence
 import grpc
 import redis
 
-from trace_common import quant_cache_store as layout
-from trace_common.checksum import crc32
-from trace_common.chunk_wire import bytes_field_codec, with_bytes_field
 from trace_common.clients.data_path import DataPath, DirectPathError, check_data_path, offered
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
-from trace_common.redis_bulk import Joined, bulk_connection_options
-from trace_common.redis_local import redact_url
 from trace_common.service.errors import ServiceError
 from trace_common.service.grpc_client import GrpcClient, resolve_token
 from trace_common.service.retry import Backoff, retry_transient
+from trace_common.stores import quant_cache_store as layout
+from trace_common.stores.redis_bulk import Joined, bulk_connection_options
+from trace_common.stores.redis_local import redact_url
+from trace_common.wire.checksum import crc32
+from trace_common.wire.chunk_wire import bytes_field_codec, with_bytes_field
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""torch.Tensor <-> raw bytes for weight transfers (see trace_common.tensor_wire)."""
+"""torch.Tensor <-> raw bytes for weight transfers (see trace_common.wire.tensor_wire)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from trace_common.checksum import crc32
 from trace_common.protos_gen.trace.common.v1 import common_pb2
-from trace_common.tensor_wire import DTYPE_ITEMSIZE, expected_nbytes
+from trace_common.wire.checksum import crc32
+from trace_common.wire.tensor_wire import DTYPE_ITEMSIZE, expected_nbytes
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,4 +1,4 @@
-"""The client side of policy-version deltas (trace_common.weight_delta): the base a client
+"""The client side of policy-version deltas (trace_common.wire.weight_delta): the base a client
 keeps, encoding a push against it, and rebuilding a pulled version from it."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trace_common import weight_delta as delta
 from trace_common.clients.tensors import (
     BytesAssembler,
     TensorAssembler,
@@ -21,6 +20,7 @@ from trace_common.clients.tensors import (
 )
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
+from trace_common.wire import weight_delta as delta
 
 WORKERS = min(8, os.cpu_count() or 1)  # threads encoding or rebuilding tensors
 

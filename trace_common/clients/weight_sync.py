@@ -11,7 +11,7 @@ Replica:
 
 Pulls take one of two data paths (trace_common.clients.data_path), the same tensors and
 the same CRC-32 checks either way:
-- direct (the bulk data plane, trace_common/ws_data_plane.py): GetPullTicket gives the
+- direct (the bulk data plane, trace_common/stores/ws_data_plane.py): GetPullTicket gives the
   manifest, a single-use ticket and the data-plane address; the tensor bytes then arrive
   over a plain TCP (or TLS) connection straight into each tensor's buffer (recv_into).
 - grpc: the PullVersion stream (header, then chunks).
@@ -37,8 +37,6 @@ from typing import Any
 import grpc
 import torch
 
-from trace_common import ws_data_plane as wire
-from trace_common.chunk_wire import ChunkView, chunk_codec, encode_chunk
 from trace_common.clients import cuda_ipc
 from trace_common.clients.data_path import DataPath, DirectPathError, check_data_path, offered
 from trace_common.clients.tensors import BytesAssembler
@@ -54,7 +52,9 @@ from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from trace_common.service.errors import is_not_registered
 from trace_common.service.grpc_client import ClientTLS, GrpcClient
-from trace_common.weight_delta import DeltaError
+from trace_common.stores import ws_data_plane as wire
+from trace_common.wire.chunk_wire import ChunkView, chunk_codec, encode_chunk
+from trace_common.wire.weight_delta import DeltaError
 
 log = logging.getLogger(__name__)
 

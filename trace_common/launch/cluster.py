@@ -26,9 +26,9 @@ from trace_common.config import (
     recipe_of,
 )
 from trace_common.protos_gen.trace.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.service.grpc_server import AUTH_HEADER
 from trace_common.service.process import LocalService
+from trace_common.stores.redis_local import LocalRedis, LocalRedisConfig
 
 STATUS_TIMEOUT_S = 5.0
 

@@ -355,7 +355,7 @@ class GrpcServer:
 
         `codecs` replaces some methods' `request_deserializer` / `response_serializer`, e.g.
         `{"PullVersion": {"response_serializer": f}}`, for messages coded by hand without
-        protobuf's copies (trace_common.chunk_wire); the bytes on the wire stay the same."""
+        protobuf's copies (trace_common.wire.chunk_wire); the bytes on the wire stay the same."""
         register(servicer, _CodecServer(self.server, codecs) if codecs else self.server)
         self._service_names.append(full_name)
 

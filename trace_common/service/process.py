@@ -178,7 +178,7 @@ def local_stores(
     """A local Redis, quant-cache and weight-sync for as long as the block runs (benchmarks,
     GPU tests). Yields the settings a rollout or trainer needs to reach them (token and
     both addresses, as TRACE_* variables); everything is stopped at the end."""
-    from trace_common.redis_local import LocalRedis, LocalRedisConfig
+    from trace_common.stores.redis_local import LocalRedis, LocalRedisConfig
 
     redis = LocalRedis(LocalRedisConfig(maxmemory_bytes=redis_bytes)).start()
     qc = LocalService("quant-cache", "services.quant_cache",

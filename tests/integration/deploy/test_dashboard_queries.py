@@ -37,8 +37,8 @@ import yaml
 
 from trace_common.clients import QuantCacheClient
 from trace_common.clients.quant_cache import CorruptRecordError
-from trace_common.redis_local import LocalRedis, LocalRedisConfig, free_port
 from trace_common.service.process import LocalService
+from trace_common.stores.redis_local import LocalRedis, LocalRedisConfig, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -420,7 +420,9 @@ def test_the_numbers_moved(run: Run) -> None:
         s["metric"]["instance"] for s in run.results[by_title["Generate requests in flight"][0]]
     }
     assert len(run.results[per_replica]) == len(REPLICAS)
-    hits, misses, corrupt, evicted, _expired = by_title["quant-cache hits / misses / evictions"]
+    hits, misses, corrupt, evicted, _expired, _swept = by_title[
+        "quant-cache hits / misses / evictions"
+    ]
     for expr in (hits, misses, corrupt, evicted):
         assert peak(expr) > 0, expr
     push_s, pull_s, _last_pull = by_title["Weight push / pull seconds"]

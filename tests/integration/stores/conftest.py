@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from trace_common.redis_local import LocalRedis, LocalRedisConfig
+from trace_common.stores.redis_local import LocalRedis, LocalRedisConfig
 
 
 @pytest.fixture()

@@ -18,11 +18,11 @@ from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2 as ro_pb
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2_grpc as ro_grpc
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as ws_pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as ws_grpc
-from trace_common.redis_local import LocalRedis
 from trace_common.rollout import EngineHolder
 from trace_common.service import Metrics, ServiceSettings
 from trace_common.service.grpc_server import AUTH_HEADER, GrpcServer
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores.redis_local import LocalRedis
 
 TOKEN = "huge-id-token"
 META = ((AUTH_HEADER, f"Bearer {TOKEN}"),)

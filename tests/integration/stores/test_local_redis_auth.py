@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import redis
 
-from trace_common.redis_local import LocalRedis, LocalRedisConfig, redact_url
+from trace_common.stores.redis_local import LocalRedis, LocalRedisConfig, redact_url
 
 
 def test_embedded_redis_refuses_clients_without_its_password() -> None:

@@ -13,9 +13,9 @@ import pytest
 
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
-from trace_common.redis_local import LocalRedis
 from trace_common.service.grpc_server import AUTH_HEADER
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores.redis_local import LocalRedis
 
 TOKEN = "abuse-test-token"
 DECLARED = 256 << 20  # what each stream claims (= max_record_bytes)

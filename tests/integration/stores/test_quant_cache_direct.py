@@ -16,9 +16,9 @@ from trace_common.clients import CorruptRecordError, DirectPathError, QuantCache
 from trace_common.clients.quant_cache import REPLAYED, new_generation
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2_grpc as pb_grpc
-from trace_common.quant_cache_store import LAYOUT_VERSION
-from trace_common.redis_local import LocalRedis
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores.quant_cache_store import LAYOUT_VERSION
+from trace_common.stores.redis_local import LocalRedis
 
 TOKEN = "direct-test-token"
 
@@ -199,7 +199,7 @@ def test_records_written_without_the_token_are_refused(
 ) -> None:
     """A record overwritten in Redis with a valid layout and CRC, or copied from another key,
     or written by a client holding another token, fails its tag on both paths."""
-    from trace_common.quant_cache_store import encode
+    from trace_common.stores.quant_cache_store import encode
 
     with _service(local_redis.url) as svc:
         direct = QuantCacheClient(svc.grpc_address, TOKEN, data_path="direct")

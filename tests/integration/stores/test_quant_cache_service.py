@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from trace_common.clients import CorruptRecordError, QuantCacheClient
-from trace_common.redis_local import LocalRedis, redact_url
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores.redis_local import LocalRedis, redact_url
 
 TOKEN = "integration-test-token"
 

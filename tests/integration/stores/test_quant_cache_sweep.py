@@ -10,9 +10,9 @@ import httpx
 import redis
 
 from trace_common.clients import QuantCacheClient
-from trace_common.quant_cache_store import RedisRecordStore, encode, record_pattern
-from trace_common.redis_local import LocalRedis
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores.quant_cache_store import RedisRecordStore, encode, record_pattern
+from trace_common.stores.redis_local import LocalRedis
 
 TOKEN = "sweep-token"
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2
-from trace_common.redis_local import LocalRedis
 from trace_common.service.grpc_server import AUTH_HEADER
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores.redis_local import LocalRedis
 
 TOKEN = "fuzz-token"
 META = ((AUTH_HEADER, f"Bearer {TOKEN}"),)

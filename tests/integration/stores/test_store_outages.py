@@ -13,9 +13,9 @@ import pytest
 
 from services.trainer.remote import QuantCacheRecords
 from trace_common.clients import QuantCacheClient
-from trace_common.redis_local import LocalRedis, LocalRedisConfig
 from trace_common.service import Backoff
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores.redis_local import LocalRedis, LocalRedisConfig
 
 TOKEN = "outage-test-token"
 BLOBS = {f"s-{i}": os.urandom(5000 + i) for i in range(4)}

@@ -11,13 +11,13 @@ import grpc
 import pytest
 import torch
 
-from trace_common import ws_data_plane as wire
 from trace_common.clients import WeightSyncClient
 from trace_common.clients.weight_sync import receive_version
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from trace_common.service import ClientTLS, RetryPolicy
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores import ws_data_plane as wire
 
 TOKEN = "tls-test-token"
 ONCE = RetryPolicy(max_attempts=2)  # expected failures: do not wait through backoff

@@ -15,13 +15,13 @@ import pytest
 import torch
 from test_weight_sync_service import TOKEN, WS, _assert_exact, _policy
 
-from trace_common import ws_data_plane as wire
 from trace_common.clients import DirectPathError, WeightSyncClient
 from trace_common.clients.weight_sync import receive_version
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from trace_common.service.grpc_server import AUTH_HEADER
 from trace_common.service.testing import ServiceProcess
+from trace_common.stores import ws_data_plane as wire
 
 MD = ((AUTH_HEADER, f"Bearer {TOKEN}"),)
 

@@ -138,8 +138,8 @@ def test_a_corrupted_delta_never_becomes_a_version(service: ServiceProcess) -> N
     v0 = _policy(0)
     trainer.push_version(0, v0, {})
     v1 = _step(v0, seed=1)
-    from trace_common.chunk_wire import encode_chunk
     from trace_common.clients.weight_deltas import encode_version
+    from trace_common.wire.chunk_wire import encode_chunk
 
     header, payloads, _ = encode_version(1, v1, "{}", trainer.base, keep=False)
     assert header.delta_bytes < header.total_bytes / 5

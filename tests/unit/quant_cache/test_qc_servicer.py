@@ -13,7 +13,8 @@ from redis.retry import Retry
 
 from services.quant_cache.servicer import QuantCacheServicer
 from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as pb
-from trace_common.quant_cache_store import (
+from trace_common.service import Metrics, ServiceError
+from trace_common.stores.quant_cache_store import (
     HEADER_BYTES,
     LAYOUT_VERSION,
     Lookup,
@@ -21,8 +22,7 @@ from trace_common.quant_cache_store import (
     decode,
     encode_header,
 )
-from trace_common.redis_local import LocalRedis
-from trace_common.service import Metrics, ServiceError
+from trace_common.stores.redis_local import LocalRedis
 
 MAX_RECORD = 1000
 MAX_BATCH = 4
@@ -311,7 +311,7 @@ def test_get_many_rereads_a_record_rewritten_between_round_trips(
 ) -> None:
     """A multi-piece record rewritten between get_many's two round trips is read again
     (never reported corrupt, never returned as a mix of the two writes)."""
-    from trace_common.quant_cache_store import encode
+    from trace_common.stores.quant_cache_store import encode
 
     client = redis.Redis.from_url(redis_url)
     client.flushdb()

@@ -1,4 +1,4 @@
-"""trace_common.redis_bulk against a real Redis: Joined values are stored as the joined
+"""trace_common.stores.redis_bulk against a real Redis: Joined values are stored as the joined
 bytes, big replies come back byte-exact, and the connection stays in step afterwards."""
 
 from __future__ import annotations
@@ -9,9 +9,14 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from trace_common import quant_cache_store as layout
-from trace_common.redis_bulk import BIG_BULK_BYTES, Joined, JoinedPacker, bulk_connection_options
-from trace_common.redis_local import LocalRedis
+from trace_common.stores import quant_cache_store as layout
+from trace_common.stores.redis_bulk import (
+    BIG_BULK_BYTES,
+    Joined,
+    JoinedPacker,
+    bulk_connection_options,
+)
+from trace_common.stores.redis_local import LocalRedis
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from trace_common.clients.tensors import TensorAssembler, tensor_to_wire
 from trace_common.service import Metrics, RetryPolicy
 from trace_common.service.logs import JsonFormatter
-from trace_common.tensor_wire import DTYPE_ITEMSIZE, expected_nbytes
+from trace_common.wire.tensor_wire import DTYPE_ITEMSIZE, expected_nbytes
 
 
 def test_metric_names_follow_convention() -> None:

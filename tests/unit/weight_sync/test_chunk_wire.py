@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trace_common.chunk_wire import (
+from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as qc
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
+from trace_common.wire.chunk_wire import (
     ChunkView,
     bytes_field_codec,
     chunk_codec,
@@ -15,8 +17,6 @@ from trace_common.chunk_wire import (
     varint,
     with_bytes_field,
 )
-from trace_common.protos_gen.trace.quantcache.v1 import quantcache_pb2 as qc
-from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 
 DESERIALIZE, SERIALIZE = chunk_codec(pb.PullChunk)
 

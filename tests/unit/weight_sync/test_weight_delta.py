@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from trace_common import weight_delta as delta
-from trace_common.checksum import crc32
 from trace_common.clients.tensors import raw_bytes
+from trace_common.wire import weight_delta as delta
+from trace_common.wire.checksum import crc32
 
 RNG = np.random.default_rng(0)
 

@@ -16,13 +16,13 @@ from test_ws_servicer import TENSORS, Ctx, header, make, messages
 
 from services.weight_sync.data_plane import DataPlane, parse_advertise
 from services.weight_sync.servicer import WeightSyncServicer
-from trace_common import ws_data_plane as wire
 from trace_common.clients import DirectPathError
 from trace_common.clients.tensors import TensorAssembler
 from trace_common.clients.weight_sync import receive_version
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.service import Metrics, ServiceError
+from trace_common.stores import ws_data_plane as wire
 
 WANT = b"".join(TENSORS.values())  # the bytes the data plane sends for a TENSORS version
 

@@ -12,10 +12,10 @@ import pytest
 from services.weight_sync.registry import ReplicaRegistry
 from services.weight_sync.servicer import PULL_SERIALIZE, PUSH_DESERIALIZE, WeightSyncServicer
 from services.weight_sync.versions import MAX_POLICY_VERSION, VersionStore
-from trace_common.chunk_wire import ChunkView
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.service import Metrics, ServiceError
+from trace_common.wire.chunk_wire import ChunkView
 
 MAX_VERSION = 1 << 20
 

@@ -20,7 +20,7 @@ little each step, which rewrites their low bytes but seldom their sign and expon
 high planes travel as SAME or SPARSE. The encoder picks the smallest. The receiver rebuilds each tensor from its copy of the base
 and checks the full tensor's CRC-32 from the version's manifest, so a corrupted delta, or a
 base that is not what the sender thinks, never becomes a version. Torch-free (numpy), like
-trace_common.tensor_wire: weight-sync applies deltas without importing torch.
+trace_common.wire.tensor_wire: weight-sync applies deltas without importing torch.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trace_common.checksum import crc32
-from trace_common.tensor_wire import DTYPE_ITEMSIZE
+from trace_common.wire.checksum import crc32
+from trace_common.wire.tensor_wire import DTYPE_ITEMSIZE
 
 INDEX_DTYPE = np.dtype("<u4")  # SPARSE element indices
 MAX_SPARSE_ELEMENTS = 2**32  # tensors this large or larger use BITMAP or DENSE

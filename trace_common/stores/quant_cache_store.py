@@ -44,7 +44,6 @@ from enum import Enum
 import grpc
 import redis
 
-from trace_common.checksum import crc32
 from trace_common.service.errors import (
     LONG_ID_RE,
     ServiceError,
@@ -53,6 +52,7 @@ from trace_common.service.errors import (
     exhausted,
     invalid,
 )
+from trace_common.wire.checksum import crc32
 
 LAYOUT_VERSION = 1
 MAGIC = b"TQC1"
