@@ -159,3 +159,21 @@ def test_rl_core_imports_neither_the_run_config_nor_the_launcher() -> None:
     }
     upward = {m: t for m, t in upward.items() if t}
     assert not upward, f"trace_common.rl modules importing {above}: {upward}"
+
+
+def test_wire_and_stores_stay_below_the_clients_and_the_rl_core() -> None:
+    """The wire formats import only themselves; the stores' code only the wire formats and the
+    service runtime (errors, settings): neither knows of clients, models, the RL core or the
+    launcher, so a store can be read and tested on its own."""
+    allowed = {
+        "trace_common.wire": ("trace_common.wire",),
+        "trace_common.stores": ("trace_common.stores", "trace_common.wire", "trace_common.service"),
+    }
+    upward = {
+        m: sorted(t for t in targets if _in(t, "trace_common") and not any(_in(t, a) for a in ok))
+        for floor, ok in allowed.items()
+        for m, targets in import_graph().items()
+        if _in(m, floor)
+    }
+    upward = {m: t for m, t in upward.items() if t}
+    assert not upward, f"wire/stores modules importing above their floor: {upward}"
