@@ -11,6 +11,7 @@ from services.rollout.config import RolloutSettings
 from services.rollout.servicer import RolloutServicer, record_writer
 from services.rollout.weights import WeightFollower
 from trace_common.clients import QuantCacheClient, WeightSyncClient
+from trace_common.clients.broadcast import Member
 from trace_common.device import resolve_device
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2_grpc
 from trace_common.rl.audit import RecordAudit
@@ -28,6 +29,7 @@ def main() -> None:
             max_batch=settings.rollout_max_batch, max_context=settings.rollout_max_context,
             native_dtype=settings.engine_dtype, kernels=settings.kernels(),
         )  # fmt: skip
+        member = broadcast_member(settings, engine_settings.device)
     except ValueError as exc:
         raise SystemExit(f"rollout settings: {exc}") from None
     factory = make_engine_factory(engine_settings)
@@ -65,12 +67,27 @@ def main() -> None:
         heartbeat_interval_s=settings.heartbeat_interval_seconds,
         metrics=rt.metrics,
         cuda_ipc=settings.cuda_ipc and engine_settings.device.type == "cuda",
+        member=member,
     )
     servicer.follower = follower
     servicer.engine_stats = lambda: getattr(factory.engine, "stats", dict)()
     rt.before_drain.append(follower.stop)
     _start_when_bound(rt, follower)
     rt.run(ready=lambda: holder.version >= 0, status=servicer.status)
+
+
+def broadcast_member(settings: RolloutSettings, device: torch.device) -> Member | None:
+    """This replica's side of the trainer's broadcasts (RolloutSettings.broadcast), or None:
+    auto joins NCCL broadcasts on a CUDA replica and none on the CPU. NCCL receives into
+    the replica's GPU, gloo into host memory."""
+    backend = settings.broadcast
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "off"
+    if backend == "off":
+        return None
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"TRACE_BROADCAST=nccl needs a CUDA replica; this one runs on {device}")
+    return Member(settings.replica_id, device if backend == "nccl" else torch.device("cpu"))
 
 
 def _start_when_bound(rt: ServiceRuntime, follower: WeightFollower) -> None:

@@ -34,6 +34,12 @@ class RolloutSettings(StoreClientSettings):
         description="on a CUDA replica, load a version the trainer offers over CUDA IPC on "
         "this node GPU to GPU (else, or when that fails, pull it over the network)",
     )
+    broadcast: Literal["auto", "off", "nccl", "gloo"] = Field(
+        "auto",
+        description="join the trainer's broadcasts of new versions (weight-sync forms the "
+        "groups): nccl GPU to GPU (a CUDA replica), gloo into host memory; auto: nccl on a "
+        "CUDA replica, off on the CPU. A replica on the trainer's node loads over CUDA IPC",
+    )
     replica_id: str = Field(
         default_factory=lambda: f"rollout-{socket.gethostname()}-{os.getpid()}",
         description="this replica's id in weight-sync's registry",

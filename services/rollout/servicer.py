@@ -214,6 +214,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 ),
                 "last_weight_pull": getattr(self.follower, "last_pull", {}),
                 "weight_ipc_failures_total": getattr(self.follower, "ipc_failures", 0),
+                "weight_broadcast_failures_total": getattr(self.follower, "broadcast_failures", 0),
                 "engine_stats": self.engine_stats(),
             }
 

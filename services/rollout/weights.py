@@ -7,7 +7,15 @@ A CUDA replica on the trainer's node (`cuda_ipc`) loads a version the trainer of
 CUDA IPC as soon as the offer's notice comes, GPU to GPU (trace_common/clients/cuda_ipc.py),
 without waiting for its push. An offer that cannot be opened (the trainer released it or
 restarted, another IPC namespace) is logged and counted; the replica then pulls that version
-once its push completes. Either way the engine swaps to a whole version or keeps its old one."""
+once its push completes.
+
+A replica that joins broadcasts (`member`, trace_common/clients/broadcast.py) receives a
+version in the trainer's broadcast when weight-sync put it in the version's group (a notice
+with `broadcast_group_id` while the push runs). A broadcast that fails is logged and counted
+and the version is pulled; after BROADCAST_FAILURES_OFF failures in a row the replica
+registers again without a backend and takes no more broadcasts (an unreachable store or a
+firewalled NCCL port would otherwise cost every version a timeout). Either way the engine
+swaps to a whole version or keeps its old one."""
 
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from collections.abc import Callable
 import grpc
 
 from trace_common.clients import WeightSyncClient
+from trace_common.clients.broadcast import BroadcastError, Member
 from trace_common.clients.cuda_ipc import node_id
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.rollout.engine import EngineFactory, EngineHolder
@@ -29,6 +38,7 @@ log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.5  # wait before re-subscribing after weight-sync went away
 IPC_FAILED_KEPT = 16  # versions remembered as failed over CUDA IPC
+BROADCAST_FAILURES_OFF = 3  # broadcasts failed in a row before the replica leaves them
 
 
 class WeightFollower:
@@ -45,8 +55,12 @@ class WeightFollower:
         heartbeat_interval_s: float,
         metrics: Metrics,
         cuda_ipc: bool = False,
+        member: Member | None = None,
     ) -> None:
         self.client = client
+        self.member = member
+        self.broadcast_failures = 0
+        self._broadcast_failed_in_row = 0
         self.cuda_ipc = cuda_ipc and bool(node_id())
         self.ipc_failures = 0
         self._ipc_failed: set[int] = set()  # versions whose offer failed here: pull them
@@ -81,7 +95,10 @@ class WeightFollower:
         while not self._stop.is_set():
             try:
                 if not registered:
-                    self.client.register(self.replica_id, self.address())
+                    self.client.register(
+                        self.replica_id, self.address(), node_id=node_id(),
+                        broadcast_backend="" if self.member is None else self.member.backend,
+                    )  # fmt: skip
                     registered = True
                     if self._hb_stop is None:
                         self._hb_stop = self.client.start_heartbeats(
@@ -90,6 +107,8 @@ class WeightFollower:
                 self._stream = self.client.subscribe(self.replica_id)
                 for notice in self._stream:
                     if notice.version <= self.holder.version:
+                        continue
+                    if self._takes_broadcast(notice) and self._load_broadcast(notice.version):
                         continue
                     if self._takes_offer(notice) and self._load_offer(notice.version):
                         continue
@@ -110,6 +129,47 @@ class WeightFollower:
             and notice.cuda_ipc_node == node_id()
             and notice.version not in self._ipc_failed
         )
+
+    def _takes_broadcast(self, notice: common_pb2.PolicyVersionInfo) -> bool:
+        return self.member is not None and notice.offer_only and bool(notice.broadcast_group_id)
+
+    def _load_broadcast(self, version: int) -> bool:
+        """Receive `version` in its broadcast if this replica is a member of its group; False
+        when it is not, or (logged, counted) when the broadcast failed."""
+        assert self.member is not None
+        t0 = time.perf_counter()
+        try:
+            offer = self.client.get_offer(version, replica_id=self.replica_id)
+            if self.replica_id not in offer.broadcast.members:
+                return False  # registered after the group was formed: the push serves it
+            got, tensors, meta = self.client.receive_broadcast(
+                version, self.member, replica_id=self.replica_id
+            )
+            self._serve(got, tensors, meta, t0)
+        except (BroadcastError, grpc.RpcError) as exc:
+            self.broadcast_failures += 1
+            self._broadcast_failed_in_row += 1
+            log.warning(
+                "receiving version %d in the broadcast failed (%s): pulling it over the network",
+                version, exc,
+            )  # fmt: skip
+            if self._broadcast_failed_in_row >= BROADCAST_FAILURES_OFF:
+                self._leave_broadcasts()
+            return False
+        self._broadcast_failed_in_row = 0
+        return True
+
+    def _leave_broadcasts(self) -> None:
+        """Stop joining broadcasts: register again without a backend."""
+        log.warning(
+            "%d broadcasts failed in a row: this replica leaves them and pulls every version",
+            self._broadcast_failed_in_row,
+        )
+        assert self.member is not None
+        self.member.close()
+        self.member = None
+        with contextlib.suppress(grpc.RpcError):  # the next register (on reconnect) has none
+            self.client.register(self.replica_id, self.address(), node_id=node_id())
 
     def _load_offer(self, version: int) -> bool:
         """Load `version` from its CUDA IPC offer; False (logged, counted) when that fails."""

@@ -18,6 +18,7 @@ from services.trainer.remote import (
     QuantCacheRecords,
     WeightSyncDirectory,
     WeightSyncPublisher,
+    broadcast_source,
 )
 from trace_common.clients import QuantCacheClient, WeightSyncClient
 from trace_common.config import ConfigError, RunConfig
@@ -105,7 +106,9 @@ class TrainerApp:
             self.weight_sync, token, generate_timeout=s.generate_timeout_seconds
         )
         backoff = Backoff(budget_s=run.stores.retry_seconds)
-        self.publisher = WeightSyncPublisher(self.weight_sync, backoff, cuda_ipc=s.cuda_ipc)
+        self.publisher = WeightSyncPublisher(
+            self.weight_sync, backoff, cuda_ipc=s.cuda_ipc, source=broadcast_source(s)
+        )
         self.records = records = QuantCacheRecords(
             self.quant_cache,
             RecordAudit(s.record_audit_file) if s.record_audit_file else None,
@@ -118,7 +121,10 @@ class TrainerApp:
         )  # fmt: skip
         if isinstance(self.learner, ModelLearner):  # offers share the export's GPU buffer
             on_cuda = self.learner.device.type == "cuda"
-            self.learner.export_on_device = on_cuda and self.publisher.cuda_ipc
+            source = self.publisher.source
+            self.learner.export_on_device = on_cuda and (
+                self.publisher.cuda_ipc or (source is not None and source.backend == "nccl")
+            )
         if run.checkpoint.export and isinstance(self.learner, LeaderLearner):
             raise ValueError(
                 "checkpoint.export needs an unsharded trainer: sharded (torchrun) "

@@ -48,6 +48,29 @@ class TrainerSettings(StoreClientSettings):
         description="on a CUDA trainer, offer each version over CUDA IPC before pushing it: "
         "replicas on this node copy it GPU to GPU (two more policy copies stay on the GPU)",
     )
+    broadcast: Literal["auto", "off", "nccl", "gloo"] = Field(
+        "auto",
+        description="broadcast each version, before pushing it, to the replicas on other "
+        "nodes that join (their TRACE_BROADCAST): nccl GPU to GPU, gloo from host memory; "
+        "auto: nccl on a CUDA trainer, off on the CPU",
+    )
+    broadcast_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        max_length=255,
+        description="the host replicas reach this trainer's broadcast store at (its pod IP "
+        "or DNS name in a cluster)",
+    )
+    broadcast_port: int = Field(
+        29510, ge=0, le=65535, description="the broadcast store's TCP port (0: any free port)"
+    )
+    broadcast_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="how long a broadcast waits for its group to form and its bytes to "
+        "arrive before the members fall back to pulling",
+    )
 
     recipe: pathlib.Path | None = Field(
         None,

@@ -15,9 +15,10 @@ import grpc
 import torch
 
 from trace_common.clients import CorruptRecordError, QuantCacheClient, WeightSyncClient
+from trace_common.clients import broadcast as bcast
 from trace_common.clients import cuda_ipc as ipc
 from trace_common.clients.quant_cache import REPLAYED, TAG_MISMATCH
-from trace_common.device import pack_on_device, to_host
+from trace_common.device import pack_on_device, resolve_device, to_host
 from trace_common.protos_gen.trace.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from trace_common.rl.audit import RecordAudit
 from trace_common.rl.dispatch import GenerateCall, ReplicaBehind, ReplicaUnavailable
@@ -206,25 +207,58 @@ class QuantCacheRecords:
         return out
 
 
+def broadcast_source(settings: Any) -> bcast.Source | None:
+    """The trainer's broadcast store (TrainerSettings.broadcast*), or None when it is off:
+    auto means NCCL on a CUDA trainer and off on the CPU."""
+    backend = settings.broadcast
+    if backend == "auto":
+        backend = "nccl" if resolve_device(settings.device).type == "cuda" else "off"
+    if backend == "off":
+        return None
+    source = bcast.Source(
+        settings.broadcast_host, settings.broadcast_port, backend,
+        settings.broadcast_timeout_seconds,
+    )  # fmt: skip
+    log.info(
+        "broadcast store listening",
+        extra={"backend": backend, "host": source.host, "port": source.port},
+    )
+    return source
+
+
 class WeightSyncPublisher:
     """Pushes a version to weight-sync (published atomically once complete). A weight-sync
     that is unavailable (restarting) is retried within `backoff`'s budget.
 
-    With `cuda_ipc`, a version exported on a CUDA device is first offered over CUDA IPC
-    (trace_common/clients/cuda_ipc.py): replicas on this node copy it GPU to GPU at once,
-    while the push that follows serves the others, late joiners and CPU replicas. The last
-    OFFERS_HELD offered buffers stay allocated here (GPU memory: that many policy copies)."""
+    Before the push, a version may be offered to replicas that can take it faster; the push
+    that follows serves the others, late joiners and CPU replicas:
+    - `cuda_ipc`: a version exported on a CUDA device is offered over CUDA IPC
+      (trace_common/clients/cuda_ipc.py): replicas on this node copy it GPU to GPU. The last
+      OFFERS_HELD offered buffers stay allocated here (that many policy copies on the GPU).
+    - `source` (trace_common/clients/broadcast.py): the version is broadcast to the group of
+      replicas weight-sync forms for it, GPU to GPU over NCCL (or from host memory over
+      gloo). A failed broadcast is logged and counted; its members pull the version, and
+      the next offer asks for a new group."""
 
     OFFERS_HELD = 2
 
     def __init__(
-        self, client: WeightSyncClient, backoff: Backoff | None = None, *, cuda_ipc: bool = False
+        self,
+        client: WeightSyncClient,
+        backoff: Backoff | None = None,
+        *,
+        cuda_ipc: bool = False,
+        source: bcast.Source | None = None,
     ) -> None:
         self.client = client
         self.backoff = backoff or Backoff()
         self.cuda_ipc = cuda_ipc and bool(ipc.node_id())
+        self.source = source
         self._offered: deque[ipc.Shared] = deque(maxlen=self.OFFERS_HELD)
         self.last_offer_seconds = 0.0
+        self.last_broadcast_seconds = 0.0
+        self.last_broadcast_members = 0
+        self.broadcast_failures = 0
         self.last_push_seconds = 0.0
         self.last_push: dict[
             str, Any
@@ -235,8 +269,27 @@ class WeightSyncPublisher:
     ) -> None:
         t0 = time.perf_counter()
         on_gpu = all(t.device.type == "cuda" for t in tensors.values())
+        shared = None
         if on_gpu and self.cuda_ipc:
-            tensors = self._offer(version, tensors, metadata)
+            tensors, shared = self._share(version, tensors)
+        source = self.source
+        if source is not None and source.backend == "nccl" and not on_gpu:
+            source = None  # NCCL moves GPU memory; a CPU export goes by the push only
+        if source is not None and source.backend == "gloo":
+            tensors = to_host(tensors)  # gloo sends host memory: the push's copy, made now
+        flat, offsets = bcast.flat_view(tensors) if source is not None else (None, [])
+        if shared is not None or source is not None:
+            checksummed = source is not None and not flat.is_cuda
+            specs = bcast.manifest(tensors, checksummed=checksummed)
+            endpoint = None
+            if source is not None:
+                endpoint = source.endpoint(
+                    offsets, flat.numel(), checksummed=checksummed, node=ipc.node_id()
+                )
+            group = self._offer(version, shared, specs, metadata, endpoint)
+            self.last_broadcast_members = self.last_broadcast_seconds = 0
+            if group is not None and source is not None:
+                self._broadcast(source, group, flat)
         self.last_offer_seconds = time.perf_counter() - t0
         tensors = to_host(tensors)
 
@@ -252,34 +305,65 @@ class WeightSyncPublisher:
         retry_transient(push, f"push of version {version} to weight-sync", self.backoff)
         self.last_push_seconds = time.perf_counter() - t0
         self.last_push = dict(self.client.last_push)
+        if self.source is not None:
+            self.last_push.update(
+                weight_broadcast_seconds=self.last_broadcast_seconds,
+                weight_broadcast_members=self.last_broadcast_members,
+                weight_broadcast_failures=self.broadcast_failures,
+            )
 
-    def _offer(
-        self, version: int, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]
-    ) -> Mapping[str, torch.Tensor]:
-        """Offer `version` over CUDA IPC; returns the tensors as shared (packed into one
-        buffer unless they already were). A failed offer is logged and the push goes on;
-        a weight-sync without offers (UNIMPLEMENTED), or CUDA memory this process cannot
-        share, turns them off."""
+    def _share(
+        self, version: int, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[Mapping[str, torch.Tensor], ipc.Shared | None]:
+        """The tensors packed into one GPU buffer and its CUDA IPC description; CUDA memory
+        this process cannot share turns IPC offers off (None)."""
         try:
             try:
-                shared = ipc.share(tensors)
+                return tensors, ipc.share(tensors)
             except ValueError:  # not one packed buffer yet
                 tensors = pack_on_device(tensors)
-                shared = ipc.share(tensors)
-            self.client.offer_version(version, shared, ipc.manifest(tensors), metadata)
-        except grpc.RpcError as err:
-            log.warning("CUDA IPC offer of version %d failed (%s: %s); pushing only",
-                        version, err.code().name, err.details())  # fmt: skip
-            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.cuda_ipc = False
-            return tensors
+                return tensors, ipc.share(tensors)
         except (RuntimeError, ValueError) as exc:  # this process cannot share CUDA memory
             log.warning("CUDA IPC offers off: sharing version %d failed (%s: %s); pushing only",
                         version, type(exc).__name__, exc)  # fmt: skip
             self.cuda_ipc = False
-            return tensors
-        self._offered.append(shared)
-        return tensors
+            return tensors, None
+
+    def _offer(
+        self,
+        version: int,
+        shared: ipc.Shared | None,
+        specs: list,
+        metadata: dict[str, Any],
+        endpoint: Any,
+    ) -> Any:
+        """Offer `version` (IPC buffer and/or broadcast endpoint); the broadcast group
+        weight-sync formed, or None. A failed offer is logged and the push goes on; a
+        weight-sync without offers (UNIMPLEMENTED) turns them off."""
+        new_group = self.source is not None and self.source.failed
+        try:
+            group = self.client.offer_version(
+                version, shared, specs, metadata, broadcast=endpoint, new_group=new_group
+            )
+        except grpc.RpcError as err:
+            log.warning("offer of version %d failed (%s: %s); pushing only",
+                        version, err.code().name, err.details())  # fmt: skip
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.cuda_ipc, self.source = False, None
+            return None
+        if shared is not None:
+            self._offered.append(shared)
+        return group
+
+    def _broadcast(self, source: bcast.Source, group: Any, flat: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.last_broadcast_members = len(group.members)  # 0 when no group was formed
+        try:
+            source.send(group, flat)
+        except bcast.BroadcastError as exc:
+            self.broadcast_failures += 1
+            log.warning("%s; its members pull the version", exc)
+        self.last_broadcast_seconds = time.perf_counter() - t0
 
     def _latest(self) -> int:
         return max((v.version for v in self.client.versions()), default=-1)

@@ -19,12 +19,17 @@ from trace_common.service import check_id, exhausted, invalid, not_registered
 MAX_ADDRESS_CHARS = 255
 
 
+BROADCAST_BACKENDS = ("nccl", "gloo")  # trace_common.clients.broadcast.BACKENDS
+
+
 @dataclass(slots=True)
 class Replica:
     replica_id: str
     address: str
     version_held: int = -1
     last_seen: float = 0.0  # time.monotonic()
+    broadcast_backend: str = ""  # the broadcasts it joins ("" = none)
+    node_id: str = ""  # its node's kernel boot id ("" = unknown)
 
 
 class ReplicaRegistry:
@@ -58,10 +63,19 @@ class ReplicaRegistry:
         for key in gone:
             del self._replicas[key]
 
-    def register(self, replica_id: str, address: str) -> Replica:
+    def register(
+        self, replica_id: str, address: str, *, broadcast_backend: str = "", node_id: str = ""
+    ) -> Replica:
         check_id("replica_id", replica_id)
         if len(address) > MAX_ADDRESS_CHARS:
             raise invalid(f"address is {len(address)} characters, over {MAX_ADDRESS_CHARS}")
+        if broadcast_backend not in ("", *BROADCAST_BACKENDS):
+            raise invalid(
+                f"broadcast_backend={broadcast_backend[:32]!r}: expected empty or one of "
+                f"{BROADCAST_BACKENDS}"
+            )
+        if node_id:
+            check_id("node_id", node_id)
         with self._lock:
             replica = self._replicas.get(replica_id)
             if replica is None:
@@ -73,8 +87,23 @@ class ReplicaRegistry:
                     )
                 replica = self._replicas[replica_id] = Replica(replica_id, address)
             replica.address = address
+            replica.broadcast_backend = broadcast_backend
+            replica.node_id = node_id
             replica.last_seen = time.monotonic()
             return replica
+
+    def broadcast_members(self, backend: str, exclude_nodes: set[str]) -> list[str]:
+        """The ids, sorted, of live replicas that join `backend` broadcasts and are not on
+        one of `exclude_nodes` (nodes whose replicas load over CUDA IPC instead)."""
+        now = time.monotonic()
+        with self._lock:
+            return sorted(
+                r.replica_id
+                for r in self._replicas.values()
+                if r.broadcast_backend == backend
+                and self.alive(r, now)
+                and not (r.node_id and r.node_id in exclude_nodes)
+            )
 
     def require(self, replica_id: str) -> Replica:
         check_id("replica_id", replica_id)
@@ -112,7 +141,14 @@ class ReplicaRegistry:
             replicas = sorted(self._replicas.values(), key=lambda r: r.replica_id)
             return [
                 (
-                    Replica(r.replica_id, r.address, r.version_held, r.last_seen),
+                    Replica(
+                        r.replica_id,
+                        r.address,
+                        r.version_held,
+                        r.last_seen,
+                        r.broadcast_backend,
+                        r.node_id,
+                    ),
                     self.alive(r, now),
                     now - r.last_seen,
                 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -11,9 +12,9 @@ import grpc
 from prometheus_client.core import GaugeMetricFamily
 
 from services.weight_sync.data_plane import DataPlane
-from services.weight_sync.registry import ReplicaRegistry
+from services.weight_sync.registry import BROADCAST_BACKENDS, ReplicaRegistry
 from services.weight_sync.versions import (
-    IpcOffer,
+    Offer,
     PendingVersion,
     StoredDelta,
     StoredVersion,
@@ -33,11 +34,14 @@ from trace_common.service import (
     not_found,
 )
 from trace_common.wire.chunk_wire import ChunkView, chunk_codec
+from trace_common.wire.tensor_wire import DTYPE_ITEMSIZE
 
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_POLL_S = 0.5  # how often a waiting subscriber checks for cancellation/shutdown
 IPC_HANDLE_MAX_BYTES = 256  # a CUDA IPC handle is 64 bytes, PyTorch's ref-counter name ~30
+MAX_HOST_CHARS = 255
+MAX_BROADCAST_TIMEOUT_S = 3600.0
 
 
 def check_ipc_buffer(buffer: pb.CudaIpcBuffer, header: pb.VersionHeader) -> None:
@@ -59,6 +63,44 @@ def check_ipc_buffer(buffer: pb.CudaIpcBuffer, header: pb.VersionHeader) -> None
             raise invalid(
                 f"tensor {spec.name!r} at buffer offset {off} ({spec.nbytes} bytes) ends past "
                 f"buffer.buffer_bytes={buffer.buffer_bytes}"
+            )
+
+
+def check_broadcast(group: pb.BroadcastGroup, header: pb.VersionHeader) -> None:
+    """An offer's broadcast request (INVALID_ARGUMENT naming the field): a known backend, a
+    reachable store, a bounded timeout, and one aligned offset per tensor that keeps the
+    tensor inside the buffer. weight-sync names the group and its members, not the trainer."""
+    if group.backend not in BROADCAST_BACKENDS:
+        raise invalid(
+            f"broadcast.backend={group.backend[:32]!r}: expected one of {BROADCAST_BACKENDS}"
+        )
+    if not 0 < len(group.store_host) <= MAX_HOST_CHARS:
+        raise invalid(
+            f"broadcast.store_host is {len(group.store_host)} characters: expected 1 to "
+            f"{MAX_HOST_CHARS}"
+        )
+    if not 0 < group.store_port <= 65535:
+        raise invalid(f"broadcast.store_port={group.store_port}: expected 1 to 65535")
+    if not 0 < group.timeout_seconds <= MAX_BROADCAST_TIMEOUT_S:
+        raise invalid(
+            f"broadcast.timeout_seconds={group.timeout_seconds}: expected > 0 and <= "
+            f"{MAX_BROADCAST_TIMEOUT_S}"
+        )
+    if group.group_id or group.members:
+        raise invalid("broadcast.group_id and broadcast.members are weight-sync's to set")
+    if group.source_node_id:
+        check_id("broadcast.source_node_id", group.source_node_id)
+    if len(group.tensor_offsets) != len(header.tensors):
+        raise invalid(
+            f"broadcast.tensor_offsets has {len(group.tensor_offsets)} entries for "
+            f"{len(header.tensors)} tensors"
+        )
+    for spec, off in zip(header.tensors, group.tensor_offsets, strict=True):
+        if off % DTYPE_ITEMSIZE[spec.dtype] or off + spec.nbytes > group.buffer_bytes:
+            raise invalid(
+                f"tensor {spec.name!r} at broadcast offset {off} ({spec.nbytes} bytes of "
+                f"{spec.dtype}) is unaligned or ends past broadcast.buffer_bytes="
+                f"{group.buffer_bytes}"
             )
 
 
@@ -126,7 +168,13 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self.push_failed = m.counter("pushes_failed", "pushes rejected or abandoned before publish")
         self.push_bytes = m.counter("push_bytes", "bytes received in published pushes")
         self.pull_bytes = m.counter("pull_bytes", "bytes sent to pullers", ("replica_id",))
-        self.offers = m.counter("offers", "versions offered over CUDA IPC")
+        self.offers = m.counter(
+            "offers", "versions offered before their push, by transport", ("transport",)
+        )
+        self.broadcast_groups = m.counter("broadcast_groups", "broadcast groups formed")
+        self._group_lock = threading.Lock()
+        self._group_key: tuple = ()
+        self._group_id = ""
         self.pushes = m.counter("pushes", "versions published, by what the push sent", ("kind",))
         self.pulls = m.counter("pulls", "complete pulls, by what they sent", ("kind",))
         self.push_seconds = m.histogram("push_seconds", "time from push start to publish")
@@ -191,15 +239,55 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         check_manifest(header, self.max_version_bytes)
         if header.HasField("base_version") or header.deltas:
             raise invalid("an offer describes a whole version: base_version/deltas must be unset")
-        check_ipc_buffer(request.buffer, header)
-        self.versions.offer(IpcOffer(header, request.buffer))
-        self.offers.inc()
+        has_ipc, has_broadcast = request.HasField("buffer"), request.HasField("broadcast")
+        if not (has_ipc or has_broadcast):
+            raise invalid("an offer needs a CUDA IPC buffer, a broadcast, or both")
+        if has_ipc:
+            check_ipc_buffer(request.buffer, header)
+        if has_broadcast:
+            check_broadcast(request.broadcast, header)  # before anything is held
+        offer = Offer(header, request.buffer if has_ipc else None)
+        if has_broadcast:
+            offer.broadcast = self._broadcast_group(request, offer.ipc_node)
+        if offer.buffer is None and offer.broadcast is None:
+            return pb.OfferVersionResponse()  # nobody to receive it: the push serves all
+        self.versions.offer(offer)
+        for transport, used in (("cuda_ipc", offer.buffer), ("broadcast", offer.broadcast)):
+            if used is not None:
+                self.offers.labels(transport).inc()
         log.info(
-            "version offered over CUDA IPC",
+            "version offered",
             extra={"version": header.version, "bytes": header.total_bytes,
-                   "node_id": request.buffer.node_id},
+                   "ipc_node_id": offer.ipc_node,
+                   "broadcast_group": offer.broadcast and offer.broadcast.group_id,
+                   "broadcast_members": offer.broadcast and list(offer.broadcast.members)},
         )  # fmt: skip
-        return pb.OfferVersionResponse()
+        return pb.OfferVersionResponse(broadcast=offer.broadcast)
+
+    def _broadcast_group(
+        self, request: pb.OfferVersionRequest, ipc_node: str
+    ) -> pb.BroadcastGroup | None:
+        """The group for this offer's broadcast: the live replicas of its backend, less those
+        that load over CUDA IPC (and, for NCCL, those on the trainer's node). The same
+        group_id as the last offer while store and members are unchanged and the trainer
+        does not ask for a new one; None when no replica can join."""
+        want = request.broadcast
+        exclude = {ipc_node} - {""}
+        if want.backend == "nccl" and want.source_node_id:
+            exclude.add(want.source_node_id)
+        members = self.registry.broadcast_members(want.backend, exclude)
+        if not members:
+            return None
+        key = (want.store_host, want.store_port, want.backend, tuple(members))
+        with self._group_lock:
+            if request.new_group or key != self._group_key:
+                self._group_key, self._group_id = key, secrets.token_hex(8)
+                self.broadcast_groups.inc()
+            group = pb.BroadcastGroup()
+            group.CopyFrom(want)
+            group.group_id = self._group_id
+            group.members[:] = members
+        return group
 
     def GetOffer(
         self, request: pb.GetOfferRequest, context: grpc.ServicerContext
@@ -208,8 +296,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         check_non_negative("version", request.version)
         offer = self.versions.offer_for(request.version)
         if offer is None:
-            raise not_found(f"version {request.version} has no CUDA IPC offer")
-        return pb.GetOfferResponse(header=offer.header, buffer=offer.buffer)
+            raise not_found(f"version {request.version} has no offer (CUDA IPC or broadcast)")
+        return pb.GetOfferResponse(
+            header=offer.header, buffer=offer.buffer, broadcast=offer.broadcast
+        )
 
     def _push_base(self, header: pb.VersionHeader) -> StoredVersion | None:
         """The stored base of a delta push (None for a full push); FAILED_PRECONDITION when
@@ -287,11 +377,15 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
     def Register(
         self, request: pb.RegisterRequest, context: grpc.ServicerContext
     ) -> pb.RegisterResponse:
-        self.registry.register(request.replica_id, request.address)
+        self.registry.register(
+            request.replica_id, request.address,
+            broadcast_backend=request.broadcast_backend, node_id=request.node_id,
+        )  # fmt: skip
         log.info(
             "replica registered",
-            extra={"replica_id": request.replica_id, "address": request.address},
-        )
+            extra={"replica_id": request.replica_id, "address": request.address,
+                   "broadcast_backend": request.broadcast_backend},
+        )  # fmt: skip
         return pb.RegisterResponse(
             latest_version=self.versions.latest_version(),
             heartbeat_timeout_seconds=self.registry.heartbeat_timeout_s,

@@ -407,20 +407,31 @@ class PendingVersion:
 
 
 @dataclass(slots=True)
-class IpcOffer:
-    """A version's bytes offered in GPU memory (CUDA IPC) by the trainer, for replicas on
-    its node: the manifest and where the buffer is. weight-sync never opens it."""
+class Offer:
+    """A version's bytes offered by the trainer before its push completes: in GPU memory
+    over CUDA IPC for replicas on its node (`buffer`), and/or in a broadcast to the members
+    of a process group (`broadcast`). The manifest and where the bytes are; weight-sync
+    never touches the bytes."""
 
     header: pb.VersionHeader
-    buffer: pb.CudaIpcBuffer
+    buffer: pb.CudaIpcBuffer | None = None
+    broadcast: pb.BroadcastGroup | None = None
+
+    @property
+    def ipc_node(self) -> str:
+        return "" if self.buffer is None else self.buffer.node_id
 
     def info(self, *, offer_only: bool) -> common_pb2.PolicyVersionInfo:
         h = self.header
-        return common_pb2.PolicyVersionInfo(
+        info = common_pb2.PolicyVersionInfo(
             version=h.version, total_bytes=h.total_bytes, num_tensors=len(h.tensors),
-            metadata_json=h.metadata_json, cuda_ipc_node=self.buffer.node_id,
-            offer_only=offer_only,
+            metadata_json=h.metadata_json, cuda_ipc_node=self.ipc_node, offer_only=offer_only,
         )  # fmt: skip
+        if offer_only and self.broadcast is not None:
+            # Only while the push runs: once it completes the broadcast is over, whoever
+            # joined it, and a member that hears of the version only then pulls it.
+            info.broadcast_group_id = self.broadcast.group_id
+        return info
 
 
 # Offers kept beyond the complete versions kept: the versions being pushed behind them.
@@ -434,7 +445,7 @@ def notice_rank(info: common_pb2.PolicyVersionInfo) -> int:
 
 class VersionStore:
     """The last `keep` complete versions; `publish` is atomic and notifies waiters. Also the
-    CUDA IPC offers of the kept versions and of the few being pushed behind them."""
+    offers (CUDA IPC, broadcast) of the kept versions and of the few being pushed behind them."""
 
     def __init__(self, keep: int) -> None:
         if keep < 1:
@@ -442,7 +453,7 @@ class VersionStore:
         self.keep = keep
         self._versions: OrderedDict[int, StoredVersion] = OrderedDict()
         self._pushing: set[int] = set()
-        self._offers: OrderedDict[int, IpcOffer] = OrderedDict()
+        self._offers: OrderedDict[int, Offer] = OrderedDict()
         self._cond = threading.Condition()
         self.closed = False
 
@@ -507,7 +518,7 @@ class VersionStore:
             self._cond.notify_all()
             return dropped
 
-    def offer(self, offer: IpcOffer) -> None:
+    def offer(self, offer: Offer) -> None:
         """Hold `offer` (replacing one of the same version); FAILED_PRECONDITION when its
         version is older than the latest complete one (a republish offers that one again)."""
         version = offer.header.version
@@ -530,7 +541,7 @@ class VersionStore:
         while len(self._offers) > self.keep + OFFERS_AHEAD:
             self._offers.popitem(last=False)
 
-    def offer_for(self, version: int) -> IpcOffer | None:
+    def offer_for(self, version: int) -> Offer | None:
         with self._cond:
             return self._offers.get(version)
 
@@ -546,7 +557,7 @@ class VersionStore:
         info = latest.info()
         held = self._offers.get(latest.version)
         if held is not None:
-            info.cuda_ipc_node = held.buffer.node_id
+            info.cuda_ipc_node = held.ipc_node
         return info
 
     def wait_notice(self, than_rank: int, timeout: float) -> common_pb2.PolicyVersionInfo | None:

@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 import torch
 
-from trace_common.clients import cuda_ipc
+from trace_common.clients import broadcast, cuda_ipc
 from trace_common.clients.data_path import DataPath, DirectPathError, check_data_path, offered
 from trace_common.clients.tensors import BytesAssembler
 from trace_common.clients.weight_deltas import (
@@ -106,7 +106,7 @@ class WeightSyncClient(GrpcClient):
         self.last_push: dict[str, Any] = {}  # weight_deltas.push_stats of the last push
         self.last_pull: dict[str, Any] = {}  # the last pull: "kind" (full/delta), "bytes" sent
         self._stub = pb_grpc.WeightSyncStub(self.channel)
-        self._registered: dict[str, str] = {}  # replica_id -> address, to register again
+        self._registered: dict[str, pb.RegisterRequest] = {}  # to register again
         self._register_lock = threading.Lock()
         # The two bulk RPCs with chunk_wire's codecs: chunks are written and read without
         # protobuf's copies of their data (same bytes on the wire as the generated stub).
@@ -183,24 +183,31 @@ class WeightSyncClient(GrpcClient):
     def offer_version(
         self,
         version: int,
-        shared: cuda_ipc.Shared,
+        shared: cuda_ipc.Shared | None,
         specs: list[common_pb2.TensorSpec],
         metadata: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Offer `version` over CUDA IPC (`shared`: cuda_ipc.share of its packed tensors,
-        `specs`: their manifest); replicas on this node may load it before its push
-        completes. The caller keeps `shared` alive while the offer should be usable."""
+        *,
+        broadcast: pb.BroadcastGroup | None = None,
+        new_group: bool = False,
+    ) -> pb.BroadcastGroup | None:
+        """Offer `version` before its push: over CUDA IPC (`shared`: cuda_ipc.share of its
+        packed tensors) and/or in a broadcast (`broadcast`: broadcast.Source.endpoint);
+        `specs` is the manifest. Replicas on this node may load it over IPC at once; the
+        caller keeps `shared` alive while the offer should be usable. Returns the broadcast
+        group weight-sync formed (send the version to it), or None when nobody joins one."""
         header = pb.VersionHeader(
             version=version,
             metadata_json=json.dumps(dict(metadata or {}), sort_keys=True),
             tensors=specs,
             total_bytes=sum(s.nbytes for s in specs),
         )
-        self._stub.OfferVersion(
-            pb.OfferVersionRequest(header=header, buffer=shared.buffer),
-            metadata=self.metadata,
-            timeout=self.timeout,
-        )
+        request = pb.OfferVersionRequest(header=header, new_group=new_group)
+        if shared is not None:
+            request.buffer.CopyFrom(shared.buffer)
+        if broadcast is not None:
+            request.broadcast.CopyFrom(broadcast)
+        reply = self._stub.OfferVersion(request, metadata=self.metadata, timeout=self.timeout)
+        return reply.broadcast if reply.HasField("broadcast") else None
 
     # -- replica side -----------------------------------------------------------------------
     def open_offer(
@@ -210,13 +217,37 @@ class WeightSyncClient(GrpcClient):
         of the trainer's GPU buffer, mapped into this process (cuda_ipc.open_shared); copy
         them before dropping them. NOT_FOUND (grpc.RpcError) when there is no offer,
         cuda_ipc.IpcError when this process cannot open it."""
-        reply = self._stub.GetOffer(
+        reply = self.get_offer(version, replica_id=replica_id)
+        if not reply.HasField("buffer"):
+            raise cuda_ipc.IpcError(f"version {version}'s offer has no CUDA IPC buffer")
+        tensors = cuda_ipc.open_shared(reply.buffer, list(reply.header.tensors))
+        self.last_pull = {"kind": "cuda_ipc", "bytes": 0, "full_bytes": reply.header.total_bytes}
+        return reply.header.version, tensors, json.loads(reply.header.metadata_json or "{}")
+
+    def get_offer(self, version: int, *, replica_id: str) -> pb.GetOfferResponse:
+        """`version`'s offer (NOT_FOUND, as grpc.RpcError, when there is none)."""
+        return self._stub.GetOffer(
             pb.GetOfferRequest(version=version, replica_id=replica_id),
             metadata=self.metadata,
             timeout=self.timeout,
         )
-        tensors = cuda_ipc.open_shared(reply.buffer, list(reply.header.tensors))
-        self.last_pull = {"kind": "cuda_ipc", "bytes": 0, "full_bytes": reply.header.total_bytes}
+
+    def receive_broadcast(
+        self, version: int, member: broadcast.Member, *, replica_id: str
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        """(version, tensors, metadata) of `version`, received in the broadcast group its
+        offer names (broadcast.Member.receive): whole, in new buffers on the member's device.
+        broadcast.BroadcastError when there is no such group or the transfer fails."""
+        reply = self.get_offer(version, replica_id=replica_id)
+        if not reply.HasField("broadcast"):
+            raise broadcast.BroadcastError(f"version {version}'s offer has no broadcast group")
+        tensors = member.receive(reply.broadcast, list(reply.header.tensors))
+        nbytes = reply.broadcast.buffer_bytes
+        self.last_pull = {
+            "kind": "broadcast",
+            "bytes": nbytes,
+            "full_bytes": reply.header.total_bytes,
+        }
         return reply.header.version, tensors, json.loads(reply.header.metadata_json or "{}")
 
     def pull_version(
@@ -349,30 +380,36 @@ class WeightSyncClient(GrpcClient):
             raise ValueError("PullVersion stream ended without a header")
         return header, rebuild(header, parts, base)
 
-    def register(self, replica_id: str, address: str) -> pb.RegisterResponse:
-        """Register (or re-register) a replica; the address is remembered so that a
-        heartbeat or subscribe weight-sync does not recognize registers again."""
-        response = self._stub.Register(
-            pb.RegisterRequest(replica_id=replica_id, address=address),
-            metadata=self.metadata,
-            timeout=self.timeout,
-        )
+    def register(
+        self, replica_id: str, address: str, *, broadcast_backend: str = "", node_id: str = ""
+    ) -> pb.RegisterResponse:
+        """Register (or re-register) a replica, with the broadcasts it joins and its node;
+        what it said is remembered so that a heartbeat or subscribe weight-sync does not
+        recognize registers it again."""
+        request = pb.RegisterRequest(
+            replica_id=replica_id, address=address,
+            broadcast_backend=broadcast_backend, node_id=node_id,
+        )  # fmt: skip
+        response = self._stub.Register(request, metadata=self.metadata, timeout=self.timeout)
         with self._register_lock:
-            self._registered[replica_id] = address
+            self._registered[replica_id] = request
         return response
 
     def _register_again(self, replica_id: str, err: grpc.RpcError) -> bool:
         """Register `replica_id` again if weight-sync forgot it (`err` says "not registered")
         and this client registered it before; True if it did."""
         with self._register_lock:
-            address = self._registered.get(replica_id)
-        if address is None or not is_not_registered(err):
+            request = self._registered.get(replica_id)
+        if request is None or not is_not_registered(err):
             return False
         log.warning(
             "weight-sync does not know replica %s (restarted or expired): registering again",
             replica_id,
         )
-        self.register(replica_id, address)
+        self.register(
+            replica_id, request.address,
+            broadcast_backend=request.broadcast_backend, node_id=request.node_id,
+        )  # fmt: skip
         return True
 
     def heartbeat(self, replica_id: str, version_held: int) -> int:

@@ -10,14 +10,18 @@ import pytest
 import torch
 
 from services.rollout.weights import WeightFollower
+from trace_common.clients.broadcast import BroadcastError
 from trace_common.clients.cuda_ipc import IpcError, node_id
 from trace_common.protos_gen.trace.common.v1 import common_pb2
+from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.rollout.engine import EngineHolder
 from trace_common.service import Metrics
 
 
-def Notice(version: int, *, node: str = "", offer_only: bool = False):
-    return common_pb2.PolicyVersionInfo(version=version, cuda_ipc_node=node, offer_only=offer_only)
+def Notice(version: int, *, node: str = "", offer_only: bool = False, group: str = ""):
+    return common_pb2.PolicyVersionInfo(
+        version=version, cuda_ipc_node=node, offer_only=offer_only, broadcast_group_id=group
+    )
 
 
 class Dropped(grpc.RpcError):
@@ -56,8 +60,9 @@ class FakeWeightSync:
         self.done = threading.Event()
         self.last_pull = {"kind": "full", "bytes": 1, "full_bytes": 1}
 
-    def register(self, replica_id: str, address: str) -> None:
-        self.events.append(f"register {replica_id} {address}")
+    def register(self, replica_id: str, address: str, *, broadcast_backend="", node_id="") -> None:
+        backend = f" {broadcast_backend}" if broadcast_backend else ""
+        self.events.append(f"register {replica_id} {address}{backend}")
 
     def start_heartbeats(self, replica_id, version_held, interval_s):
         self.events.append("heartbeats")
@@ -164,3 +169,68 @@ def test_a_replica_without_cuda_ipc_waits_for_the_push() -> None:
     _, holder, built = follow(ws, cuda_ipc=False)
     assert holder.version == 1 and built == [0.0, 1.0]
     assert [e for e in ws.events if e.startswith(("pull", "offer"))] == ["pull 0", "pull 1"]
+
+
+class FakeMember:
+    backend = "gloo"
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeBroadcasts(FakeWeightSync):
+    """Version v's group has the members `groups[v]`; receiving works for versions in
+    `delivers` and fails as a timed-out broadcast does for the others."""
+
+    def __init__(self, streams, groups: dict[int, list[str]], delivers: set[int]) -> None:
+        super().__init__(streams)
+        self.groups, self.delivers = groups, delivers
+
+    def get_offer(self, version, *, replica_id):
+        return pb.GetOfferResponse(
+            broadcast=pb.BroadcastGroup(group_id=f"g{version}", members=self.groups[version])
+        )
+
+    def receive_broadcast(self, version, member, *, replica_id):
+        self.events.append(f"broadcast {version}")
+        if version not in self.delivers:
+            raise BroadcastError(f"group g{version}: the broadcast timed out")
+        self.last_pull = {"kind": "broadcast", "bytes": 8, "full_bytes": 8}
+        return version, {"w": torch.full((2,), float(version))}, {"m": "x"}
+
+
+def test_broadcasts_are_received_when_a_member_and_failures_fall_back_to_the_pull() -> None:
+    """v1 arrives in its broadcast (its complete notice pulls nothing); v2's group does not
+    include this replica (joined later): pulled. v3..v5 fail: each is pulled once its push
+    completes, and after the third failure in a row the replica leaves broadcasts (registers
+    again without a backend) and v6's broadcast notice is ignored."""
+    versions = range(1, 7)
+    notices = [Notice(0)]
+    for v in versions:
+        notices += [Notice(v, offer_only=True, group=f"g{v}"), Notice(v)]
+    ws = FakeBroadcasts(
+        [notices], groups={v: ["r0"] if v != 2 else ["r1"] for v in versions}, delivers={1, 6}
+    )
+    holder, built = EngineHolder(), []
+
+    def factory(tensors, meta, version):
+        built.append(float(tensors["w"][0]))
+        return object()
+
+    member = FakeMember()
+    f = WeightFollower(
+        ws, holder, factory, replica_id="r0", address=lambda: "127.0.0.1:9",
+        heartbeat_interval_s=1.0, metrics=Metrics("rollout"), member=member,
+    )  # fmt: skip
+    f.start()
+    assert ws.done.wait(10)
+    f.stop()
+    assert holder.version == 6 and built == [float(v) for v in range(7)]
+    loads = [e for e in ws.events if e.startswith(("pull", "broadcast", "register"))]
+    assert loads == [
+        "register r0 127.0.0.1:9 gloo", "pull 0", "broadcast 1", "pull 2",
+        "broadcast 3", "pull 3", "broadcast 4", "pull 4", "broadcast 5",
+        "register r0 127.0.0.1:9", "pull 5", "pull 6",
+    ]  # fmt: skip
+    assert f.broadcast_failures == 3 and f.member is None and member.closed

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctrace/common/v1/common.proto\x12\x0ftrace.common.v1\"W\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"\xa6\x01\n\x11PolicyVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12\x14\n\x0cpublished_at\x18\x05 \x01(\x01\x12\x15\n\rcuda_ipc_node\x18\x06 \x01(\t\x12\x12\n\noffer_only\x18\x07 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctrace/common/v1/common.proto\x12\x0ftrace.common.v1\"W\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"\xc2\x01\n\x11PolicyVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12\x14\n\x0cpublished_at\x18\x05 \x01(\x01\x12\x15\n\rcuda_ipc_node\x18\x06 \x01(\t\x12\x12\n\noffer_only\x18\x07 \x01(\x08\x12\x1a\n\x12\x62roadcast_group_id\x18\x08 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,5 +34,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORSPEC']._serialized_start=49
   _globals['_TENSORSPEC']._serialized_end=136
   _globals['_POLICYVERSIONINFO']._serialized_start=139
-  _globals['_POLICYVERSIONINFO']._serialized_end=305
+  _globals['_POLICYVERSIONINFO']._serialized_end=333
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PolicyVersionInfo(_message.Message):
-    __slots__ = ("version", "total_bytes", "num_tensors", "metadata_json", "published_at", "cuda_ipc_node", "offer_only")
+    __slots__ = ("version", "total_bytes", "num_tensors", "metadata_json", "published_at", "cuda_ipc_node", "offer_only", "broadcast_group_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class PolicyVersionInfo(_message.Message):
     PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_NODE_FIELD_NUMBER: _ClassVar[int]
     OFFER_ONLY_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     total_bytes: int
     num_tensors: int
@@ -36,4 +37,5 @@ class PolicyVersionInfo(_message.Message):
     published_at: float
     cuda_ipc_node: str
     offer_only: bool
-    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata_json: _Optional[str] = ..., published_at: _Optional[float] = ..., cuda_ipc_node: _Optional[str] = ..., offer_only: _Optional[bool] = ...) -> None: ...
+    broadcast_group_id: str
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata_json: _Optional[str] = ..., published_at: _Optional[float] = ..., cuda_ipc_node: _Optional[str] = ..., offer_only: _Optional[bool] = ..., broadcast_group_id: _Optional[str] = ...) -> None: ...

@@ -139,17 +139,47 @@ class CudaIpcBuffer(_message.Message):
     tensor_offsets: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, node_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_handle: _Optional[bytes] = ..., allocation_offset: _Optional[int] = ..., buffer_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class BroadcastGroup(_message.Message):
+    __slots__ = ("group_id", "store_host", "store_port", "backend", "members", "timeout_seconds", "buffer_bytes", "tensor_offsets", "checksummed", "source_node_id")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMMED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    store_host: str
+    store_port: int
+    backend: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    timeout_seconds: float
+    buffer_bytes: int
+    tensor_offsets: _containers.RepeatedScalarFieldContainer[int]
+    checksummed: bool
+    source_node_id: str
+    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ..., buffer_bytes: _Optional[int] = ..., tensor_offsets: _Optional[_Iterable[int]] = ..., checksummed: _Optional[bool] = ..., source_node_id: _Optional[str] = ...) -> None: ...
+
 class OfferVersionRequest(_message.Message):
-    __slots__ = ("header", "buffer")
+    __slots__ = ("header", "buffer", "broadcast", "new_group")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    NEW_GROUP_FIELD_NUMBER: _ClassVar[int]
     header: VersionHeader
     buffer: CudaIpcBuffer
-    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., buffer: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+    broadcast: BroadcastGroup
+    new_group: bool
+    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., buffer: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., broadcast: _Optional[_Union[BroadcastGroup, _Mapping]] = ..., new_group: _Optional[bool] = ...) -> None: ...
 
 class OfferVersionResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("broadcast",)
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    broadcast: BroadcastGroup
+    def __init__(self, broadcast: _Optional[_Union[BroadcastGroup, _Mapping]] = ...) -> None: ...
 
 class GetOfferRequest(_message.Message):
     __slots__ = ("version", "replica_id")
@@ -160,20 +190,26 @@ class GetOfferRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
 
 class GetOfferResponse(_message.Message):
-    __slots__ = ("header", "buffer")
+    __slots__ = ("header", "buffer", "broadcast")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
     header: VersionHeader
     buffer: CudaIpcBuffer
-    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., buffer: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+    broadcast: BroadcastGroup
+    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., buffer: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., broadcast: _Optional[_Union[BroadcastGroup, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("replica_id", "address")
+    __slots__ = ("replica_id", "address", "broadcast_backend", "node_id")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    broadcast_backend: str
+    node_id: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., broadcast_backend: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("latest_version", "heartbeat_timeout_seconds")

@@ -122,7 +122,9 @@ class WeightSyncServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetOffer(self, request, context):
-        """Replica: the CUDA IPC offer of a version (NOT_FOUND when there is none).
+        """It may also ask for a broadcast group: the answer names its members.
+        Replica: the offer of a version, CUDA IPC buffer and broadcast group (NOT_FOUND when
+        there is none).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
