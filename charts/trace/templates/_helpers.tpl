@@ -164,6 +164,9 @@ hardened security context, the token Secret, writable /tmp and /data.
     {{- with $c.dataPlanePort }}
     - {name: data, containerPort: {{ . }}, protocol: TCP}
     {{- end }}
+    {{- with $c.broadcastPort }}
+    - {name: broadcast, containerPort: {{ . }}, protocol: TCP}
+    {{- end }}
   # Readiness: grpc.health.v1 (SERVING only once the service is ready, e.g. a rollout replica
   # holds weights). Startup/liveness: HTTP /healthz (process up), because the gRPC health
   # status is NOT_SERVING while a replica waits for its first weights, which must not restart it.
@@ -317,6 +320,12 @@ PersistentVolumeClaim (/data). */}}
 # here: the image's example data, or trainer.datasets.existingClaim mounted over it.
 - name: TRACE_DATA_ROOT
   value: /opt/trace
+# The broadcast store of new versions (NCCL to replicas on other nodes): every interface of
+# the pod, reached by the replicas at its IP.
+- name: TRACE_BROADCAST_HOST
+  value: "$(POD_IP)"
+- name: TRACE_BROADCAST_PORT
+  value: {{ .Values.trainer.broadcastPort | quote }}
 {{- end -}}
 
 {{/*

@@ -115,7 +115,7 @@ def _lookup(values: dict, dotted: str) -> bool:
     return True
 
 
-HELPER_OPTIONAL = (".gpus", ".dataPlanePort", ".ranks")
+HELPER_OPTIONAL = (".gpus", ".dataPlanePort", ".ranks", ".broadcastPort")
 
 
 @pytest.mark.parametrize("path", _templates(), ids=lambda p: p.name)
@@ -125,7 +125,8 @@ def test_templates_reference_existing_values(values: dict, path: pathlib.Path) -
     missing = [ref for ref in _VALUES_REF.findall(text) if not _lookup(values, ref)]
     bound = _COMPONENT_VAR.findall(text)
     # Helpers take any component as $c: check against all four (gpus and ranks are read with
-    # a default, dataPlanePort with `with`: only weight-sync has one, only the trainer ranks).
+    # a default, dataPlanePort and broadcastPort with `with`: only weight-sync has one, only
+    # the trainer ranks and broadcasts).
     components = bound or (list(COMPONENTS) if path.suffix == ".tpl" else [])
     for ref in _COMPONENT_REF.findall(text):
         for comp in components:

@@ -466,3 +466,27 @@ def test_trainer_ranks_need_one_gpu_each() -> None:
     )
     assert res.returncode != 0, "helm accepted 4 ranks on 2 GPUs"
     assert "trainer.ranks=4 needs trainer.gpus=4" in res.stderr, res.stderr
+
+
+def test_the_trainer_exposes_its_broadcast_store_at_its_pod_ip(
+    rendered: tuple[str, list[dict]],
+) -> None:
+    """Replicas on other nodes reach the trainer's broadcast store (TRACE_BROADCAST_PORT) at
+    the trainer pod's IP, on a named container port; no other component opens one."""
+    _, docs = rendered
+    for w in _workloads(docs):
+        comp = _component(w)
+        if comp not in TRACE:
+            continue
+        c = _trace_container(w)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        if comp == "trainer":
+            assert ports["broadcast"] == int(env["TRACE_BROADCAST_PORT"]) == 29510
+            assert env["TRACE_BROADCAST_HOST"] == "$(POD_IP)"
+            names = [e["name"] for e in c["env"]]
+            assert names.index("POD_IP") < names.index("TRACE_BROADCAST_HOST")  # expanded
+        else:
+            assert "broadcast" not in ports and "TRACE_BROADCAST_PORT" not in env, comp
+    moved = helm_template(*VALUE_SETS["defaults"], "--set", "trainer.broadcastPort=70000")
+    assert moved.returncode != 0 and "broadcastPort" in moved.stderr
