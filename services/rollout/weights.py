@@ -95,9 +95,11 @@ class WeightFollower:
         while not self._stop.is_set():
             try:
                 if not registered:
+                    member = self.member
                     self.client.register(
                         self.replica_id, self.address(), node_id=node_id(),
-                        broadcast_backend="" if self.member is None else self.member.backend,
+                        broadcast_backend="" if member is None else member.backend,
+                        device_uuid="" if member is None else member.device_uuid,
                     )  # fmt: skip
                     registered = True
                     if self._hb_stop is None:

@@ -283,9 +283,11 @@ class WeightSyncPublisher:
             specs = bcast.manifest(tensors, checksummed=checksummed)
             endpoint = None
             if source is not None:
+                gpu = ipc.device_uuid(flat.device) if flat.is_cuda else ""
                 endpoint = source.endpoint(
-                    offsets, flat.numel(), checksummed=checksummed, node=ipc.node_id()
-                )
+                    offsets, flat.numel(), checksummed=checksummed, node=ipc.node_id(),
+                    device_uuid=gpu,
+                )  # fmt: skip
             group = self._offer(version, shared, specs, metadata, endpoint)
             self.last_broadcast_members = self.last_broadcast_seconds = 0
             if group is not None and source is not None:

@@ -30,6 +30,7 @@ class Replica:
     last_seen: float = 0.0  # time.monotonic()
     broadcast_backend: str = ""  # the broadcasts it joins ("" = none)
     node_id: str = ""  # its node's kernel boot id ("" = unknown)
+    device_uuid: str = ""  # the GPU it receives broadcasts on ("" = unknown, or the CPU)
 
 
 class ReplicaRegistry:
@@ -64,7 +65,13 @@ class ReplicaRegistry:
             del self._replicas[key]
 
     def register(
-        self, replica_id: str, address: str, *, broadcast_backend: str = "", node_id: str = ""
+        self,
+        replica_id: str,
+        address: str,
+        *,
+        broadcast_backend: str = "",
+        node_id: str = "",
+        device_uuid: str = "",
     ) -> Replica:
         check_id("replica_id", replica_id)
         if len(address) > MAX_ADDRESS_CHARS:
@@ -76,6 +83,8 @@ class ReplicaRegistry:
             )
         if node_id:
             check_id("node_id", node_id)
+        if device_uuid:
+            check_id("device_uuid", device_uuid)
         with self._lock:
             replica = self._replicas.get(replica_id)
             if replica is None:
@@ -89,12 +98,13 @@ class ReplicaRegistry:
             replica.address = address
             replica.broadcast_backend = broadcast_backend
             replica.node_id = node_id
+            replica.device_uuid = device_uuid
             replica.last_seen = time.monotonic()
             return replica
 
-    def broadcast_members(self, backend: str, exclude_nodes: set[str]) -> list[str]:
-        """The ids, sorted, of live replicas that join `backend` broadcasts and are not on
-        one of `exclude_nodes` (nodes whose replicas load over CUDA IPC instead)."""
+    def broadcast_members(self, backend: str, exclude_gpu: tuple[str, str] = ("", "")) -> list[str]:
+        """The ids, sorted, of live replicas that join `backend` broadcasts, less those on the
+        GPU `exclude_gpu` = (node_id, device_uuid) when both are known."""
         now = time.monotonic()
         with self._lock:
             return sorted(
@@ -102,7 +112,7 @@ class ReplicaRegistry:
                 for r in self._replicas.values()
                 if r.broadcast_backend == backend
                 and self.alive(r, now)
-                and not (r.node_id and r.node_id in exclude_nodes)
+                and not (all(exclude_gpu) and (r.node_id, r.device_uuid) == exclude_gpu)
             )
 
     def require(self, replica_id: str) -> Replica:
@@ -148,6 +158,7 @@ class ReplicaRegistry:
                         r.last_seen,
                         r.broadcast_backend,
                         r.node_id,
+                        r.device_uuid,
                     ),
                     self.alive(r, now),
                     now - r.last_seen,

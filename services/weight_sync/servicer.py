@@ -90,6 +90,8 @@ def check_broadcast(group: pb.BroadcastGroup, header: pb.VersionHeader) -> None:
         raise invalid("broadcast.group_id and broadcast.members are weight-sync's to set")
     if group.source_node_id:
         check_id("broadcast.source_node_id", group.source_node_id)
+    if group.source_device_uuid:
+        check_id("broadcast.source_device_uuid", group.source_device_uuid)
     if len(group.tensor_offsets) != len(header.tensors):
         raise invalid(
             f"broadcast.tensor_offsets has {len(group.tensor_offsets)} entries for "
@@ -248,7 +250,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             check_broadcast(request.broadcast, header)  # before anything is held
         offer = Offer(header, request.buffer if has_ipc else None)
         if has_broadcast:
-            offer.broadcast = self._broadcast_group(request, offer.ipc_node)
+            offer.broadcast = self._broadcast_group(request)
         if offer.buffer is None and offer.broadcast is None:
             return pb.OfferVersionResponse()  # nobody to receive it: the push serves all
         self.versions.offer(offer)
@@ -264,17 +266,15 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         )  # fmt: skip
         return pb.OfferVersionResponse(broadcast=offer.broadcast)
 
-    def _broadcast_group(
-        self, request: pb.OfferVersionRequest, ipc_node: str
-    ) -> pb.BroadcastGroup | None:
-        """The group for this offer's broadcast: the live replicas of its backend, less those
-        that load over CUDA IPC (and, for NCCL, those on the trainer's node). The same
-        group_id as the last offer while store and members are unchanged and the trainer
-        does not ask for a new one; None when no replica can join."""
+    def _broadcast_group(self, request: pb.OfferVersionRequest) -> pb.BroadcastGroup | None:
+        """The group for this offer's broadcast: the live replicas of its backend (for NCCL,
+        less those on the trainer's own GPU: they load over CUDA IPC). The same group_id as
+        the last offer while store and members are unchanged and the trainer does not ask
+        for a new one; None when no replica can join."""
         want = request.broadcast
-        exclude = {ipc_node} - {""}
-        if want.backend == "nccl" and want.source_node_id:
-            exclude.add(want.source_node_id)
+        exclude = ("", "")
+        if want.backend == "nccl":
+            exclude = (want.source_node_id, want.source_device_uuid)
         members = self.registry.broadcast_members(want.backend, exclude)
         if not members:
             return None
@@ -380,6 +380,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self.registry.register(
             request.replica_id, request.address,
             broadcast_backend=request.broadcast_backend, node_id=request.node_id,
+            device_uuid=request.device_uuid,
         )  # fmt: skip
         log.info(
             "replica registered",

@@ -191,13 +191,21 @@ class Source:
         self.failed = False  # the last broadcast failed: ask weight-sync for a new group
 
     def endpoint(
-        self, offsets: Sequence[int], size: int, *, checksummed: bool, node: str
+        self,
+        offsets: Sequence[int],
+        size: int,
+        *,
+        checksummed: bool,
+        node: str = "",
+        device_uuid: str = "",
     ) -> pb.BroadcastGroup:
-        """What an offer asks for: this store, backend and timeout, and the buffer's layout."""
+        """What an offer asks for: this store, backend and timeout, the buffer's layout, and
+        where the bytes are (node and GPU: no NCCL member may share that GPU)."""
         return pb.BroadcastGroup(
             store_host=self.host, store_port=self.port, backend=self.backend,
             timeout_seconds=self.timeout_seconds, buffer_bytes=size,
             tensor_offsets=list(offsets), checksummed=checksummed, source_node_id=node,
+            source_device_uuid=device_uuid,
         )  # fmt: skip
 
     def send(self, group: pb.BroadcastGroup, flat: torch.Tensor) -> None:
@@ -227,6 +235,10 @@ class Member:
         self.replica_id = replica_id
         self.device = device
         self.backend = backend_for(device)
+        # The GPU it receives on, for weight-sync (no NCCL member on the trainer's own GPU).
+        self.device_uuid = (
+            str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+        )
         self._store: dist.TCPStore | None = None
         self._store_at: tuple[str, int] = ("", 0)
         self._groups = _Groups()

@@ -381,14 +381,20 @@ class WeightSyncClient(GrpcClient):
         return header, rebuild(header, parts, base)
 
     def register(
-        self, replica_id: str, address: str, *, broadcast_backend: str = "", node_id: str = ""
+        self,
+        replica_id: str,
+        address: str,
+        *,
+        broadcast_backend: str = "",
+        node_id: str = "",
+        device_uuid: str = "",
     ) -> pb.RegisterResponse:
-        """Register (or re-register) a replica, with the broadcasts it joins and its node;
-        what it said is remembered so that a heartbeat or subscribe weight-sync does not
+        """Register (or re-register) a replica, with the broadcasts it joins, its node and its
+        GPU; what it said is remembered so that a heartbeat or subscribe weight-sync does not
         recognize registers it again."""
         request = pb.RegisterRequest(
-            replica_id=replica_id, address=address,
-            broadcast_backend=broadcast_backend, node_id=node_id,
+            replica_id=replica_id, address=address, broadcast_backend=broadcast_backend,
+            node_id=node_id, device_uuid=device_uuid,
         )  # fmt: skip
         response = self._stub.Register(request, metadata=self.metadata, timeout=self.timeout)
         with self._register_lock:
@@ -407,8 +413,8 @@ class WeightSyncClient(GrpcClient):
             replica_id,
         )
         self.register(
-            replica_id, request.address,
-            broadcast_backend=request.broadcast_backend, node_id=request.node_id,
+            replica_id, request.address, broadcast_backend=request.broadcast_backend,
+            node_id=request.node_id, device_uuid=request.device_uuid,
         )  # fmt: skip
         return True
 

@@ -60,7 +60,7 @@ class FakeWeightSync:
         self.done = threading.Event()
         self.last_pull = {"kind": "full", "bytes": 1, "full_bytes": 1}
 
-    def register(self, replica_id: str, address: str, *, broadcast_backend="", node_id="") -> None:
+    def register(self, replica_id, address, *, broadcast_backend="", node_id="", device_uuid=""):
         backend = f" {broadcast_backend}" if broadcast_backend else ""
         self.events.append(f"register {replica_id} {address}{backend}")
 
@@ -173,6 +173,7 @@ def test_a_replica_without_cuda_ipc_waits_for_the_push() -> None:
 
 class FakeMember:
     backend = "gloo"
+    device_uuid = ""
     closed = False
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ def endpoint(h: pb.VersionHeader, **kw: object) -> pb.BroadcastGroup:
         offsets.append(off)
         off += -(-max(t.nbytes, 1) // 256) * 256
     fields = dict(store_host="10.0.0.5", store_port=29510, backend="gloo", timeout_seconds=30.0,
-                  buffer_bytes=off, tensor_offsets=offsets, source_node_id="boot-trainer")  # fmt: skip
+                  buffer_bytes=off, tensor_offsets=offsets, source_node_id="boot-trainer",
+                  source_device_uuid="GPU-0")  # fmt: skip
     fields.update(kw)
     return pb.BroadcastGroup(**fields)
 
@@ -34,11 +35,11 @@ def offer(version: int, *, ipc: bool = False, new_group: bool = False, **kw: obj
     return request
 
 
-def register(s, rid: str, backend: str = "gloo", node: str = "") -> None:
-    s.Register(
-        pb.RegisterRequest(replica_id=rid, address="h:1", broadcast_backend=backend, node_id=node),
-        Ctx(),
+def register(s, rid: str, backend: str = "gloo", node: str = "", gpu: str = "") -> None:
+    request = pb.RegisterRequest(
+        replica_id=rid, address="h:1", broadcast_backend=backend, node_id=node, device_uuid=gpu
     )
+    s.Register(request, Ctx())
 
 
 def test_the_group_is_the_live_replicas_of_the_backend_in_rank_order() -> None:
@@ -69,16 +70,18 @@ def test_a_group_keeps_its_id_until_members_store_or_trainer_change_it() -> None
     assert moved != joined.group_id
 
 
-def test_replicas_that_load_over_cuda_ipc_are_left_out() -> None:
+def test_nccl_leaves_out_the_replicas_on_the_trainers_gpu() -> None:
+    """NCCL cannot join two ranks on one GPU: a replica on the trainer's GPU loads over CUDA
+    IPC instead. Replicas on the trainer's node but other GPUs, or of unknown GPU, join."""
     s = make()
-    register(s, "same-node", "nccl", node="boot-trainer")
-    register(s, "other-node", "nccl", node="boot-other")
-    register(s, "gloo-same-node", "gloo", node="boot-trainer")
-    group = s.OfferVersion(offer(0, backend="nccl"), Ctx()).broadcast
-    assert list(group.members) == ["other-node"]  # NCCL: never two ranks of the trainer's node
-    both = s.OfferVersion(offer(1, ipc=True), Ctx())
-    assert not both.HasField("broadcast")  # gloo: its one member takes the IPC buffer
-    assert s.versions.offer_for(1).buffer is not None  # the IPC offer is held all the same
+    register(s, "same-gpu", "nccl", node="boot-trainer", gpu="GPU-0")
+    register(s, "same-node", "nccl", node="boot-trainer", gpu="GPU-1")
+    register(s, "other-node", "nccl", node="boot-other", gpu="GPU-0")
+    group = s.OfferVersion(offer(0, backend="nccl", ipc=True), Ctx()).broadcast
+    assert list(group.members) == ["other-node", "same-node"]
+    assert s.versions.offer_for(0).buffer is not None  # the IPC offer is held beside it
+    register(s, "gloo-same-gpu", "gloo", node="boot-trainer", gpu="GPU-0")
+    assert list(s.OfferVersion(offer(1), Ctx()).broadcast.members) == ["gloo-same-gpu"]
 
 
 def test_with_nobody_to_join_nothing_is_held() -> None:
@@ -102,6 +105,7 @@ def test_with_nobody_to_join_nothing_is_held() -> None:
         ({"tensor_offsets": [0]}, "broadcast.tensor_offsets"),
         ({"buffer_bytes": 8}, "broadcast.buffer_bytes=8"),
         ({"source_node_id": "bad id!"}, "broadcast.source_node_id"),
+        ({"source_device_uuid": "x" * 200}, "broadcast.source_device_uuid"),
     ],
 )
 def test_a_bad_broadcast_is_refused_naming_the_field(kw: dict, field: str) -> None:
@@ -136,6 +140,8 @@ def test_an_offer_needs_a_buffer_or_a_broadcast_and_register_a_known_backend() -
     assert len(msg) < 200  # the bad value is quoted, bounded
     code, msg = code_of(lambda: register(s, "r1", node="a b"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "node_id" in msg
+    code, msg = code_of(lambda: register(s, "r1", gpu="GPU/0"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "device_uuid" in msg
 
 
 def test_only_the_notice_sent_while_the_push_runs_names_the_group() -> None:

@@ -140,7 +140,7 @@ class CudaIpcBuffer(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_handle: _Optional[bytes] = ..., allocation_offset: _Optional[int] = ..., buffer_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BroadcastGroup(_message.Message):
-    __slots__ = ("group_id", "store_host", "store_port", "backend", "members", "timeout_seconds", "buffer_bytes", "tensor_offsets", "checksummed", "source_node_id")
+    __slots__ = ("group_id", "store_host", "store_port", "backend", "members", "timeout_seconds", "buffer_bytes", "tensor_offsets", "checksummed", "source_node_id", "source_device_uuid")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class BroadcastGroup(_message.Message):
     TENSOR_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMMED_FIELD_NUMBER: _ClassVar[int]
     SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     store_host: str
     store_port: int
@@ -161,7 +162,8 @@ class BroadcastGroup(_message.Message):
     tensor_offsets: _containers.RepeatedScalarFieldContainer[int]
     checksummed: bool
     source_node_id: str
-    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ..., buffer_bytes: _Optional[int] = ..., tensor_offsets: _Optional[_Iterable[int]] = ..., checksummed: _Optional[bool] = ..., source_node_id: _Optional[str] = ...) -> None: ...
+    source_device_uuid: str
+    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ..., buffer_bytes: _Optional[int] = ..., tensor_offsets: _Optional[_Iterable[int]] = ..., checksummed: _Optional[bool] = ..., source_node_id: _Optional[str] = ..., source_device_uuid: _Optional[str] = ...) -> None: ...
 
 class OfferVersionRequest(_message.Message):
     __slots__ = ("header", "buffer", "broadcast", "new_group")
@@ -200,16 +202,18 @@ class GetOfferResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., buffer: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., broadcast: _Optional[_Union[BroadcastGroup, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("replica_id", "address", "broadcast_backend", "node_id")
+    __slots__ = ("replica_id", "address", "broadcast_backend", "node_id", "device_uuid")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_BACKEND_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     broadcast_backend: str
     node_id: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., broadcast_backend: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., broadcast_backend: _Optional[str] = ..., node_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("latest_version", "heartbeat_timeout_seconds")
