@@ -229,11 +229,13 @@ class Prometheus:
 # -- traffic besides the RL run ---------------------------------------------------------
 class RecordProbe(threading.Thread):
     """Puts small records of its own run on quant-cache and reads them back, asks for one
-    that was never written and reads one corrupted in Redis, until `stop` is set."""
+    that was never written and reads one corrupted in Redis, until `stop` is set. Through
+    the service's gRPC path: the lookups panel counts that path (the direct path's data-plane
+    Redis user may not write the service's stats)."""
 
     def __init__(self, qc: Served, raw: redis.Redis) -> None:
         super().__init__(daemon=True)
-        self.client = QuantCacheClient(qc.grpc_address, TOKEN)
+        self.client = QuantCacheClient(qc.grpc_address, TOKEN, data_path="grpc")
         self.raw = raw
         self.stop = threading.Event()
         self.error: BaseException | None = None
