@@ -1,9 +1,12 @@
-"""A new policy version from "exported" to "every replica serves it": CUDA IPC, full, delta (CUDA machine).
+"""A new policy version from "exported" to "every replica serves it": CUDA IPC, broadcast, full, delta.
 
 Starts Redis, quant-cache and weight-sync, pushes a random FP4 policy of the shape, then for
 each mode and each replica count:
 - ipc: the trainer's publisher (services/trainer/remote.py) offers each version over CUDA
   IPC, then pushes it; replicas on this node copy it GPU to GPU (TRACE_CUDA_IPC);
+- broadcast: the publisher broadcasts each version to the replicas (TRACE_BROADCAST) in one
+  torch.distributed group, then pushes it: NCCL when the policy is on a GPU (the replicas
+  must be on other GPUs, `--replica-device cuda:1`), gloo from host memory on the CPU;
 - full: every version travels whole over the network path (no offers);
 - delta: the trainer pushes and each replica pulls only what changed (TRACE_WEIGHT_DELTAS);
 starts that many
@@ -46,6 +49,7 @@ from rollout_service_gpu import random_policy
 
 from services.trainer.remote import WeightSyncPublisher
 from trace_common.clients import WeightSyncClient
+from trace_common.clients.broadcast import Source
 from trace_common.model import get_config
 from trace_common.service.process import LocalService, local_stores
 
@@ -110,10 +114,13 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
     """Start the replicas, push `args.versions` new versions, time each; returns the rows,
     the last version's tensors and its number."""
     deltas, ipc = mode == "delta", mode == "ipc"
-    env = {**common, "TRACE_ROLLOUT_ENGINE": args.engine, "TRACE_DEVICE": args.device,
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    env = {**common, "TRACE_ROLLOUT_ENGINE": args.engine,
+           "TRACE_DEVICE": args.replica_device or args.device,
            "TRACE_ROLLOUT_MAX_BATCH": "8", "TRACE_ROLLOUT_MAX_CONTEXT": "512",
            "TRACE_WEIGHT_DELTAS": str(deltas).lower(),
-           "TRACE_CUDA_IPC": str(ipc).lower()}  # fmt: skip
+           "TRACE_CUDA_IPC": str(ipc).lower(),
+           "TRACE_BROADCAST": backend if mode == "broadcast" else "off"}  # fmt: skip
     replicas = [
         LocalService(
             f"rollout-{mode}-{i}",
@@ -124,7 +131,8 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
         for i in range(n_replicas)
     ]
     trainer = WeightSyncClient(ws_addr, token, deltas=deltas)
-    publisher = WeightSyncPublisher(trainer, cuda_ipc=ipc)
+    source = Source("127.0.0.1", 0, backend, 120.0) if mode == "broadcast" else None
+    publisher = WeightSyncPublisher(trainer, cuda_ipc=ipc, source=source)
     pusher = ThreadPoolExecutor(1)
     if ipc and not publisher.cuda_ipc:
         raise SystemExit("mode ipc: this host has no boot id to offer CUDA IPC under")
@@ -161,6 +169,9 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
                 "pull_load_seconds": [s["last_weight_pull_seconds"] for s in st],
                 "pulls": [s["last_weight_pull"] for s in st],
                 "ipc_failures": [s.get("weight_ipc_failures_total", 0) for s in st],
+                "broadcast_seconds": publisher.last_broadcast_seconds,
+                "broadcast_members": publisher.last_broadcast_members,
+                "broadcast_failures": publisher.broadcast_failures,
             }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -168,6 +179,8 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
         pusher.shutdown()
         for r in replicas:
             r.stop()
+        if source is not None:
+            source.close()
     return rows, policy, version
 
 
@@ -177,7 +190,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="use this many of the shape's layers")
     ap.add_argument("--replicas", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--modes", nargs="+", default=["ipc", "full", "delta"],
-                    choices=["ipc", "full", "delta"])  # fmt: skip
+                    choices=["ipc", "broadcast", "full", "delta"])  # fmt: skip
     ap.add_argument("--versions", type=int, default=3, help="new versions timed per case")
     ap.add_argument("--fractions", type=json.loads, default=None,
                     help='changed fraction per dtype, JSON: {"uint8": 0.01, ...}')  # fmt: skip
@@ -187,6 +200,9 @@ def main() -> None:
     ap.add_argument(
         "--device", default="cuda", help="the replicas' TRACE_DEVICE (cpu: a smoke run)"
     )
+    ap.add_argument("--replica-device", default="",
+                    help="the replicas' TRACE_DEVICE when not --device (broadcast over NCCL: "
+                    "another GPU than the policy's)")  # fmt: skip
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("weight_sync_gpu.json"))
     args = ap.parse_args()
     fractions = dict(DEFAULT_FRACTIONS)

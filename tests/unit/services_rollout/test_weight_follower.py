@@ -123,7 +123,9 @@ class FakeOffers(FakeWeightSync):
         return version, {"w": torch.full((2,), float(version))}, {"m": "x"}
 
 
-def follow(ws, *, cuda_ipc: bool) -> tuple[WeightFollower, EngineHolder, list[float]]:
+def follow(
+    ws, *, cuda_ipc: bool = False, member=None
+) -> tuple[WeightFollower, EngineHolder, list[float]]:
     holder, built = EngineHolder(), []
 
     def factory(tensors, meta, version):
@@ -132,7 +134,7 @@ def follow(ws, *, cuda_ipc: bool) -> tuple[WeightFollower, EngineHolder, list[fl
 
     f = WeightFollower(
         ws, holder, factory, replica_id="r0", address=lambda: "127.0.0.1:9",
-        heartbeat_interval_s=1.0, metrics=Metrics("rollout"), cuda_ipc=cuda_ipc,
+        heartbeat_interval_s=1.0, metrics=Metrics("rollout"), cuda_ipc=cuda_ipc, member=member,
     )  # fmt: skip
     f.start()
     assert ws.done.wait(10)
@@ -213,20 +215,8 @@ def test_broadcasts_are_received_when_a_member_and_failures_fall_back_to_the_pul
     ws = FakeBroadcasts(
         [notices], groups={v: ["r0"] if v != 2 else ["r1"] for v in versions}, delivers={1, 6}
     )
-    holder, built = EngineHolder(), []
-
-    def factory(tensors, meta, version):
-        built.append(float(tensors["w"][0]))
-        return object()
-
     member = FakeMember()
-    f = WeightFollower(
-        ws, holder, factory, replica_id="r0", address=lambda: "127.0.0.1:9",
-        heartbeat_interval_s=1.0, metrics=Metrics("rollout"), member=member,
-    )  # fmt: skip
-    f.start()
-    assert ws.done.wait(10)
-    f.stop()
+    f, holder, built = follow(ws, member=member)
     assert holder.version == 6 and built == [float(v) for v in range(7)]
     loads = [e for e in ws.events if e.startswith(("pull", "broadcast", "register"))]
     assert loads == [
