@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -123,18 +124,32 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def _process_group(store: dist.Store, group: pb.BroadcastGroup, rank: int) -> dist.ProcessGroup:
-    """Rank `rank` of `group`, built on the store's prefix `group_id` (waits for the others
-    up to the group's timeout)."""
+    """Rank `rank` of `group`, built on the store's prefix `group_id`. Every rank first
+    checks in on the store and waits for all the others up to the group's timeout, so that a
+    member that is gone fails here, in the store, and not inside NCCL's initialization."""
+    if group.backend not in BACKENDS:
+        raise BroadcastError(
+            f"unknown broadcast backend {group.backend!r}; expected one of {BACKENDS}"
+        )
     prefixed = dist.PrefixStore(group.group_id, store)
     size = len(group.members) + 1
     timeout = _timeout(group.timeout_seconds)
+    prefixed.set(f"joined/{rank}", "1")
+    prefixed.wait([f"joined/{r}" for r in range(size)], timeout)
     if group.backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-    if group.backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    raise BroadcastError(f"unknown broadcast backend {group.backend!r}; expected one of {BACKENDS}")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+
+
+def nccl_errors_raise() -> None:
+    """Have a NCCL collective that fails or times out raise in its caller (abort the
+    communicator, keep the process: TORCH_NCCL_ASYNC_ERROR_HANDLING=2), where torch's
+    default ends the process. Only in a process that runs no NCCL groups of its own
+    (not under torchrun), and only where the setting was not given."""
+    if not dist.is_initialized() and "LOCAL_RANK" not in os.environ:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def _broadcast(pg: dist.ProcessGroup, flat: torch.Tensor, group: pb.BroadcastGroup) -> None:
@@ -182,6 +197,8 @@ class Source:
             raise ValueError(f"broadcast timeout_seconds must be > 0, got {timeout_seconds}")
         self.backend = backend
         self.timeout_seconds = timeout_seconds
+        if backend == "nccl":
+            nccl_errors_raise()
         self.store = dist.TCPStore(
             host, port, is_master=True, wait_for_workers=False, timeout=_timeout(timeout_seconds)
         )
@@ -235,6 +252,8 @@ class Member:
         self.replica_id = replica_id
         self.device = device
         self.backend = backend_for(device)
+        if self.backend == "nccl":
+            nccl_errors_raise()
         # The GPU it receives on, for weight-sync (no NCCL member on the trainer's own GPU).
         self.device_uuid = (
             str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
