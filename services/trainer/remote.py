@@ -342,7 +342,7 @@ class WeightSyncPublisher:
         """Offer `version` (IPC buffer and/or broadcast endpoint); the broadcast group
         weight-sync formed, or None. A failed offer is logged and the push goes on; a
         weight-sync without offers (UNIMPLEMENTED) turns them off."""
-        new_group = self.source is not None and self.source.failed
+        new_group = self.source is not None and self.source.renew_group
         try:
             group = self.client.offer_version(
                 version, shared, specs, metadata, broadcast=endpoint, new_group=new_group

@@ -42,6 +42,9 @@ SUBSCRIBE_POLL_S = 0.5  # how often a waiting subscriber checks for cancellation
 IPC_HANDLE_MAX_BYTES = 256  # a CUDA IPC handle is 64 bytes, PyTorch's ref-counter name ~30
 MAX_HOST_CHARS = 255
 MAX_BROADCAST_TIMEOUT_S = 3600.0
+BROADCAST_ALIGN = (
+    256  # a tensor's padding in a broadcast buffer (trace_common.clients.broadcast.ALIGN)
+)
 
 
 def check_ipc_buffer(buffer: pb.CudaIpcBuffer, header: pb.VersionHeader) -> None:
@@ -96,6 +99,12 @@ def check_broadcast(group: pb.BroadcastGroup, header: pb.VersionHeader) -> None:
         raise invalid(
             f"broadcast.tensor_offsets has {len(group.tensor_offsets)} entries for "
             f"{len(header.tensors)} tensors"
+        )
+    most = header.total_bytes + BROADCAST_ALIGN * (len(header.tensors) + 1)
+    if group.buffer_bytes > most:
+        raise invalid(
+            f"broadcast.buffer_bytes={group.buffer_bytes} is over {most}: the manifest's "
+            f"{header.total_bytes} bytes, each tensor padded to {BROADCAST_ALIGN}"
         )
     for spec, off in zip(header.tensors, group.tensor_offsets, strict=True):
         if off % DTYPE_ITEMSIZE[spec.dtype] or off + spec.nbytes > group.buffer_bytes:

@@ -47,6 +47,11 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def max_buffer_bytes(specs: Sequence[common_pb2.TensorSpec]) -> int:
+    """The largest buffer a manifest's tensors may take: their bytes, each padded to ALIGN."""
+    return sum(s.nbytes for s in specs) + ALIGN * (len(specs) + 1)
+
+
 def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[int], int]:
     """(each tensor's byte offset, the buffer's size) of `tensors` packed in order."""
     offsets, off = [], 0
@@ -205,7 +210,9 @@ class Source:
         self.host = host
         self.port = self.store.port
         self._groups = _Groups()
-        self.failed = False  # the last broadcast failed: ask weight-sync for a new group
+        # Ask weight-sync for a new group: at start (replicas may still hold a group of the
+        # same name from a trainer before this one) and after a failed broadcast.
+        self.renew_group = True
 
     def endpoint(
         self,
@@ -233,12 +240,12 @@ class Source:
             _broadcast(pg, flat, group)
         except Exception as exc:
             self._groups.drop()
-            self.failed = True
+            self.renew_group = True
             raise BroadcastError(
                 f"broadcast to group {group.group_id} ({len(group.members)} members) failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        self.failed = False
+        self.renew_group = False
 
     def close(self) -> None:
         self._groups.drop()
@@ -293,6 +300,12 @@ class Member:
                 f"group {group.group_id} uses {group.backend!r}; this replica joins {self.backend!r}"
             )
         rank = self.rank(group)
+        most = max_buffer_bytes(specs)
+        if group.buffer_bytes > most:
+            raise BroadcastError(
+                f"group {group.group_id}: a {group.buffer_bytes}-byte buffer for a manifest "
+                f"of {len(specs)} tensors (at most {most} bytes with their alignment)"
+            )
         with self._lock:
             flat = torch.empty(max(group.buffer_bytes, 1), dtype=torch.uint8, device=self.device)
             try:

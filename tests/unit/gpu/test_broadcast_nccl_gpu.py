@@ -71,7 +71,7 @@ def test_versions_arrive_bit_for_bit_on_the_other_gpu_and_a_dead_member_fails_cl
                     got["r1"][name].cpu().view(torch.uint8), t.cpu().view(torch.uint8)
                 )
         got, errors = send_and_receive(source, member, ["r1", "gone"], "g2", version(2, "cuda:0"))
-        assert not got and set(errors) == {"source", "r1"} and source.failed
+        assert not got and set(errors) == {"source", "r1"} and source.renew_group
         tensors = version(3, "cuda:0")
         got, errors = send_and_receive(source, member, ["r1"], "g3", tensors)
         assert not errors and torch.equal(got["r1"]["embed"].cpu(), tensors["embed"].cpu())

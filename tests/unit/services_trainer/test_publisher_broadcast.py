@@ -47,15 +47,15 @@ class FakeClient:
 
 class FakeSource:
     def __init__(self, backend: str = "gloo", fails: set[int] = frozenset()) -> None:
-        self.backend, self.fails, self.failed, self.sent = backend, fails, False, []
+        self.backend, self.fails, self.renew_group, self.sent = backend, fails, False, []
 
     endpoint = bc.Source.endpoint
     host, port, timeout_seconds = "127.0.0.1", 29510, 5.0
 
     def send(self, group: pb.BroadcastGroup, flat: torch.Tensor) -> None:
         self.sent.append((group.group_id, flat.clone()))
-        self.failed = group.group_id in {f"g{v}" for v in self.fails}
-        if self.failed:
+        self.renew_group = group.group_id in {f"g{v}" for v in self.fails}
+        if self.renew_group:
             raise bc.BroadcastError(f"broadcast to group {group.group_id} failed: timeout")
 
 

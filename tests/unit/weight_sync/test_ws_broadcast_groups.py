@@ -104,6 +104,7 @@ def test_with_nobody_to_join_nothing_is_held() -> None:
         ({"members": ["r1"]}, "broadcast.members"),
         ({"tensor_offsets": [0]}, "broadcast.tensor_offsets"),
         ({"buffer_bytes": 8}, "broadcast.buffer_bytes=8"),
+        ({"buffer_bytes": 1 << 40}, f"broadcast.buffer_bytes={1 << 40} is over"),
         ({"source_node_id": "bad id!"}, "broadcast.source_node_id"),
         ({"source_device_uuid": "x" * 200}, "broadcast.source_device_uuid"),
     ],
