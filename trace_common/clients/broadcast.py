@@ -21,7 +21,7 @@ import datetime
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -182,6 +182,17 @@ class _Groups:
             self.group_id = group.group_id
         return self.pg
 
+    def run(self, store: Callable[[], dist.Store], group: pb.BroadcastGroup, rank: int,
+            flat: torch.Tensor, what: str) -> None:  # fmt: skip
+        """Broadcast `flat` in `group` as `rank` (its process group built on first use, on
+        `store()`); on any failure the group is dropped and BroadcastError says `what`
+        failed and why."""
+        try:
+            _broadcast(self.get(store(), group, rank), flat, group)
+        except Exception as exc:
+            self.drop()
+            raise BroadcastError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
     def drop(self) -> None:
         pg, self.pg, self.group_id = self.pg, None, ""
         if pg is not None and hasattr(pg, "abort"):
@@ -235,16 +246,11 @@ class Source:
     def send(self, group: pb.BroadcastGroup, flat: torch.Tensor) -> None:
         """Broadcast `flat` to `group`'s members (BroadcastError on failure: the group is
         dropped and the next offer asks for a new one)."""
-        try:
-            pg = self._groups.get(self.store, group, 0)
-            _broadcast(pg, flat, group)
-        except Exception as exc:
-            self._groups.drop()
-            self.renew_group = True
-            raise BroadcastError(
-                f"broadcast to group {group.group_id} ({len(group.members)} members) failed: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        self.renew_group = True  # until it has worked
+        self._groups.run(
+            lambda: self.store, group, 0, flat,
+            f"broadcast to group {group.group_id} ({len(group.members)} members)",
+        )  # fmt: skip
         self.renew_group = False
 
     def close(self) -> None:
@@ -309,15 +315,13 @@ class Member:
         with self._lock:
             flat = torch.empty(max(group.buffer_bytes, 1), dtype=torch.uint8, device=self.device)
             try:
-                pg = self._groups.get(self._store_for(group), group, rank)
-                _broadcast(pg, flat, group)
-            except Exception as exc:
-                self._groups.drop()
-                self._store = None
-                raise BroadcastError(
-                    f"receiving from group {group.group_id} as rank {rank} failed: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+                self._groups.run(
+                    lambda: self._store_for(group), group, rank, flat,
+                    f"receiving from group {group.group_id} as rank {rank}",
+                )  # fmt: skip
+            except BroadcastError:
+                self._store = None  # reconnect next time (the trainer may have restarted)
+                raise
         tensors = unpack(flat, specs, group.tensor_offsets)
         if group.checksummed:
             for spec in specs:
