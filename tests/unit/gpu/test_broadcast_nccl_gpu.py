@@ -2,8 +2,8 @@
 trainer's Source on cuda:0 and a Member on cuda:1 (a thread each, one GPU each, as NCCL
 allows in one process). A version arrives bit for bit in the member's GPU memory and the
 group is reused for the next one; a member that never joins fails the broadcast within its
-timeout and a new group works after it. The gloo tests (tests/unit/weight_sync/
-test_broadcast.py) cover the same paths on the CPU."""
+timeout and a new group works after it. The gloo tests
+(tests/unit/weight_sync/test_broadcast_gloo.py) cover the same paths on the CPU."""
 
 from __future__ import annotations
 
