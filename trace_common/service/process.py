@@ -85,7 +85,10 @@ class LocalService:
         return RuntimeError(f"{self.name} {what}:\n{self.log()[-LOG_TAIL_CHARS:]}")
 
     def launch(self) -> LocalService:
-        """Start the process without waiting."""
+        """Start the process without waiting (RuntimeError while the last one still runs:
+        starting it again would lose track of that one, which would outlive its caller)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid})")
         self.ports_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

@@ -18,7 +18,6 @@ def test_the_local_redis_password_stays_out_of_the_log(tmp_path: pathlib.Path) -
     token = secrets.token_hex(16)
     with LocalService("quant-cache", "services.quant_cache", {"TRACE_AUTH_TOKEN": token,
                       "TRACE_GRPC_PORT": "0", "TRACE_HTTP_PORT": "0"}, tmp_path) as svc:  # fmt: skip
-        svc.start()
         log = svc.log()
     started = [json.loads(x) for x in log.splitlines()
                if x.startswith("{") and "started a local redis-server" in x]  # fmt: skip

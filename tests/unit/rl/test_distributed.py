@@ -13,9 +13,7 @@ A resume quantizes the resumed weights, i.e. the version the last export publish
 
 from __future__ import annotations
 
-import os
 import pathlib
-import socket
 from typing import Any
 
 import pytest
@@ -92,10 +90,12 @@ class _Store:
         return {i: self.blobs[i] for i in sample_ids if i not in self.missing}  # type: ignore[misc]
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, job: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, tmp: str, job: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # Rendezvous through a file of the job's own: no port to pick before the ranks start, so
+    # nothing else on the machine can take it in between (gloo's own sockets bind port 0).
+    init = f"file://{pathlib.Path(tmp) / f'rendezvous-{job}'}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         root = pathlib.Path(tmp)
         samples = torch.load(root / "samples.pt", weights_only=False)
@@ -167,10 +167,7 @@ def _job_a(rank: int, root: pathlib.Path, samples: list[TrainSample]) -> None:
 
 
 def _spawn(world: int, tmp: pathlib.Path, job: str) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, str(tmp), job), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp), job), nprocs=world, join=True)
     if job == "A":
         ranks = [torch.load(tmp / f"out-A{r}.pt", weights_only=False) for r in range(world)]
         return {**ranks[0], "ranks": ranks}
