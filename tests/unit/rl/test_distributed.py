@@ -2,7 +2,7 @@
 one (loss and weights within float tolerance), the streamed FP4 export equals the
 single-process export bit for bit, and a sharded checkpoint resumes at 1 and at 2 ranks.
 
-One module fixture runs three small jobs (torch.multiprocessing spawn, 1 thread per rank):
+One module fixture runs three small jobs (a fresh interpreter per rank, 1 thread each):
   A  2 ranks: export at init, train steps 1-2 (each followed by an export, as the trainer
      publishes every step), sharded checkpoint (ckpt-2r)
   B  1 rank: resume ckpt-2r, train step 3, sharded checkpoint (ckpt-1r)
@@ -14,12 +14,13 @@ A resume quantizes the resumed weights, i.e. the version the last export publish
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from trace_common.model import GuidanceConfig, MoECausalLM, QuantConfig, get_config
 from trace_common.model.model import FP4Weights
@@ -166,8 +167,38 @@ def _job_a(rank: int, root: pathlib.Path, samples: list[TrainSample]) -> None:
     dist.barrier()
 
 
+SPAWN_TIMEOUT_S = 200.0
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
 def _spawn(world: int, tmp: pathlib.Path, job: str) -> dict[str, Any]:
-    mp.spawn(_worker, args=(world, str(tmp), job), nprocs=world, join=True)
+    """Run `job` as `world` fresh interpreters (one per rank): they import only this module
+    and the project, not whatever the test session imported or set up before; a rank that
+    fails is reported with its own output."""
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(pathlib.Path(__file__).parent)!r}]; "
+        "import test_distributed as t; t._worker(int(sys.argv[1]), int(sys.argv[2]), "
+        "sys.argv[3], sys.argv[4])"
+    )
+    logs = [tmp / f"rank-{job}{r}.log" for r in range(world)]
+    procs = []
+    for r, log in enumerate(logs):
+        with log.open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, str(r), str(world), str(tmp), job],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
+            )
+    try:
+        codes = [p.wait(timeout=SPAWN_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (code_, log) in enumerate(zip(codes, logs, strict=True)):
+        assert code_ == 0, f"job {job} rank {r} exited {code_}:\n{log.read_text()[-4000:]}"
     if job == "A":
         ranks = [torch.load(tmp / f"out-A{r}.pt", weights_only=False) for r in range(world)]
         return {**ranks[0], "ranks": ranks}
