@@ -289,7 +289,7 @@ class WeightSyncPublisher:
                     device_uuid=gpu,
                 )  # fmt: skip
             group = self._offer(version, shared, specs, metadata, endpoint)
-            self.last_broadcast_members = self.last_broadcast_seconds = 0
+            self.last_broadcast_members, self.last_broadcast_seconds = 0, 0.0  # no group yet
             if group is not None and source is not None:
                 self._broadcast(source, group, flat)
         self.last_offer_seconds = time.perf_counter() - t0
@@ -359,7 +359,7 @@ class WeightSyncPublisher:
 
     def _broadcast(self, source: bcast.Source, group: Any, flat: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        self.last_broadcast_members = len(group.members)  # 0 when no group was formed
+        self.last_broadcast_members = len(group.members)
         try:
             source.send(group, flat)
         except bcast.BroadcastError as exc:

@@ -42,9 +42,8 @@ SUBSCRIBE_POLL_S = 0.5  # how often a waiting subscriber checks for cancellation
 IPC_HANDLE_MAX_BYTES = 256  # a CUDA IPC handle is 64 bytes, PyTorch's ref-counter name ~30
 MAX_HOST_CHARS = 255
 MAX_BROADCAST_TIMEOUT_S = 3600.0
-BROADCAST_ALIGN = (
-    256  # a tensor's padding in a broadcast buffer (trace_common.clients.broadcast.ALIGN)
-)
+# A tensor's padding in a broadcast buffer (trace_common.clients.broadcast.ALIGN).
+BROADCAST_ALIGN = 256
 
 
 def check_ipc_buffer(buffer: pb.CudaIpcBuffer, header: pb.VersionHeader) -> None:

@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from trace_common.clients.tensors import dtype_name, from_raw, raw_bytes
+from trace_common.clients import cuda_ipc
+from trace_common.clients.tensors import from_raw, raw_bytes, tensor_to_wire
 from trace_common.protos_gen.trace.common.v1 import common_pb2
 from trace_common.protos_gen.trace.weightsync.v1 import weightsync_pb2 as pb
 from trace_common.wire.checksum import crc32
@@ -92,19 +93,9 @@ def manifest(
     tensors: Mapping[str, torch.Tensor], *, checksummed: bool
 ) -> list[common_pb2.TensorSpec]:
     """TensorSpecs of `tensors`, with their CRC-32s when `checksummed` (host tensors)."""
-    specs = []
-    for name, t in tensors.items():
-        view = t.contiguous()
-        specs.append(
-            common_pb2.TensorSpec(
-                name=name,
-                dtype=dtype_name(t.dtype),
-                shape=list(t.shape),
-                nbytes=t.numel() * t.element_size(),
-                crc32=crc32(memoryview(raw_bytes(view))) if checksummed else 0,
-            )
-        )
-    return specs
+    if not checksummed:
+        return cuda_ipc.manifest(tensors)
+    return [tensor_to_wire(name, t)[0] for name, t in tensors.items()]
 
 
 def unpack(
