@@ -76,9 +76,16 @@ def pack_on_device(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     aligned = [-(-n // DEVICE_ALIGN) * DEVICE_ALIGN for n in sizes]
     buf = torch.empty(max(1, sum(aligned)), dtype=torch.uint8, device=devices.pop())
     out, off = {}, 0
+    dst_bytes, src_bytes = [], []
     for (name, t), n, step in zip(tensors.items(), sizes, aligned, strict=True):
-        dst = buf[off : off + n].view(t.dtype).view(t.shape)
-        dst.copy_(t)
-        out[name] = dst
+        dst = buf[off : off + n]
+        out[name] = dst.view(t.dtype).view(t.shape)
+        if t.is_contiguous():  # byte to byte, all in a few fused copies below
+            dst_bytes.append(dst)
+            src_bytes.append(t.reshape(-1).view(torch.uint8))
+        else:
+            out[name].copy_(t)
         off += step
+    if dst_bytes:
+        torch._foreach_copy_(dst_bytes, src_bytes)
     return out

@@ -140,24 +140,34 @@ class PolicyWeights:
         up share it, as one fused GEMM reads them)."""
         from trace_common.kernels import moe_layout
 
-        codes, scales, g = [], [], []
-        for e in range(self.cfg.num_experts):
-            cs = [_take(tensors, f"{prefix}{e}.{n}.weight") for n in projs]
-            ss = [_take(tensors, f"{prefix}{e}.{n}.weight_scale") for n in projs]
-            s2 = [
-                _take(tensors, f"{prefix}{e}.{n}.weight_scale_2").float().reshape(()) for n in projs
+        e_n = self.cfg.num_experts
+
+        def rows(suffix: str, as_: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+            """[E, rows of every projection, ...]: each expert's projections one above the
+            other, in one concatenation (a few kernels per layer, no host sync per expert)."""
+            parts = [
+                as_(_take(tensors, f"{prefix}{e}.{n}.{suffix}")) for e in range(e_n) for n in projs
             ]
-            if any(not torch.equal(s2[0], x) for x in s2[1:]):
-                raise ValueError(f"layer {li} expert {e}: {projs} have different weight_scale_2 "
-                                 f"{[float(x) for x in s2]}; the fused GEMM needs one")  # fmt: skip
-            codes.append(torch.cat(cs))
-            scales.append(torch.cat([s.view(torch.uint8) for s in ss]))
-            g.append(s2[0])
-        c = torch.stack(codes).to(self.device)
+            return torch.cat(parts).reshape(e_n, -1, parts[0].shape[-1]).to(self.device)
+
+        def stacked(suffix: str, n: str, as_: Callable[[torch.Tensor], torch.Tensor]):
+            return torch.stack(
+                [as_(_take(tensors, f"{prefix}{e}.{n}.{suffix}")) for e in range(e_n)]
+            )
+
+        c = rows("weight", lambda t: t)
+        scales = rows("weight_scale", lambda t: t.view(torch.uint8))
+        s2 = [stacked("weight_scale_2", n, lambda t: t.reshape(())).float() for n in projs]
+        for other in s2[1:]:
+            if not torch.equal(s2[0], other):
+                e = int((s2[0] != other).nonzero()[0, 0])
+                raise ValueError(
+                    f"layer {li} expert {e}: {projs} have different weight_scale_2 "
+                    f"{[float(x[e]) for x in s2]}; the fused GEMM needs one"
+                )
         return moe_layout.ExpertWeights(
             n=c.shape[1], k=c.shape[2] * 2, codes=c.contiguous(),
-            scales=torch.stack(scales).to(self.device).contiguous(),
-            scale_2=torch.stack(g).to(self.device).contiguous(),
+            scales=scales.contiguous(), scale_2=s2[0].to(self.device).contiguous(),
         )  # fmt: skip
 
 

@@ -16,10 +16,11 @@ from trace_common.clients import broadcast as bc
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL: one rank per GPU)"
-    ),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL: one rank per GPU)"
+)
 TIMEOUT_S = 20.0
 
 
@@ -56,6 +57,32 @@ def send_and_receive(source, member, members: list[str], gid: str, tensors) -> t
     return got, errors
 
 
+def test_a_one_rank_nccl_group_forms_broadcasts_and_times_out_a_missing_member() -> None:
+    """What one GPU can check of the NCCL side: the process group built with its timeout,
+    a broadcast on it, and a member that never checks in failing the send within the
+    group's timeout (in the store, before NCCL), after which a new group works."""
+    torch.cuda.set_device(0)
+    source = bc.Source("127.0.0.1", 0, "nccl", 5.0)
+    try:
+        tensors = version(0, "cuda:0")
+        flat, offsets = bc.flat_view(tensors)
+        before = flat.clone()
+        group = source.endpoint(offsets, flat.numel(), checksummed=False)
+        group.group_id = "solo"
+        source.send(group, flat)
+        assert torch.equal(flat, before) and not source.renew_group
+        group.group_id, group.members[:] = "with-gone", ["gone"]
+        with pytest.raises(bc.BroadcastError, match="with-gone"):
+            source.send(group, flat)
+        assert source.renew_group
+        group.group_id, group.members[:] = "solo-2", []
+        source.send(group, flat)
+        assert not source.renew_group
+    finally:
+        source.close()
+
+
+@two_gpus
 def test_versions_arrive_bit_for_bit_on_the_other_gpu_and_a_dead_member_fails_cleanly() -> None:
     torch.cuda.set_device(0)
     source = bc.Source("127.0.0.1", 0, "nccl", TIMEOUT_S)

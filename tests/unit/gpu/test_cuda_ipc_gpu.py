@@ -92,7 +92,16 @@ def test_another_process_buffer_opens_bit_exact_and_refuses_once_it_is_gone() ->
 
 def test_pack_on_device_copies_and_aligns() -> None:
     t = expected()
+    t["e4m3"] = torch.randn(64, 16, device="cuda").to(torch.float8_e4m3fn)
+    t["scalar"] = torch.tensor(0.25, device="cuda")
+    t["strided"] = torch.randn(8, 6, device="cuda").t()  # not contiguous: copied on its own
     packed = pack_on_device(t)
+    assert list(packed) == list(t)
+    for name in ("e4m3", "scalar", "strided"):
+        v = packed[name]
+        assert v.dtype == t[name].dtype and v.shape == t[name].shape
+        assert torch.equal(v.contiguous().view(torch.uint8), t[name].contiguous().view(torch.uint8))
+    del t["e4m3"], packed["e4m3"]  # torch.equal has no float8 kernel
     base = packed["a"].untyped_storage().data_ptr()
     for name, v in packed.items():
         assert torch.equal(v, t[name]) and (v.data_ptr() - base) % 256 == 0
