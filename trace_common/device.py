@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -29,8 +29,8 @@ def resolve_device(value: str) -> torch.device:
 
 
 HOST_ALIGN = 64  # bytes: each tensor's offset in the host buffer (any dtype's alignment)
-# Above this, `to_host` copies tensor by tensor into pageable memory: page-locked memory is
-# taken from the OS's reclaimable pool (and PyTorch rounds its blocks up to a power of two).
+# Above this, `to_host` copies into pageable memory: page-locked memory is taken from the
+# OS's reclaimable pool (and PyTorch rounds its blocks up to a power of two).
 HOST_PINNED_MAX_BYTES = 4 << 30
 
 
@@ -39,7 +39,9 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     into one page-locked buffer, every copy queued before a single wait: a `.cpu()` per
     tensor waits for each copy and stages it through pageable memory. The returned tensors
     are views of that buffer (contiguous, their own dtype and shape); it lives as long as
-    any of them does. Beyond HOST_PINNED_MAX_BYTES in all: a `.cpu()` per tensor."""
+    any of them does. Where they are the views of one packed buffer (`pack_on_device`), one
+    copy of that buffer. Beyond HOST_PINNED_MAX_BYTES in all, into pageable memory (a `.cpu()`
+    per tensor where they are not packed)."""
     on_gpu = [(k, t) for k, t in tensors.items() if t.device.type == "cuda"]
     out = dict(tensors)
     if not on_gpu:
@@ -48,7 +50,11 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for _, t in on_gpu:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // HOST_ALIGN) * HOST_ALIGN
-    if total > HOST_PINNED_MAX_BYTES:
+    pinned = total <= HOST_PINNED_MAX_BYTES
+    whole = _packed_to_host(on_gpu, total, pinned=pinned)
+    if whole is not None:
+        return {**out, **whole}
+    if not pinned:
         return {**out, **{k: t.cpu() for k, t in on_gpu}}
     buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
     for (k, t), off in zip(on_gpu, offsets, strict=True):
@@ -57,6 +63,31 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[k] = dst
     for dev in {t.device for _, t in on_gpu}:
         torch.cuda.synchronize(dev)
+    return out
+
+
+def _packed_to_host(
+    on_gpu: Sequence[tuple[str, torch.Tensor]], nbytes: int, *, pinned: bool
+) -> dict[str, torch.Tensor] | None:
+    """Host copies of tensors (`nbytes` in all) that are contiguous views of one device
+    allocation not much larger than they are (a `pack_on_device` buffer), made by one copy of
+    that allocation into page-locked or pageable memory and viewed at the same offsets; None
+    otherwise."""
+    storage = on_gpu[0][1].untyped_storage()
+    base = storage.data_ptr()
+    if storage.nbytes() > 2 * nbytes + (64 << 20) or any(
+        t.untyped_storage().data_ptr() != base or not t.is_contiguous() for _, t in on_gpu
+    ):
+        return None
+    flat = torch.empty(0, dtype=torch.uint8, device=on_gpu[0][1].device).set_(storage)
+    host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=pinned)
+    host.copy_(flat, non_blocking=pinned)
+    if pinned:
+        torch.cuda.synchronize(flat.device)
+    out = {}
+    for k, t in on_gpu:
+        off = t.data_ptr() - base
+        out[k] = host[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
     return out
 
 

@@ -89,12 +89,14 @@ def test_learner_on_cuda_keeps_fp32_master_and_fused_adamw() -> None:
     assert {t.device.type for t in tensors.values()} == {"cpu"}
 
 
-@pytest.mark.parametrize("pinned", [True, False])
-def test_to_host_copies_every_tensor_exactly(pinned: bool, monkeypatch) -> None:
-    """Into one page-locked buffer, or (over the size limit) tensor by tensor."""
+@pytest.mark.parametrize("how", ["pinned", "pageable", "packed", "packed-pinned"])
+def test_to_host_copies_every_tensor_exactly(how: str, monkeypatch) -> None:
+    """Into one page-locked buffer, or (over the size limit) tensor by tensor; the views of
+    one packed buffer in one copy of that buffer (page-locked or, over the limit, not)."""
     import trace_common.device
-    from trace_common.device import to_host
+    from trace_common.device import pack_on_device, to_host
 
+    pinned = how in ("pinned", "packed-pinned")
     if not pinned:
         monkeypatch.setattr(trace_common.device, "HOST_PINNED_MAX_BYTES", 64)
 
@@ -105,9 +107,11 @@ def test_to_host_copies_every_tensor_exactly(pinned: bool, monkeypatch) -> None:
         "scalar": torch.tensor(0.25, device=DEV),
         "bf16_t": torch.randn(9, 6, generator=g, device=DEV).to(torch.bfloat16).t(),
         "empty": torch.empty(0, 4, device=DEV),
-        "on_cpu": torch.arange(5),
         "i64": torch.arange(11, device=DEV),
     }
+    if how.startswith("packed"):
+        src = pack_on_device(src)
+    src["on_cpu"] = torch.arange(5)
     host = to_host(src)
     assert host.keys() == src.keys() and host["on_cpu"] is src["on_cpu"]
     for k, t in src.items():
@@ -116,7 +120,12 @@ def test_to_host_copies_every_tensor_exactly(pinned: bool, monkeypatch) -> None:
         want = t.cpu().contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(h.contiguous().reshape(-1).view(torch.uint8), want), k
         if k != "on_cpu" and t.numel():
-            assert h.is_pinned() == pinned and (h.is_contiguous() or not pinned), k
+            assert h.is_pinned() == pinned and (h.is_contiguous() or how == "pageable"), k
+    if how.startswith("packed"):  # one host buffer, not a copy per tensor
+        storages = {h.untyped_storage().data_ptr() for k, h in host.items() if k != "on_cpu"}
+        assert len(storages) == 1
+        src["codes"].zero_()  # and a copy: the device buffer can be reused
+        assert host["codes"].any()
 
 
 def test_guided_qat_on_cuda_reproduces_a_bf16_cuda_rollout() -> None:
