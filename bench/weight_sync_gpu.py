@@ -16,8 +16,11 @@ consecutive versions changed (`--fractions`, or read from a trainer's metrics.js
 `--fractions-from`): uniformly drawn elements get their lowest bit flipped, so every picked
 FP4 code byte, scale and BF16 value differs from the version before.
 
-Per version it reports: the push (the publisher's call: offer, host copy and push), the time
-from its start until every replica serves the version, each replica's pull transfer (bytes in, rebuilt and
+Each version is first exported as a trainer exports it from the GPU: packed into one GPU
+buffer where it is offered from there (ipc, NCCL broadcast), else copied to the host; that
+copy is timed apart (`export_seconds`). Per version it reports: the push (the publisher's
+call: offer and push), the time from its start (the version exported) until every replica
+serves the version, each replica's pull transfer (bytes in, rebuilt and
 CRC-checked) and pull + engine load, and the bytes pushed and pulled.
 
     python3 bench/weight_sync_gpu.py --shape qwen3-30b-a3b --layers 24 --replicas 1 2 \\
@@ -50,6 +53,7 @@ from rollout_service_gpu import random_policy
 from services.trainer.remote import WeightSyncPublisher
 from trace_common.clients import WeightSyncClient
 from trace_common.clients.broadcast import Source
+from trace_common.device import pack_on_device, to_host
 from trace_common.model import get_config
 from trace_common.service.process import LocalService, local_stores
 
@@ -86,6 +90,19 @@ def next_version(tensors: dict[str, torch.Tensor], fractions: dict[str, float],
             rows[idx, 0] ^= 1
         out[name] = new
     return out
+
+
+def export(policy: dict[str, torch.Tensor], *, offers_from_gpu: bool) -> tuple[dict, float]:
+    """What a trainer's export hands its publisher (ModelLearner.export_weights) for a policy
+    on the GPU: packed into one new GPU buffer where the version is offered from the GPU
+    (CUDA IPC, NCCL), else copied to the host; and the seconds that copy took. It belongs to
+    the export: the time to serve is counted from its end."""
+    if not all(t.is_cuda for t in policy.values()):
+        return policy, 0.0
+    t0 = time.perf_counter()
+    out = pack_on_device(policy) if offers_from_gpu else to_host(policy)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
 
 
 def status(svc: LocalService) -> dict:
@@ -150,16 +167,19 @@ def measure(args, mode: str, n_replicas: int, ws_addr: str, common: dict, token:
             policy = next_version(policy, fractions, gen)
             version += 1
             gc.collect()
+            exported, export_s = export(
+                policy, offers_from_gpu=ipc or (mode == "broadcast" and backend == "nccl")
+            )
             t0 = time.perf_counter()
             # replicas may serve it before the push completes (ipc)
-            push = pusher.submit(publisher.publish, version, policy, meta)
+            push = pusher.submit(publisher.publish, version, exported, meta)
             served = wait_serving(replicas, version, t0, 600, push)
             push.result()
             push_s = publisher.last_push_seconds
             st = [status(r) for r in replicas]
             row = {
                 "mode": mode, "replicas": n_replicas, "version": version,
-                "push_seconds": push_s,
+                "export_seconds": export_s, "push_seconds": push_s,
                 "offer_seconds": publisher.last_offer_seconds,
                 "served_seconds": max(served.values()),
                 "push_bytes": trainer.last_push["weight_push_bytes"],
@@ -225,8 +245,8 @@ def main() -> None:
             version = 0
             t0 = time.perf_counter()
             WeightSyncClient(ws_addr, token).push_version(version, policy, meta)
-            # On the device from here, as a trainer's export is: each version's push
-            # includes its copy to the host.
+            # On the device from here, as a trainer's model is; each version is exported
+            # from it as the trainer's export does (`export`).
             policy = {k: v.to(args.device) for k, v in policy.items()}
             print(f"first push: {nbytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s",
                   flush=True)  # fmt: skip
@@ -243,16 +263,17 @@ def main() -> None:
                                         "rows": rows}, indent=1))  # fmt: skip
     print(f"\n{args.shape} ({cfg.num_layers} layers), {nbytes / 2**30:.2f} GiB FP4 policy")
     print(
-        "| mode | replicas | push s | exported -> all served s | pull transfer s | pull + load s | MiB pushed | MiB pulled (each) |"
+        "| mode | replicas | export copy s | push s | exported -> all served s | pull transfer s | pull + load s | MiB pushed | MiB pulled (each) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         for n in args.replicas:
             rs = [r for r in rows if r["mode"] == mode and r["replicas"] == n]
             if not rs:
                 continue
             med = lambda xs: statistics.median(xs)  # noqa: E731
-            print(f"| {mode} | {n} | {med([r['push_seconds'] for r in rs]):.2f} "
+            print(f"| {mode} | {n} | {med([r['export_seconds'] for r in rs]):.2f} "
+                  f"| {med([r['push_seconds'] for r in rs]):.2f} "
                   f"| {med([r['served_seconds'] for r in rs]):.2f} "
                   f"| {med([max(r['pull_transfer_seconds']) for r in rs]):.2f} "
                   f"| {med([max(r['pull_load_seconds']) for r in rs]):.2f} "
