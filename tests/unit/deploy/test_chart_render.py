@@ -12,6 +12,7 @@ import json
 import pathlib
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 import kubernetes_validate
 import pytest
@@ -113,6 +114,14 @@ def _trace_container(workload: dict) -> dict:
     return container
 
 
+def _trace_containers(docs: list[dict]) -> Iterator[tuple[str, dict]]:
+    """(component, its container) of each TRACE service's workload."""
+    for w in _workloads(docs):
+        comp = _component(w)
+        if comp in TRACE:
+            yield comp, _trace_container(w)
+
+
 def test_manifests_validate_against_kubernetes_schemas(rendered: tuple[str, list[dict]]) -> None:
     _, docs = rendered
     checked = 0
@@ -151,11 +160,7 @@ def test_containers_run_real_services_with_real_settings(rendered: tuple[str, li
     configmap = next(
         d for d in docs if d["kind"] == "ConfigMap" and "-config" in d["metadata"]["name"]
     )
-    for w in _workloads(docs):
-        comp = _component(w)
-        if comp not in TRACE:
-            continue
-        c = _trace_container(w)
+    for comp, c in _trace_containers(docs):
         assert c["args"] == ["serve", comp] and comp in cli.SERVICES, c["args"]
         config = importlib.import_module(cli.SERVICES[comp].rsplit(".", 1)[0] + ".config")
         (settings,) = [
@@ -204,11 +209,7 @@ def _check_data_plane_port(comp: str, c: dict, ports: dict, service: dict) -> No
 def test_probes_ports_and_gpus(rendered: tuple[str, list[dict]]) -> None:
     name, docs = rendered
     services = {_component(s): s for s in _by_kind(docs, "Service").values()}
-    for w in _workloads(docs):
-        comp = _component(w)
-        if comp not in TRACE:
-            continue
-        c = _trace_container(w)
+    for comp, c in _trace_containers(docs):
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert c["readinessProbe"]["grpc"]["port"] == ports["grpc"]
         assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
@@ -224,11 +225,8 @@ def test_compute_components_get_their_device(rendered: tuple[str, list[dict]]) -
     """TRACE_DEVICE: cuda where the pod requests a GPU (each rollout replica its own), cpu
     where it requests none; the stores compute nothing and get none."""
     name, docs = rendered
-    for w in _workloads(docs):
-        comp = _component(w)
-        if comp not in TRACE:
-            continue
-        env = {e["name"]: e.get("value") for e in _trace_container(w)["env"]}
+    for comp, c in _trace_containers(docs):
+        env = {e["name"]: e.get("value") for e in c["env"]}
         if comp not in GPU:
             assert "TRACE_DEVICE" not in env, comp
         else:
@@ -474,11 +472,7 @@ def test_the_trainer_exposes_its_broadcast_store_at_its_pod_ip(
     """Replicas on other nodes reach the trainer's broadcast store (TRACE_BROADCAST_PORT) at
     the trainer pod's IP, on a named container port; no other component opens one."""
     _, docs = rendered
-    for w in _workloads(docs):
-        comp = _component(w)
-        if comp not in TRACE:
-            continue
-        c = _trace_container(w)
+    for comp, c in _trace_containers(docs):
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         env = {e["name"]: e.get("value") for e in c["env"]}
         if comp == "trainer":
