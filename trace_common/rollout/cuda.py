@@ -150,24 +150,19 @@ class PolicyWeights:
             ]
             return torch.cat(parts).reshape(e_n, -1, parts[0].shape[-1]).to(self.device)
 
-        def stacked(suffix: str, n: str, as_: Callable[[torch.Tensor], torch.Tensor]):
-            return torch.stack(
-                [as_(_take(tensors, f"{prefix}{e}.{n}.{suffix}")) for e in range(e_n)]
-            )
-
         c = rows("weight", lambda t: t)
         scales = rows("weight_scale", lambda t: t.view(torch.uint8))
-        s2 = [stacked("weight_scale_2", n, lambda t: t.reshape(())).float() for n in projs]
-        for other in s2[1:]:
-            if not torch.equal(s2[0], other):
-                e = int((s2[0] != other).nonzero()[0, 0])
-                raise ValueError(
-                    f"layer {li} expert {e}: {projs} have different weight_scale_2 "
-                    f"{[float(x[e]) for x in s2]}; the fused GEMM needs one"
-                )
+        g = rows("weight_scale_2", lambda t: t.reshape(1)).float()[:, :, 0]  # [E, projections]
+        differs = (g != g[:, :1]).any(dim=1)
+        if bool(differs.any()):
+            e = int(differs.nonzero()[0, 0])
+            raise ValueError(
+                f"layer {li} expert {e}: {projs} have different weight_scale_2 "
+                f"{g[e].tolist()}; the fused GEMM needs one"
+            )
         return moe_layout.ExpertWeights(
             n=c.shape[1], k=c.shape[2] * 2, codes=c.contiguous(),
-            scales=scales.contiguous(), scale_2=s2[0].to(self.device).contiguous(),
+            scales=scales.contiguous(), scale_2=g[:, 0].contiguous(),
         )  # fmt: skip
 
 
